@@ -1,0 +1,140 @@
+"""``export``: a Hugging Face checkpoint directory -> ``model.onnx`` + ``export.json``.
+
+Input: the checkpoint directory and an ``ExportConfig``. Output: a directory with
+``model.onnx``, ``model.onnx.data`` (the weights, written tensor by tensor as they are read),
+the tokenizer files and ``export.json`` (spec, graph I/O, hashes, versions, parity report).
+The directory appears only when everything, validation included, succeeded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import onnx
+
+from ..arch import ModelSpec, spec_from_config
+from ..checkpoint import Checkpoint
+from ..errors import ExportError
+from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory, write_json
+from ..onnx_builder import GraphBuilder
+from .graph import OPSET, DecoderGraph, GraphOptions, io_names
+from .validate import default_tolerance, validate_export
+from .weights import WeightReader
+
+DTYPES = ("float32", "float16")
+DEFAULT_MAX_SEQ_LEN = 8192
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: Path
+    out_dir: Path
+    dtype: str = "float32"
+    max_seq_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    logits: str = "last"
+    validate: bool = True
+    tolerance: float | None = None
+    allow_pickle: bool = False
+    force: bool = False
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    seconds: float
+    report: dict | None
+
+
+def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> ExportResult:
+    """Export, validate, and publish ``cfg.out_dir`` atomically.
+
+    Raises:
+        CheckpointError, UnsupportedModelError: the checkpoint cannot be exported.
+        ValidationError: the graph does not match transformers within tolerance.
+        AutoGLMError: the output directory exists and ``force`` is not set.
+    """
+    if cfg.dtype not in DTYPES:
+        raise ExportError(f"dtype '{cfg.dtype}' is not supported; choose one of {', '.join(DTYPES)}")
+    if cfg.logits not in ("last", "all"):
+        raise ExportError(f"logits must be 'last' or 'all', not '{cfg.logits}'")
+    t0 = time.perf_counter()
+    ckpt = Checkpoint.open(cfg.checkpoint, allow_pickle=cfg.allow_pickle)
+    spec = spec_from_config(ckpt.config)
+    if cfg.validate:
+        _check_reference_fits(spec)
+    max_seq_len = cfg.max_seq_len or min(spec.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    opts = GraphOptions(dtype=cfg.dtype, max_positions=max_seq_len, logits=cfg.logits)
+    log(f"exporting {spec.family} model from {ckpt.path}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+        f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads, vocab {spec.vocab_size}, weights as {cfg.dtype}")
+
+    with staged_directory(Path(cfg.out_dir), cfg.force) as tmp:
+        builder = GraphBuilder(tmp / "model.onnx.data")
+        try:
+            DecoderGraph(builder, spec, WeightReader(ckpt, spec), opts, _layer_progress(log)).build()
+            model = builder.model(f"{spec.family}_paged_decoder", OPSET, {"autoglm_trt.spec": spec.family})
+        finally:
+            builder.close()
+        onnx.save_model(model, str(tmp / "model.onnx"))
+        del model
+        onnx.checker.check_model(str(tmp / "model.onnx"))
+        for f in ckpt.tokenizer_files():
+            shutil.copy2(f, tmp / f.name)
+        export_s = time.perf_counter() - t0
+        log(f"graph written in {export_s:.1f} s ({builder.bytes_written / 1e9:.2f} GB of weights)")
+
+        report = None
+        if cfg.validate:
+            tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(cfg.dtype)
+            report = validate_export(tmp, ckpt.path, spec, cfg.dtype, tol, cfg.allow_pickle, log)
+
+        inputs, outputs = io_names(spec.num_layers)
+        write_json(tmp / "export.json", {
+            "format": "autoglm-trt/export/1",
+            "spec": spec.to_json(),
+            "graph": {
+                "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, **asdict(opts),
+                "inputs": inputs, "outputs": outputs,
+                "kv_cache": {"layout": "[num_blocks, block_size, kv_heads, head_dim]", "dtype": cfg.dtype,
+                             "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+                "rope_layout": "half" + ("(permuted from interleaved)" if spec.fam.rope_interleaved else ""),
+            },
+            "source": {
+                "checkpoint": str(ckpt.path.resolve()),
+                "sha256": sha256_files([ckpt.path / "config.json", *ckpt.weight_files, *ckpt.tokenizer_files()],
+                                       ckpt.path),
+            },
+            "outputs_sha256": {"model.onnx": sha256_file(tmp / "model.onnx"),
+                               "model.onnx.data": sha256_file(tmp / "model.onnx.data")},
+            "versions": library_versions("onnx", "onnxruntime", "numpy", "transformers", "torch"),
+            "export_seconds": round(export_s, 2),
+            "parity": report,
+        })
+    return ExportResult(Path(cfg.out_dir), time.perf_counter() - t0, report)
+
+
+def _layer_progress(log: Callable[[str], None]) -> Callable[[int, int], None]:
+    start = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        if total <= 8 or done % max(1, total // 10) == 0 or done == total:
+            log(f"  layer {done}/{total} written ({time.perf_counter() - start:.1f} s)")
+
+    return report
+
+
+def _check_reference_fits(spec: ModelSpec) -> None:
+    params = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2) + spec.num_layers * (
+        spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size
+        + 3 * spec.hidden_size * spec.intermediate_size)
+    need = params * 4 * 2  # float32 reference + the ONNX Runtime session
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        raise ExportError(
+            f"validation would load the float32 reference model and the graph (~{need / 1e9:.0f} GB) but only "
+            f"{have / 1e9:.0f} GB of memory is available; pass --no-validate to export without the parity check"
+        )
+

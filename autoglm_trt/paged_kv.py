@@ -1,0 +1,138 @@
+"""Paged KV cache on the host: block allocator, block pools, step inputs, write-back.
+
+Input: sequences (token ids, how many are already cached) and the graph's ``new_key/new_value``
+outputs. Output: the graph's inputs for one step, and the pools updated in place.
+
+Layout (one pool per layer for K and one for V)::
+
+    pool[num_blocks, block_size, kv_heads, head_dim]
+    sequence s, token at position p  ->  pool[block_table[s][p // block_size], p % block_size]
+
+    block_table of a 40-token sequence, block_size 16:  [7, 2, 9]
+      block 7: positions  0..15 | block 2: 16..31 | block 9: 32..39 (8 slots still free)
+
+The allocator hands out block ids from a free list (lowest id first, freed blocks return to
+the end); it answers ``None`` when a request cannot be met and leaves the decision (wait,
+preempt) to the caller.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing
+
+
+class BlockAllocator:
+    """Free list of block ids ``0..num_blocks-1``."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks from the head of the free list, or None if fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        """Return blocks to the tail of the free list."""
+        self._free.extend(blocks)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class SeqState:
+    """One sequence's cache state: tokens already in the pool and its block table."""
+
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+
+class KVPools:
+    """Per-layer K and V pools, written in place."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: np.typing.DTypeLike = np.float32):
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.block_size = block_size
+        self.keys = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            out[f"past_key.{i}"] = k
+            out[f"past_value.{i}"] = v
+        return out
+
+    def write(self, outputs: dict[str, np.ndarray], slots: SlotMap) -> None:
+        """Scatter every layer's new K/V into the pools at the slots of the step."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            new_k, new_v = outputs[f"new_key.{i}"], outputs[f"new_value.{i}"]
+            k[slots.block, slots.offset] = new_k[slots.batch, slots.token]
+            v[slots.block, slots.offset] = new_v[slots.batch, slots.token]
+
+
+@dataclass(frozen=True)
+class SlotMap:
+    """Where each valid new token goes: ``(batch, token) -> (block, offset)``, flat arrays."""
+
+    batch: np.ndarray
+    token: np.ndarray
+    block: np.ndarray
+    offset: np.ndarray
+
+
+def step_inputs(new_tokens: list[list[int]], states: list[SeqState],
+                block_size: int) -> tuple[dict[str, np.ndarray], SlotMap]:
+    """Graph inputs (without the pools) for one step, and the slots of the new tokens.
+
+    Every sequence must have at least one new token and a block table that already covers
+    ``num_computed_tokens + len(new_tokens)`` positions.
+    """
+    batch = len(new_tokens)
+    assert batch == len(states) and batch > 0
+    t_max = max(len(t) for t in new_tokens)
+    max_ctx = max(s.num_computed_tokens for s in states)
+    max_blocks = max(1, blocks_needed(max_ctx, block_size))
+    input_ids = np.zeros((batch, t_max), np.int64)
+    position_ids = np.zeros((batch, t_max), np.int64)
+    block_tables = np.zeros((batch, max_blocks), np.int64)
+    context_lens = np.zeros(batch, np.int64)
+    query_lens = np.zeros(batch, np.int64)
+    sb, st, sk, so = [], [], [], []
+    for b, (toks, state) in enumerate(zip(new_tokens, states)):
+        n, ctx = len(toks), state.num_computed_tokens
+        assert n >= 1, "every sequence in a step needs at least one new token"
+        table = state.block_table
+        assert len(table) * block_size >= ctx + n, "block table does not cover the new tokens"
+        input_ids[b, :n] = toks
+        positions = np.arange(ctx, ctx + n)
+        position_ids[b, :n] = positions
+        used = blocks_needed(ctx, block_size)
+        block_tables[b, :used] = table[:used]
+        context_lens[b], query_lens[b] = ctx, n
+        sb.append(np.full(n, b))
+        st.append(np.arange(n))
+        sk.append(np.asarray(table, np.int64)[positions // block_size])
+        so.append(positions % block_size)
+    feeds = {"input_ids": input_ids, "position_ids": position_ids, "context_lens": context_lens,
+             "query_lens": query_lens, "block_tables": block_tables}
+    slots = SlotMap(*(np.concatenate(a).astype(np.int64) for a in (sb, st, sk, so)))
+    return feeds, slots

@@ -1,0 +1,40 @@
+import numpy as np
+
+from autoglm_trt.paged_kv import BlockAllocator, KVPools, SeqState, step_inputs
+
+
+def test_allocator_hands_out_lowest_first_and_appends_freed():
+    a = BlockAllocator(6)
+    assert a.allocate(2) == [0, 1]
+    assert a.allocate(3) == [2, 3, 4]
+    assert a.allocate(2) is None and a.num_free == 1
+    a.release([3, 0])
+    assert a.free_ids() == [5, 3, 0]
+    assert a.allocate(2) == [5, 3]
+
+
+def test_step_inputs_padding_positions_and_slots():
+    states = [SeqState(0, [4]), SeqState(5, [2, 7])]
+    feeds, slots = step_inputs([[11, 12, 13], [21]], states, block_size=4)
+    np.testing.assert_array_equal(feeds["input_ids"], [[11, 12, 13], [21, 0, 0]])
+    np.testing.assert_array_equal(feeds["position_ids"], [[0, 1, 2], [5, 0, 0]])
+    np.testing.assert_array_equal(feeds["context_lens"], [0, 5])
+    np.testing.assert_array_equal(feeds["query_lens"], [3, 1])
+    # 5 cached tokens of sequence 1 span two blocks; sequence 0 has none (padded with block 0)
+    np.testing.assert_array_equal(feeds["block_tables"], [[0, 0], [2, 7]])
+    assert slots.batch.tolist() == [0, 0, 0, 1]
+    assert slots.token.tolist() == [0, 1, 2, 0]
+    assert slots.block.tolist() == [4, 4, 4, 7]
+    assert slots.offset.tolist() == [0, 1, 2, 1]
+
+
+def test_pool_write_places_each_token_in_its_slot():
+    pools = KVPools(num_layers=1, num_blocks=3, block_size=2, kv_heads=1, head_dim=2)
+    states = [SeqState(1, [2, 0])]
+    _, slots = step_inputs([[5, 6]], states, block_size=2)  # positions 1, 2 -> (block 2, 1), (block 0, 0)
+    new = np.arange(4, dtype=np.float32).reshape(1, 2, 1, 2)
+    pools.write({"new_key.0": new, "new_value.0": -new}, slots)
+    np.testing.assert_array_equal(pools.keys[0][2, 1, 0], [0, 1])
+    np.testing.assert_array_equal(pools.keys[0][0, 0, 0], [2, 3])
+    np.testing.assert_array_equal(pools.values[0][0, 0, 0], [-2, -3])
+    assert np.count_nonzero(pools.keys[0]) == 3  # nothing else written

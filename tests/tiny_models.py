@@ -1,0 +1,38 @@
+"""Tiny random checkpoints of each supported family, made from transformers configs (fixed seed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1)
+
+FAMILIES = {
+    # Llama: half-split rope, separate gate/up, no biases; tied embeddings as in SmolLM2.
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
+    # GLM-4-9B style: partial interleaved rope, fused gate_up_proj, QKV bias, GQA.
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(attention_bias=True, head_dim=16, partial_rotary_factor=0.5,
+                                                 pad_token_id=0, eos_token_id=[1, 2])),
+    # GLM-4-0414: as GLM plus post-attention and post-MLP norms.
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(attention_bias=True, head_dim=16, partial_rotary_factor=0.5,
+                                                    pad_token_id=0, eos_token_id=[1, 2])),
+}
+
+
+def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():  # random norms, so that a missed or misplaced norm is visible
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
