@@ -140,3 +140,11 @@ def _rope_from_config(config: dict, fam: Family, head_dim: int) -> RopeSpec:
     if rotary_dim % 2:
         raise UnsupportedModelError(f"rotary dimension {rotary_dim} is odd")
     return RopeSpec(theta=float(theta), rotary_dim=rotary_dim, rope_type=rope_type, scaling=extra)
+
+
+def spec_from_dict(d: dict) -> ModelSpec:
+    """Inverse of ``ModelSpec.to_json``."""
+    d = dict(d)
+    d["rope"] = RopeSpec(**d["rope"])
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    return ModelSpec(**d)

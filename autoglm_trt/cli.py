@@ -32,25 +32,181 @@ def cli() -> None:
               help="Type of the weights, GEMMs and KV cache (norms, softmax and logits stay float32).")
 @click.option("--max-seq-len", type=int, default=None,
               help="Longest sequence the graph allows [default: min(max_position_embeddings, 8192)].")
-@click.option("--logits", type=click.Choice(["last", "all"]), default="last", show_default=True,
-              help="Logits of each sequence's last new token, or of every new token.")
 @click.option("--validate/--no-validate", default=True, show_default=True,
               help="Compare with transformers after export and fail beyond tolerance.")
 @click.option("--tolerance", type=float, default=None,
               help="Largest accepted |logit difference| [default: 1e-2 for float32, 0.25 for float16].")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickled pytorch_model*.bin weights (trusted sources only).")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
-def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | None, logits: str, validate: bool,
+def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | None, validate: bool,
                tolerance: float | None, allow_pickle: bool, force: bool) -> None:
     """Export a Hugging Face CHECKPOINT directory to a paged-KV ONNX graph."""
     from .export.pipeline import ExportConfig, export_checkpoint
 
     result = export_checkpoint(
-        ExportConfig(checkpoint=checkpoint, out_dir=out_dir, dtype=dtype, max_seq_len=max_seq_len, logits=logits,
+        ExportConfig(checkpoint=checkpoint, out_dir=out_dir, dtype=dtype, max_seq_len=max_seq_len,
                      validate=validate, tolerance=tolerance, allow_pickle=allow_pickle, force=force),
         log=_log,
     )
     click.echo(f"exported to {result.out_dir} in {result.seconds:.1f} s")
+
+
+@cli.command("calibrate")
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--calib", "data", type=click.Path(path_type=Path), default=None,
+              help="Directory of .txt/.jsonl calibration text [default: the set shipped in calibration/data].")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(path_type=Path))
+@click.option("--method", type=click.Choice(["entropy", "max", "percentile", "auto"]), default="entropy",
+              show_default=True, help="Activation threshold search (auto: per tensor, least INT8 output error).")
+@click.option("--calib-samples", "num_samples", type=int, default=128, show_default=True)
+@click.option("--calib-seq-len", "seq_len", type=int, default=128, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--percentile", type=float, default=99.99, show_default=True)
+@click.option("--smoothquant", "alpha", type=float, default=0.8, show_default=True,
+              help="SmoothQuant migration strength alpha; 0 turns it off.")
+@click.option("--quantize-lm-head", is_flag=True, help="Quantize the LM head too (off: measured to cost accuracy).")
+@click.option("--keep-float", multiple=True, help="Linear to keep in float, e.g. layers.3.down (repeatable).")
+@click.option("--gate/--no-gate", default=True, show_default=True,
+              help="Check accuracy against the float graph and keep the fewest linears in float until it holds.")
+@click.option("--target-ppl-ratio", type=float, default=1.015, show_default=True)
+@click.option("--target-top1", type=float, default=0.91, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an output made from another model or data.")
+def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: str, num_samples: int, seq_len: int,
+                  batch_size: int, percentile: float, alpha: float, quantize_lm_head: bool, keep_float: tuple[str, ...],
+                  gate: bool, target_ppl_ratio: float, target_top1: float, force: bool) -> None:
+    """INT8-calibrate a float32 EXPORT_DIR: Q/DQ ONNX, TensorRT calibration cache, calib.json."""
+    from .calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
+
+    if data is None:
+        data = DEFAULT_DATA
+        _log(f"no --calib given: using the default calibration set {data}")
+    calibrate(CalibConfig(export_dir=export_dir, data=data, out_dir=out_dir, method=method, num_samples=num_samples,
+                          seq_len=seq_len, batch_size=batch_size, percentile=percentile,
+                          smoothquant_alpha=alpha or None, quantize_lm_head=quantize_lm_head,
+                          keep_float=list(keep_float), gate=gate, target_ppl_ratio=target_ppl_ratio,
+                          target_top1=target_top1, force=force), log=_log)
+    click.echo(f"calibrated model written to {out_dir}")
+
+
+@cli.command("eval")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--text", required=True, type=click.Path(path_type=Path), help="UTF-8 text (file or directory).")
+@click.option("--reference", type=click.Path(path_type=Path), default=None,
+              help="Hugging Face checkpoint or model directory to compare with.")
+@click.option("--seq-len", type=int, default=256, show_default=True)
+@click.option("--max-chunks", type=int, default=None)
+@click.option("--max-ppl-ratio", type=float, default=None, help="Fail (exit 1) if ppl / ref_ppl is above this.")
+@click.option("--min-top1", type=float, default=None, help="Fail (exit 1) if top-1 agreement is below this.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_chunks: int | None,
+             max_ppl_ratio: float | None, min_top1: float | None, as_json: bool) -> None:
+    """Perplexity of MODEL (export, calibration or engine directory) on a text, optionally against a reference."""
+    import json
+
+    from .errors import AutoGLMError
+    from .evaluate import evaluate
+
+    if (max_ppl_ratio is not None or min_top1 is not None) and reference is None:
+        raise AutoGLMError("--max-ppl-ratio and --min-top1 need --reference")
+    res = evaluate(model, text, reference, seq_len=seq_len, max_chunks=max_chunks, log=None if as_json else _log)
+    if as_json:
+        click.echo(json.dumps(res))
+    else:
+        click.echo(f"perplexity {res['ppl']:.4f} over {res['tokens']} predicted tokens")
+        if reference is not None:
+            click.echo(f"reference perplexity {res['ref_ppl']:.4f}, ratio {res['ppl_ratio']:.4f}, top-1 agreement "
+                       f"{res['top1_agreement']:.4f}, mean KL {res['kl']:.5f} nats")
+    failures = []
+    if max_ppl_ratio is not None and res["ppl_ratio"] > max_ppl_ratio:
+        failures.append(f"perplexity ratio {res['ppl_ratio']:.4f} > {max_ppl_ratio}")
+    if min_top1 is not None and res["top1_agreement"] < min_top1:
+        failures.append(f"top-1 agreement {res['top1_agreement']:.4f} < {min_top1}")
+    if failures:
+        raise AutoGLMError("accuracy gate failed: " + "; ".join(failures))
+
+
+_CONFIG_FLAGS = {
+    "max_batch_size": "--max-batch-size", "max_input_len": "--max-input-len", "max_seq_len": "--max-seq-len",
+    "kv_block_size": "--kv-block-size", "kv_num_blocks": "--kv-num-blocks", "kv_memory_bytes": "--kv-memory-bytes",
+    "workspace_bytes": "--workspace-bytes", "builder_optimization_level": "--opt-level", "threads": "--threads",
+}
+
+
+@cli.command("build")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="int8", show_default=True)
+@click.option("--calib", type=click.Path(path_type=Path), default=None,
+              help="Calibration text for int8 [default: the set shipped in calibration/data].")
+@click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
+@click.option("--config", "config_file", type=click.Path(path_type=Path), default=None, help="Build config (YAML).")
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Engine directory [default: engines/<source name>-<precision>].")
+@click.option("--max-batch-size", type=int, default=None)
+@click.option("--max-input-len", type=int, default=None)
+@click.option("--max-seq-len", type=int, default=None)
+@click.option("--kv-block-size", type=int, default=None)
+@click.option("--kv-num-blocks", type=int, default=None)
+@click.option("--kv-memory-bytes", type=int, default=None)
+@click.option("--workspace-bytes", type=int, default=None)
+@click.option("--opt-level", "builder_optimization_level", type=int, default=None,
+              help="TensorRT builder optimization level (0-5).")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (0: all cores).")
+@click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
+@click.option("--force", is_flag=True, help="Replace an existing engine directory.")
+def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
+              out_dir: Path | None, print_config: bool, force: bool, **overrides) -> None:
+    """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""
+    from .build.config import dump_config, load_config
+    from .build.pipeline import BuildRequest, build_engine
+
+    cfg = load_config(config_file, overrides)
+    if print_config:
+        click.echo(dump_config(cfg), nl=False)
+        return
+    out = out_dir or Path("engines") / f"{source.name}-{precision}"
+    build_engine(BuildRequest(source=source, out_dir=out, precision=precision, calib=calib, backend=backend,
+                              config=cfg, force=force), log=_log)
+    click.echo(f"engine: {out}")
+
+
+@cli.command("inspect")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
+    """Summarise an engine: manifest, KV layout, fusion report."""
+    import json
+
+    from .build.manifest import read_manifest
+    from .build.pipeline import load_report, summary
+
+    manifest = read_manifest(engine_dir)
+    report = load_report(engine_dir)
+    if as_json:
+        click.echo(json.dumps({"manifest": manifest, "fusion_report": report}, indent=1))
+    else:
+        click.echo(summary(manifest, report))
+
+
+@cli.command("doctor")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+def doctor_cmd(engine_dir: Path) -> None:
+    """Check that ENGINE_DIR is intact and can run on this machine."""
+    from .build.manifest import backend_problems, read_manifest, verify_files
+    from .errors import AutoGLMError
+
+    manifest = read_manifest(engine_dir)
+    checks = [("files and hashes", verify_files(engine_dir, manifest)), ("backend", backend_problems(manifest))]
+    bad = False
+    for what, problems in checks:
+        if problems:
+            bad = True
+            for p in problems:
+                click.echo(f"PROBLEM  {what}: {p}")
+        else:
+            click.echo(f"ok       {what}")
+    if bad:
+        raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
+    click.echo(f"{engine_dir}: {manifest['backend']} {manifest['precision']} engine is ready to run here")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -99,12 +99,14 @@ class SlotMap:
     offset: np.ndarray
 
 
-def step_inputs(new_tokens: list[list[int]], states: list[SeqState],
-                block_size: int) -> tuple[dict[str, np.ndarray], SlotMap]:
+def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size: int,
+                all_logits: bool = False) -> tuple[dict[str, np.ndarray], SlotMap]:
     """Graph inputs (without the pools) for one step, and the slots of the new tokens.
 
     Every sequence must have at least one new token and a block table that already covers
-    ``num_computed_tokens + len(new_tokens)`` positions.
+    ``num_computed_tokens + len(new_tokens)`` positions. Logits are asked for the last new
+    token of each sequence, or with ``all_logits`` for every new token (padding repeats the
+    last one).
     """
     batch = len(new_tokens)
     assert batch == len(states) and batch > 0
@@ -116,6 +118,7 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState],
     block_tables = np.zeros((batch, max_blocks), np.int64)
     context_lens = np.zeros(batch, np.int64)
     query_lens = np.zeros(batch, np.int64)
+    logits_indices = np.zeros((batch, t_max if all_logits else 1), np.int64)
     sb, st, sk, so = [], [], [], []
     for b, (toks, state) in enumerate(zip(new_tokens, states)):
         n, ctx = len(toks), state.num_computed_tokens
@@ -128,11 +131,12 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState],
         used = blocks_needed(ctx, block_size)
         block_tables[b, :used] = table[:used]
         context_lens[b], query_lens[b] = ctx, n
+        logits_indices[b] = np.minimum(np.arange(logits_indices.shape[1]), n - 1) if all_logits else n - 1
         sb.append(np.full(n, b))
         st.append(np.arange(n))
         sk.append(np.asarray(table, np.int64)[positions // block_size])
         so.append(positions % block_size)
     feeds = {"input_ids": input_ids, "position_ids": position_ids, "context_lens": context_lens,
-             "query_lens": query_lens, "block_tables": block_tables}
+             "query_lens": query_lens, "block_tables": block_tables, "logits_indices": logits_indices}
     slots = SlotMap(*(np.concatenate(a).astype(np.int64) for a in (sb, st, sk, so)))
     return feeds, slots

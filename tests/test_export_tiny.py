@@ -78,7 +78,8 @@ def test_one_gemm_each_for_qkv_and_gate_up(exported, tiny_dir, family):
 def test_export_json_records_spec_io_and_hashes(exported, tiny_dir):
     meta = json.loads((exported["glm", "float32"] / "export.json").read_text())
     assert meta["spec"]["family"] == "glm" and meta["spec"]["rope"]["rotary_dim"] == 8
-    assert meta["graph"]["inputs"][:5] == ["input_ids", "position_ids", "context_lens", "query_lens", "block_tables"]
+    assert meta["graph"]["inputs"][:6] == ["input_ids", "position_ids", "context_lens", "query_lens", "block_tables",
+                                           "logits_indices"]
     assert "new_value.1" in meta["graph"]["outputs"]
     assert set(meta["source"]["sha256"]) == {"config.json", "model.safetensors", "generation_config.json"}
     assert all(len(h) == 64 for h in meta["source"]["sha256"].values())

@@ -20,12 +20,18 @@ def test_step_inputs_padding_positions_and_slots():
     np.testing.assert_array_equal(feeds["position_ids"], [[0, 1, 2], [5, 0, 0]])
     np.testing.assert_array_equal(feeds["context_lens"], [0, 5])
     np.testing.assert_array_equal(feeds["query_lens"], [3, 1])
+    np.testing.assert_array_equal(feeds["logits_indices"], [[2], [0]])
     # 5 cached tokens of sequence 1 span two blocks; sequence 0 has none (padded with block 0)
     np.testing.assert_array_equal(feeds["block_tables"], [[0, 0], [2, 7]])
     assert slots.batch.tolist() == [0, 0, 0, 1]
     assert slots.token.tolist() == [0, 1, 2, 0]
     assert slots.block.tolist() == [4, 4, 4, 7]
     assert slots.offset.tolist() == [0, 1, 2, 1]
+
+
+def test_all_logits_indices_repeat_the_last_valid_token():
+    feeds, _ = step_inputs([[1, 2, 3], [4]], [SeqState(0, [0]), SeqState(0, [1])], block_size=4, all_logits=True)
+    np.testing.assert_array_equal(feeds["logits_indices"], [[0, 1, 2], [0, 0, 0]])
 
 
 def test_pool_write_places_each_token_in_its_slot():

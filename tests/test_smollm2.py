@@ -74,7 +74,7 @@ def greedy_paged(session, spec, prompts, new_tokens, eos):
         still = []
         for j, b in enumerate(active):
             states[b].num_computed_tokens += len(pending[b])
-            tok = int(np.argmax(res["logits"][j]))
+            tok = int(np.argmax(res["logits"][j, 0]))
             outputs[b].append(tok)
             pending[b] = [tok]
             if tok not in eos and len(outputs[b]) < new_tokens:

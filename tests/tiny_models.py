@@ -35,4 +35,17 @@ def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
+    byte_level_tokenizer().save(str(Path(out_dir) / "tokenizer.json"))
     return out_dir
+
+
+def byte_level_tokenizer():
+    """A 256-token byte-level tokenizer (every byte is a token), matching the tiny vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok

@@ -8,11 +8,12 @@ Input: a ``ModelSpec`` and a ``WeightReader``. Output: the nodes and weights, st
     context_lens   int64 [batch]               tokens of each sequence already in the pool
     query_lens     int64 [batch]               valid new tokens of each sequence (>= 1)
     block_tables   int64 [batch, max_blocks]   pool block ids of each sequence, in order
+    logits_indices int64 [batch, num_logits]   which new tokens to compute logits for
+                                               (the runtime passes query_lens - 1; eval passes all)
     past_key.<i>   kv    [num_blocks, block_size, kv_heads, head_dim]   (read only)
     past_value.<i> kv    [num_blocks, block_size, kv_heads, head_dim]
     ->
-    logits         f32   [batch, vocab]         of each sequence's last valid new token
-                         ([batch, new_tokens, vocab] when exported with logits="all")
+    logits         f32   [batch, num_logits, vocab]
     new_key.<i>    kv    [batch, new_tokens, kv_heads, head_dim]   to be written to the pool
     new_value.<i>  kv    [batch, new_tokens, kv_heads, head_dim]
 
@@ -25,7 +26,11 @@ are appended, and every new token attends causally::
 
 The work grows with max_blocks (the longest context in the batch), never with the pool size.
 Numerically sensitive parts (RMSNorm, rope, softmax, the residual stream, logits) are float32;
-with ``dtype=float16`` the weights, GEMMs and the KV cache are float16.
+with ``dtype=float16`` the weights, GEMMs and the KV cache are float16. With a ``QuantPlan``
+the planned linears get INT8 Q/DQ in TensorRT's explicit-quantization placement: a
+QuantizeLinear/DequantizeLinear pair on the activation input of the MatMul (per-tensor scale)
+and a DequantizeLinear on its INT8 weight (per-output-channel scale); norms, softmax,
+residuals, embeddings and everything not planned stay in float.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from onnx import TensorProto
 from ..arch import ModelSpec
 from ..onnx_builder import GraphBuilder, row_chunks
 from ..rope import cos_sin_tables
-from .weights import WeightReader
+from .weights import WeightSource
 
 OPSET = 17
 NEG_INF = -1.0e9  # finite, so a row with no valid key gives a uniform softmax, not NaN
@@ -47,10 +52,27 @@ EMBED_CHUNK_ROWS = 8192
 
 
 @dataclass(frozen=True)
+class QuantPlan:
+    """INT8 plan: activation amax (absolute max after calibration) per linear, by name.
+
+    With ``switchable`` (calibration's sensitivity search only), each planned linear computes
+    both paths and a graph input ``quant_mask`` (float [len(switch_order)], 1 = INT8) picks
+    one per linear, so many plans can be tried with one session.
+    """
+
+    act_amax: dict[str, float]
+    switchable: bool = False
+
+    @property
+    def switch_order(self) -> list[str]:
+        return sorted(n for n in self.act_amax if n != "lm_head")
+
+
+@dataclass(frozen=True)
 class GraphOptions:
     dtype: str = "float32"  # weights, GEMMs and KV cache: float32 | float16
     max_positions: int = 4096  # length of the rope tables = longest sequence the engine allows
-    logits: str = "last"  # last | all
+    quant: QuantPlan | None = None
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -62,7 +84,7 @@ class GraphOptions:
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    inputs = ["input_ids", "position_ids", "context_lens", "query_lens", "block_tables"]
+    inputs = ["input_ids", "position_ids", "context_lens", "query_lens", "block_tables", "logits_indices"]
     outputs = ["logits"]
     for i in range(num_layers):
         inputs += [f"past_key.{i}", f"past_value.{i}"]
@@ -73,7 +95,7 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 class DecoderGraph:
     """Writes the decoder into a ``GraphBuilder`` (call ``build`` once)."""
 
-    def __init__(self, g: GraphBuilder, spec: ModelSpec, weights: WeightReader, opts: GraphOptions,
+    def __init__(self, g: GraphBuilder, spec: ModelSpec, weights: WeightSource, opts: GraphOptions,
                  progress: Callable[[int, int], None] | None = None):
         self.g, self.spec, self.w, self.opts = g, spec, weights, opts
         self.progress = progress
@@ -87,8 +109,28 @@ class DecoderGraph:
         return x if self.opts.dtype == "float32" else self.g.op("Cast", [x], "cast_f", to=TensorProto.FLOAT)
 
     def linear(self, x: str, w: np.ndarray, b: np.ndarray | None, name: str) -> str:
-        """float32 x -> MatMul in the weight dtype (+ bias) -> float32."""
+        """float32 x -> MatMul in the weight dtype (+ bias) -> float32; INT8 Q/DQ if planned."""
         g = self.g
+        quant = self.opts.quant
+        if quant is not None and name in quant.act_amax:
+            x_scale = g.const(np.float32(act_scale(quant.act_amax[name])), f"{name}.act_scale")
+            zero = g.const(np.int8(0), "zero_i8")
+            xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
+            xdq = g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")
+            wq, ws = quantize_weight_per_channel(w)
+            wdq = g.op("DequantizeLinear", [g.weight(f"{name}.weight_i8", wq), g.weight(f"{name}.weight_scale", ws),
+                                            g.weight(f"{name}.weight_zero", np.zeros(ws.shape, np.int8))],
+                       f"{name}.weight_dq", axis=1)
+            if quant.switchable:
+                idx = g.const(np.int64(quant.switch_order.index(name)), f"{name}.switch_idx")
+                on = g.op("Gather", ["quant_mask", idx], f"{name}.switch")
+                xdq = g.op("Add", [x, g.op("Mul", [on, g.op("Sub", [xdq, x])])], f"{name}.switch_x")
+                wdq = g.op("Where", [g.op("Greater", [on, g.const(np.float32(0.5), "half")]), wdq,
+                                     g.weight(f"{name}.weight", w.astype(np.float32))], f"{name}.switch_w")
+            y = g.op("MatMul", [xdq, wdq], name)
+            if b is not None:
+                y = g.op("Add", [y, g.weight(f"{name}.bias", b.astype(np.float32))], f"{name}_bias")
+            return y
         y = g.op("MatMul", [self.to_compute(x), g.weight(f"{name}.weight", w.astype(self.wdt))], name)
         if b is not None:
             y = g.op("Add", [y, g.weight(f"{name}.bias", b.astype(self.wdt))], f"{name}_bias")
@@ -127,6 +169,9 @@ class DecoderGraph:
         g.input("context_lens", TensorProto.INT64, ["batch"])
         g.input("query_lens", TensorProto.INT64, ["batch"])
         g.input("block_tables", TensorProto.INT64, ["batch", "max_blocks"])
+        g.input("logits_indices", TensorProto.INT64, ["batch", "num_logits"])
+        if o.quant is not None and o.quant.switchable:
+            g.input("quant_mask", TensorProto.FLOAT, [len(o.quant.switch_order)])
         pool_shape: list[int | str] = ["num_blocks", "block_size", s.num_kv_heads, s.head_dim]
         for i in range(s.num_layers):
             g.input(f"past_key.{i}", kvdt, pool_shape)
@@ -235,32 +280,56 @@ class DecoderGraph:
 
     def head(self, x: str, embed: str) -> None:
         g, s, o = self.g, self.spec, self.opts
-        if o.logits == "last":
-            idx = g.op("Sub", ["query_lens", g.const(np.int64(1), "s1")], "last_idx")
-            idx = g.op("Unsqueeze", [idx, g.ints([1, 2], "i12")], "last_idx3")  # [B,1,1]
-            idx = g.op("Expand", [idx, g.ints([1, 1, s.hidden_size], "last_shape")], "last_idx_e")
-            x = g.op("Squeeze", [g.op("GatherElements", [x, idx], "last_hidden3", axis=1), g.ints([1], "i1")],
-                      "last_hidden")  # [B,D]
+        idx = g.op("Unsqueeze", ["logits_indices", g.ints([2], "i2")], "logits_idx3")  # [B,K,1]
+        idx_shape = g.op("Concat", [g.op("Shape", ["logits_indices"], "li_shape"), g.ints([s.hidden_size], "hid")],
+                         "li_shape3", axis=0)
+        idx = g.op("Expand", [idx, idx_shape], "logits_idx_e")  # [B,K,D]
+        x = g.op("GatherElements", [x, idx], "logits_hidden", axis=1)  # [B,K,D]
         h = self.rms_norm(x, self.w.norm(None, "norm"), "final_norm")
         head_name = self.w.lm_head_name()
-        if head_name is None:
-            lm_head = embed
+        flat = g.op("Reshape", [h, g.ints([-1, s.hidden_size], "flat_shape")], "hidden_flat")
+        quant = o.quant
+        if quant is not None and "lm_head" in quant.act_amax:
+            # INT8 head: per-row (output channel) scales of the [vocab, hidden] matrix, Gemm with transB.
+            src = head_name or self.w.embedding_name()
+            w = np.concatenate([np.asarray(self.w.rows(src, a, min(a + EMBED_CHUNK_ROWS, s.vocab_size)), np.float32)
+                                for a in range(0, s.vocab_size, EMBED_CHUNK_ROWS)])
+            wq, ws = quantize_weight_per_channel(w.T)
+            x_scale = g.const(np.float32(act_scale(quant.act_amax["lm_head"])), "lm_head.act_scale")
+            zero = g.const(np.int8(0), "zero_i8")
+            xdq = g.op("DequantizeLinear", [g.op("QuantizeLinear", [flat, x_scale, zero], "lm_head.act_q"), x_scale, zero],
+                       "lm_head.act_dq")
+            wdq = g.op("DequantizeLinear", [g.weight("lm_head.weight_i8", np.ascontiguousarray(wq.T)),
+                                            g.weight("lm_head.weight_scale", ws),
+                                            g.weight("lm_head.weight_zero", np.zeros(ws.shape, np.int8))],
+                       "lm_head.weight_dq", axis=0)
+            logits = g.op("Gemm", [xdq, wdq], "logits_flat", transB=1)
         else:
-            lm_head = g.weight_chunks("lm_head.weight", (s.vocab_size, s.hidden_size), self.wdt,
-                                      row_chunks(lambda a, b: self.w.rows(head_name, a, b), s.vocab_size,
-                                                 EMBED_CHUNK_ROWS))
-        if o.logits == "last":
-            logits = g.op("Gemm", [self.to_compute(h), lm_head], "logits_c", transB=1)
-            g.rename_output(self.to_f32(logits), "logits")
-            g.output("logits", TensorProto.FLOAT, ["batch", s.vocab_size])
-        else:
-            flat = g.op("Reshape", [h, g.ints([-1, s.hidden_size])], "hidden_flat")
+            if head_name is None:
+                lm_head = embed
+            else:
+                lm_head = g.weight_chunks("lm_head.weight", (s.vocab_size, s.hidden_size), self.wdt,
+                                          row_chunks(lambda a, b: self.w.rows(head_name, a, b), s.vocab_size,
+                                                     EMBED_CHUNK_ROWS))
             logits = self.to_f32(g.op("Gemm", [self.to_compute(flat), lm_head], "logits_flat", transB=1))
-            shape = g.op("Concat", [g.op("Slice", [g.op("Shape", ["input_ids"]), g.ints([0]), g.ints([2])]),
-                                     g.ints([s.vocab_size])], "logits_shape", axis=0)
-            g.rename_output(g.op("Reshape", [logits, shape], "logits_all"), "logits")
-            g.output("logits", TensorProto.FLOAT, ["batch", "new_tokens", s.vocab_size])
+        out_shape = g.op("Concat", [g.op("Shape", ["logits_indices"], "li_shape_b"), g.ints([s.vocab_size], "voc")],
+                         "logits_shape", axis=0)
+        g.rename_output(g.op("Reshape", [logits, out_shape], "logits_3d"), "logits")
+        g.output("logits", TensorProto.FLOAT, ["batch", "num_logits", s.vocab_size])
         kvdt = o.onnx_dtype
         for i in range(s.num_layers):
             g.output(f"new_key.{i}", kvdt, ["batch", "new_tokens", s.num_kv_heads, s.head_dim])
             g.output(f"new_value.{i}", kvdt, ["batch", "new_tokens", s.num_kv_heads, s.head_dim])
+
+
+def act_scale(amax: float) -> float:
+    """Symmetric INT8 scale of an activation whose calibrated absolute max is ``amax``."""
+    return max(float(amax), 1e-8) / 127.0
+
+
+def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel INT8 of a ``[in, out]`` matrix: (int8 weights, float32 scales)."""
+    amax = np.max(np.abs(w), axis=0).astype(np.float32)
+    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -35,7 +35,6 @@ class ExportConfig:
     out_dir: Path
     dtype: str = "float32"
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 8192)
-    logits: str = "last"
     validate: bool = True
     tolerance: float | None = None
     allow_pickle: bool = False
@@ -59,15 +58,13 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
     """
     if cfg.dtype not in DTYPES:
         raise ExportError(f"dtype '{cfg.dtype}' is not supported; choose one of {', '.join(DTYPES)}")
-    if cfg.logits not in ("last", "all"):
-        raise ExportError(f"logits must be 'last' or 'all', not '{cfg.logits}'")
     t0 = time.perf_counter()
     ckpt = Checkpoint.open(cfg.checkpoint, allow_pickle=cfg.allow_pickle)
     spec = spec_from_config(ckpt.config)
     if cfg.validate:
         _check_reference_fits(spec)
     max_seq_len = cfg.max_seq_len or min(spec.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    opts = GraphOptions(dtype=cfg.dtype, max_positions=max_seq_len, logits=cfg.logits)
+    opts = GraphOptions(dtype=cfg.dtype, max_positions=max_seq_len)
     log(f"exporting {spec.family} model from {ckpt.path}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads, vocab {spec.vocab_size}, weights as {cfg.dtype}")
 
@@ -96,7 +93,8 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
             "format": "autoglm-trt/export/1",
             "spec": spec.to_json(),
             "graph": {
-                "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, **asdict(opts),
+                "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, "dtype": opts.dtype,
+                "precision": "fp32" if cfg.dtype == "float32" else "fp16", "max_positions": opts.max_positions,
                 "inputs": inputs, "outputs": outputs,
                 "kv_cache": {"layout": "[num_blocks, block_size, kv_heads, head_dim]", "dtype": cfg.dtype,
                              "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},

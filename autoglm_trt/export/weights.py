@@ -12,12 +12,28 @@ weights, the embedding and the LM head. Export-time rewrites happen here:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from ..arch import ModelSpec
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError
 from ..rope import interleaved_to_half_order
+
+
+class WeightSource(Protocol):
+    """What the graph builder asks for; ``WeightReader`` answers from a checkpoint,
+    ``calib.exported_weights.ExportedWeights`` from a float32 export."""
+
+    def norm(self, i: int | None, which: str) -> np.ndarray: ...
+    def qkv(self, i: int) -> tuple[np.ndarray, np.ndarray | None]: ...
+    def o_proj(self, i: int) -> tuple[np.ndarray, np.ndarray | None]: ...
+    def gate_up(self, i: int) -> np.ndarray: ...
+    def down(self, i: int) -> np.ndarray: ...
+    def embedding_name(self) -> str: ...
+    def lm_head_name(self) -> str | None: ...
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray: ...
 
 
 class WeightReader:

@@ -1,0 +1,110 @@
+"""Streamed activation statistics of an exported float32 graph.
+
+Input: an export directory and token windows. Output, per quantizable linear (the inputs of
+the QKV, o_proj, gate/up, down MatMuls of every layer and of the LM head's Gemm): a 2048-bin
+histogram of |x| (after SmoothQuant scaling when enabled); from the first batch, the
+per-channel max |x| (for the SmoothQuant vectors) and a few hundred rows of x (for the
+sensitivity ranking). The graph runs
+batch by batch in ONNX Runtime with those tensors as extra outputs; nothing grows with the
+number of batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..arch import ModelSpec
+from ..paged_kv import KVPools, SeqState, step_inputs
+from ..progress import Progress
+from .histogram import AbsHistogram
+
+SAMPLE_ROWS = 256
+
+
+def linear_inputs(model: onnx.ModelProto) -> dict[str, str]:
+    """``{linear name: input tensor}``: MatMuls on ``<name>.weight`` and the LM head Gemm."""
+    weights = {t.name for t in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in weights and node.input[1].endswith(".weight"):
+            out[node.input[1][: -len(".weight")]] = node.input[0]
+        elif node.op_type == "Gemm" and node.output[0].startswith("logits"):
+            out["lm_head"] = node.input[0]
+    return out
+
+
+@dataclass
+class ActivationStats:
+    hist: dict[str, AbsHistogram] = field(default_factory=dict)
+    chan_max: dict[str, np.ndarray] = field(default_factory=dict)  # first batch
+    sample: dict[str, np.ndarray] = field(default_factory=dict)  # first-batch rows, already smoothed
+    smooth: dict[str, np.ndarray] = field(default_factory=dict)
+    batches: int = 0
+    tokens: int = 0
+
+
+def calibration_session(export_dir: Path, outputs: list[str], threads: int | None = None):
+    """A session over the export with ``outputs`` added as graph outputs (weights read in place)."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
+    for name in outputs:
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(export_dir).resolve()))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str) -> dict[str, np.ndarray]:
+    batch, seq_len = windows.shape
+    pools = KVPools(spec.num_layers, 1, 16, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    states = [SeqState(0, [0] * -(-seq_len // 16)) for _ in range(batch)]
+    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, 16)
+    return {**feeds, **pools.feeds()}
+
+
+def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,
+            smoothing: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+            show_progress: bool = True) -> ActivationStats:
+    """Run all windows through the graph and accumulate the statistics.
+
+    ``smoothing`` maps the first batch's per-channel maxima to SmoothQuant vectors; every
+    batch (the first included) is then histogrammed as ``x / s``.
+    """
+    names = list(inputs)
+    tensors = [inputs[n] for n in names]
+    stats = ActivationStats(hist={n: AbsHistogram() for n in names})
+    n_batches = -(-len(windows) // batch_size)
+    progress = Progress(n_batches, "calibrating") if show_progress else None
+    inv: dict[str, np.ndarray] = {}
+    for b in range(n_batches):
+        w = windows[b * batch_size : (b + 1) * batch_size]
+        outs = session.run(tensors, prefill_feeds(spec, w, "float32"))
+        if b == 0:
+            for name, x in zip(names, outs):
+                stats.chan_max[name] = np.abs(x.reshape(-1, x.shape[-1])).max(axis=0)
+                rows = np.linspace(0, x.size // x.shape[-1] - 1, min(SAMPLE_ROWS, x.size // x.shape[-1])).astype(np.int64)
+                stats.sample[name] = np.array(x.reshape(-1, x.shape[-1])[rows], np.float32)
+            if smoothing is not None:
+                stats.smooth = smoothing(stats.chan_max)
+                inv = {k: (1.0 / v).astype(np.float32) for k, v in stats.smooth.items()}
+                for name in stats.sample:
+                    if name in inv:
+                        stats.sample[name] *= inv[name]
+        for name, x in zip(names, outs):
+            stats.hist[name].add(x, inv.get(name), in_place=True)  # ORT's output buffers are ours to reuse
+        del outs
+        stats.batches += 1
+        stats.tokens += int(w.size)
+        if progress:
+            progress.update()
+    return stats

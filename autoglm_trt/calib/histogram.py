@@ -1,0 +1,166 @@
+"""Streamed histograms of |x| and the threshold searches (entropy, max, percentile). Pure numpy.
+
+``AbsHistogram`` keeps 2048 bins over ``[0, range)``. Batches are merged as they come; when a
+batch exceeds the range, the bin width grows by an integer factor k and old bins are summed
+k at a time, which is exact (old bin i lies wholly inside new bin i // k). Memory is one
+2048-bin array per tensor, whatever the number of samples.
+
+Entropy search (TensorRT's "entropy calibration", as described by Migacz, "8-bit Inference
+with TensorRT", GTC 2017), defined here precisely so that it can be tested:
+
+    for each candidate i in 128..2048 (bins kept):
+        P = h[0:i], with the outliers sum(h[i:]) added to P[i-1]
+        Q = h[0:i] merged into 128 levels (level j = bins [j*w, (j+1)*w), w = i // 128, the
+            last level also takes the remainder up to i), each level's mass spread evenly
+            over the bins of that level where P > 0 (0 elsewhere); if the last level has no
+            mass of its own but P[i-1] > 0 (only clipped outliers), it gets one count
+        KL(P/sum P || Q/sum Q)
+    threshold = i* x bin_width for the i* of least KL (the smallest i on ties)
+
+The one-count rule is ours: without it (as in the plain description, and in
+pytorch-quantization) every candidate whose last bin is empty has infinite divergence, so a
+single far outlier forces the threshold to the maximum, which is the case calibration is for.
+
+With prefix sums of h, of (h > 0) and of h*log(h), each level's contribution is O(1), so all
+1921 candidates x 128 levels are evaluated as one [1921, 128] array: no Python loop over bins.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+NUM_BINS = 2048
+NUM_LEVELS = 128  # |x| quantized to 0..127
+FIRST_CANDIDATE = 128
+
+
+class AbsHistogram:
+    """Histogram of |x| over all batches added, with an exact running max."""
+
+    def __init__(self, num_bins: int = NUM_BINS):
+        self.num_bins = num_bins
+        self.counts = np.zeros(num_bins, np.int64)
+        self.width = 0.0  # 0 until the first non-zero value
+        self.amax = 0.0
+
+    @property
+    def range(self) -> float:
+        return self.width * self.num_bins
+
+    def add(self, x: np.ndarray, scale: np.ndarray | None = None, in_place: bool = False) -> None:
+        """Add |x| (times ``scale`` along the last axis, if given) to the histogram.
+
+        With ``in_place`` the caller's float32 array is used as scratch space (no copy).
+        """
+        a = np.asarray(x, dtype=np.float32)
+        if not in_place or not a.flags.writeable or not a.flags.c_contiguous:
+            a = a.copy()
+        a = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
+        if a.size == 0:
+            return
+        if scale is not None:
+            np.multiply(a, scale, out=a)
+        np.abs(a, out=a)
+        m = float(a.max())
+        if not math.isfinite(m):
+            raise ValueError("activation contains inf or NaN; the float model itself is broken")
+        self.amax = max(self.amax, m)
+        if m == 0.0:
+            self.counts[0] += a.size
+            return
+        if self.width == 0.0:
+            self.width = m / self.num_bins
+            total_zero = int(self.counts[0])
+            self.counts[:] = 0
+            self.counts[0] = total_zero
+        elif m >= self.range:
+            self._grow(math.floor(m / self.range) + 1)
+        np.multiply(a, np.float32(1.0 / self.width), out=a)
+        idx = a.astype(np.int32).ravel()
+        np.minimum(idx, self.num_bins - 1, out=idx)
+        self.counts += np.bincount(idx, minlength=self.num_bins)
+
+    def _grow(self, k: int) -> None:
+        merged = np.add.reduceat(self.counts, np.arange(0, self.num_bins, k))
+        self.counts = np.zeros(self.num_bins, np.int64)
+        self.counts[: merged.size] = merged
+        self.width *= k
+
+
+def entropy_divergences(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """KL(P||Q) of every candidate (see the module docstring): (candidates i, divergences)."""
+    h = np.asarray(counts, dtype=np.float64)
+    n = h.size
+    total = h.sum()
+    cand = np.arange(FIRST_CANDIDATE, n + 1)
+    if total == 0:
+        return cand, np.zeros(cand.size)
+    c = np.concatenate([[0.0], np.cumsum(h)])
+    nz = np.concatenate([[0.0], np.cumsum(h > 0)])
+    hlogh = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
+    s = np.concatenate([[0.0], np.cumsum(hlogh)])
+
+    w = cand // NUM_LEVELS  # [C]
+    start = w[:, None] * np.arange(NUM_LEVELS)[None, :]  # [C, L]
+    end = start + w[:, None]
+    end[:, -1] = cand
+    mass = c[end] - c[start]
+    nonzero = nz[end] - nz[start]
+    slog = s[end] - s[start]
+
+    kept = c[cand]  # mass of the first i bins
+    outliers = total - kept
+    last = h[cand - 1]
+    clip = outliers > 0
+    # Bin i-1 holds the outliers in P, so it counts as non-zero for Q's expansion; a last
+    # level with no mass of its own gets one count (Laplace smoothing), keeping KL finite.
+    nonzero[:, -1] += (clip & (last == 0)).astype(np.float64)
+    empty_last = clip & (mass[:, -1] == 0)
+    mass_q = mass.copy()
+    mass_q[:, -1] += empty_last.astype(np.float64)
+    q_total = kept + empty_last
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_bin = np.where(mass_q > 0, mass_q / np.where(nonzero > 0, nonzero, 1.0), 1.0)  # Q count of one bin
+        log_norm = np.log(q_total / total)
+        level_terms = np.where(mass > 0, slog - mass * np.log(per_bin), 0.0)
+        kl = level_terms.sum(axis=1) + kept * log_norm
+        # bin i-1 carries the outliers in P: replace its term
+        log_q_last = np.log(per_bin[:, -1])
+        old = np.where(last > 0, last * (np.log(np.where(last > 0, last, 1.0)) - log_q_last + log_norm), 0.0)
+        new_mass = last + outliers
+        new = new_mass * (np.log(np.where(new_mass > 0, new_mass, 1.0)) - log_q_last + log_norm)
+        kl = (kl + np.where(clip, new - old, 0.0)) / total
+    return cand, kl
+
+
+def entropy_amax(hist: AbsHistogram) -> float:
+    """Threshold of least KL divergence (TensorRT's entropy calibration)."""
+    if hist.width == 0.0:
+        return 0.0
+    cand, kl = entropy_divergences(hist.counts)
+    return min(best_candidate(cand, kl) * hist.width, hist.amax)
+
+
+def best_candidate(cand: np.ndarray, kl: np.ndarray) -> int:
+    """Smallest candidate whose divergence is within rounding (1e-9 relative) of the least."""
+    least = float(np.min(kl))
+    return int(cand[np.flatnonzero(kl <= least + 1e-9 * abs(least) + 1e-15)[0]])
+
+
+def percentile_amax(hist: AbsHistogram, percentile: float = 99.99) -> float:
+    """Upper edge of the first bin where the cumulative count reaches ``percentile`` %."""
+    if hist.width == 0.0:
+        return 0.0
+    cum = np.cumsum(hist.counts)
+    target = cum[-1] * percentile / 100.0
+    i = int(np.searchsorted(cum, target, side="left"))
+    return min((i + 1) * hist.width, hist.amax)
+
+
+def max_amax(hist: AbsHistogram) -> float:
+    return hist.amax
+
+
+METHODS = {"entropy": entropy_amax, "max": max_amax, "percentile": percentile_amax}

@@ -1,0 +1,54 @@
+"""Run an exported (or calibrated, or built) graph for whole-sequence logits.
+
+Input: a model directory with ``export.json`` (its ``graph.file`` names the ONNX file) and
+token windows. Output: logits at every position, from a prefill with an empty paged cache.
+Used by ``eval`` and by calibration's accuracy gate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .arch import ModelSpec, spec_from_dict
+from .errors import AutoGLMError
+from .ort_session import make_session, run
+from .paged_kv import KVPools, SeqState, step_inputs
+
+
+def read_model_meta(model_dir: Path) -> dict:
+    meta_path = Path(model_dir) / "export.json"
+    if not meta_path.is_file():
+        raise AutoGLMError(
+            f"{model_dir} has no export.json; expected an export, calibration or engine directory "
+            "made by autoglm-trt"
+        )
+    return json.loads(meta_path.read_text())
+
+
+class GraphRunner:
+    """One ONNX Runtime session over a model directory's graph."""
+
+    def __init__(self, model_dir: Path, onnx_file: str | None = None, threads: int | None = None):
+        self.dir = Path(model_dir)
+        self.meta = read_model_meta(self.dir)
+        self.spec: ModelSpec = spec_from_dict(self.meta["spec"])
+        self.kv_dtype = self.meta["graph"]["dtype"]
+        path = self.dir / (onnx_file or self.meta["graph"]["file"])
+        if not path.is_file():
+            raise AutoGLMError(f"{path} is missing")
+        self.session = make_session(path, threads=threads)
+
+    def logits(self, windows: np.ndarray) -> np.ndarray:
+        """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""
+        batch, seq_len = windows.shape
+        block = 16
+        s = self.spec
+        # Nothing is cached before a prefill: one pool block (masked out) suffices, and the
+        # new K/V outputs are not written back.
+        pools = KVPools(s.num_layers, 1, block, s.num_kv_heads, s.head_dim, self.kv_dtype)
+        states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
+        feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=True)
+        return run(self.session, {**feeds, **pools.feeds()})["logits"]

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Calibration cost against plain ONNX Runtime forward passes over the same batches.
+
+    python scripts/bench_calibration.py [--export engines/.cache/smollm2-fp32] [--samples 32,256]
+
+For each sample count, in separate child processes (so peak RSS is each one's own):
+  forward     the float32 export run over the calibration batches, logits only (the baseline)
+  calibrate   streamed statistics + threshold search (`calibrate --no-gate`; graph writing
+              excluded from the ratio, reported apart)
+Prints wall times, the ratio (statistics + search) / forward, and peak RSS over the model's
+own size. Numbers go to the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def child_forward(export: Path, samples: int, seq_len: int, batch: int) -> dict:
+    from autoglm_trt.arch import spec_from_dict
+    from autoglm_trt.calib.collect import prefill_feeds
+    from autoglm_trt.calib.data import token_windows
+    from autoglm_trt.graph_runner import read_model_meta
+    from autoglm_trt.ort_session import make_session
+
+    spec = spec_from_dict(read_model_meta(export)["spec"])
+    windows = token_windows(ROOT / "calibration" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
+    session = make_session(export / "model.onnx")
+    t = time.perf_counter()
+    for b in range(0, len(windows), batch):
+        session.run(["logits"], prefill_feeds(spec, windows[b : b + batch], "float32"))
+    return {"forward_s": time.perf_counter() - t}
+
+
+def child_calibrate(export: Path, samples: int, seq_len: int, batch: int, out: Path) -> dict:
+    from autoglm_trt.calib.pipeline import CalibConfig, calibrate
+
+    t = time.perf_counter()
+    rec = calibrate(CalibConfig(export, ROOT / "calibration" / "data", out, num_samples=samples, seq_len=seq_len,
+                                batch_size=batch, gate=False, force=True), log=lambda m: None)
+    return {"collect_s": rec["timings"]["collect_s"], "search_s": rec["timings"]["search_s"],
+            "total_s": time.perf_counter() - t}
+
+
+def run_child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export", type=Path, default=ROOT / "engines" / ".cache" / "smollm2-fp32")
+    ap.add_argument("--samples", default="32,256")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--child", nargs="*")
+    args = ap.parse_args()
+    if args.child:
+        kind, export, samples = args.child[0], Path(args.child[1]), int(args.child[2])
+        if kind == "forward":
+            res = child_forward(export, samples, args.seq_len, args.batch)
+        else:
+            res = child_calibrate(export, samples, args.seq_len, args.batch, Path(args.child[3]))
+        print(json.dumps(res))
+        return
+    if not (args.export / "model.onnx").is_file():
+        subprocess.run([sys.executable, "-m", "autoglm_trt", "export", str(ROOT / "models" / "smollm2-135m"), "-o",
+                        str(args.export)], check=True)
+    model_gb = (args.export / "model.onnx.data").stat().st_size / 1e9
+    rows = []
+    for n in (int(x) for x in args.samples.split(",")):
+        # getrusage(RUSAGE_CHILDREN) is a max over all children so far: run the small case first
+        fwd = run_child("forward", str(args.export), str(n))
+        cal = run_child("calibrate", str(args.export), str(n), str(args.export.parent / f"bench-int8-{n}"))
+        ratio = (cal["collect_s"] + cal["search_s"]) / fwd["forward_s"]
+        rows.append({"samples": n, "tokens": n * args.seq_len, "forward_s": round(fwd["forward_s"], 2),
+                     "statistics_s": round(cal["collect_s"], 2), "search_s": round(cal["search_s"], 3),
+                     "ratio": round(ratio, 3), "calibrate_total_s": round(cal["total_s"], 1),
+                     "peak_rss_gb": round(cal["peak_rss_gb"], 2),
+                     "peak_rss_over_model_gb": round(cal["peak_rss_gb"] - model_gb, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"model weights: {model_gb:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()

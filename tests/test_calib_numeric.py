@@ -1,0 +1,152 @@
+"""Numeric cores of calibration, to exact values: histograms, threshold search, cache format."""
+
+import math
+
+import numpy as np
+import pytest
+
+from autoglm_trt.calib.cache import format_cache, read_cache, scale_to_hex, write_cache
+from autoglm_trt.calib.histogram import (
+    AbsHistogram,
+    entropy_amax,
+    best_candidate,
+    entropy_divergences,
+    max_amax,
+    percentile_amax,
+)
+
+
+def reference_kl(h: np.ndarray, i: int) -> float:
+    """Straightforward loop implementation of the documented algorithm for one candidate."""
+    h = h.astype(np.float64)
+    p = h[:i].copy()
+    p[i - 1] += h[i:].sum()
+    w = i // 128
+    q = np.zeros(i)
+    for j in range(128):
+        start = j * w
+        stop = i if j == 127 else start + w
+        mass = h[start:stop].sum()
+        if j == 127 and mass == 0 and p[i - 1] > 0:
+            mass = 1.0  # a last level holding only clipped outliers gets one count
+        nonzero = np.count_nonzero(p[start:stop])
+        if nonzero:
+            q[start:stop] = np.where(p[start:stop] > 0, mass / nonzero, 0.0)
+    if p.sum() == 0 or q.sum() == 0:
+        return math.inf
+    p, q = p / p.sum(), q / q.sum()
+    kl = 0.0
+    for pk, qk in zip(p, q):
+        if pk > 0:
+            if qk == 0:
+                return math.inf
+            kl += pk * math.log(pk / qk)
+    return kl
+
+
+def hist_of(values, width=None):
+    h = AbsHistogram()
+    h.add(np.asarray(values, np.float32))
+    return h
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "laplace_with_outlier", "sparse"])
+def test_vectorized_search_equals_reference_loop(kind):
+    rng = np.random.default_rng(1)
+    if kind == "gaussian":
+        counts = np.bincount(np.minimum((np.abs(rng.standard_normal(200_000)) * 300).astype(int), 2047), minlength=2048)
+    elif kind == "laplace_with_outlier":
+        counts = np.bincount(np.minimum((np.abs(rng.laplace(size=100_000)) * 60).astype(int), 2047), minlength=2048)
+        counts[2047] += 3
+    else:
+        counts = np.zeros(2048, np.int64)
+        counts[rng.integers(0, 2048, 300)] = rng.integers(1, 50, 300)
+    cand, kl = entropy_divergences(counts)
+    ref = np.array([reference_kl(counts, int(i)) for i in cand])
+    assert np.array_equal(np.isinf(kl), np.isinf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(kl[finite], ref[finite], rtol=1e-9, atol=1e-12)
+    assert best_candidate(cand, kl) == best_candidate(cand, ref)
+
+
+def test_uniform_histogram_keeps_everything():
+    h = AbsHistogram()
+    h.counts[:] = 10
+    h.width, h.amax = 1.0 / 2048, 1.0
+    cand, kl = entropy_divergences(h.counts)
+    assert kl[-1] == pytest.approx(0.0, abs=1e-12)  # i = 2048: 128 levels of 16 equal bins reproduce P exactly
+    assert np.all(kl[:-1] > 1e-5)  # every clipping candidate piles 10 x (2048 - i) counts on one bin
+    assert entropy_amax(h) == 1.0
+
+
+def test_gaussian_histogram_threshold():
+    """A Gaussian of sigma = 400 bins over 2048 bins (range 5.12 sigma): the search keeps
+    1919 bins (4.80 sigma), value found by the reference loop as well."""
+    k = np.arange(2048)
+    h = AbsHistogram()
+    h.counts = np.rint(1e6 * np.exp(-0.5 * (k / 400.0) ** 2)).astype(np.int64)
+    h.width, h.amax = 1.0 / 400.0, 2048 / 400.0
+    cand, kl = entropy_divergences(h.counts)
+    assert best_candidate(cand, kl) == 1919
+    assert best_candidate(cand, np.array([reference_kl(h.counts, int(i)) for i in cand])) == 1919
+    assert entropy_amax(h) == pytest.approx(1919 / 400.0)
+
+
+def test_heavy_tail_is_clipped():
+    rng = np.random.default_rng(0)
+    h = hist_of(rng.laplace(size=200_000))
+    assert entropy_amax(h) < 0.9 * h.amax
+
+
+def test_one_far_outlier_is_clipped_by_entropy_but_not_by_max():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-1, 1, 100_000), [1000.0]]).astype(np.float32)
+    h = hist_of(x)
+    assert max_amax(h) == 1000.0
+    # the bulk fits in the first ~2 bins of a [0, 1000) histogram: the smallest candidate wins
+    assert entropy_amax(h) == pytest.approx(128 * h.width)
+
+
+def test_histogram_growth_merges_bins_exactly():
+    h = AbsHistogram(num_bins=8)
+    h.add(np.array([0.5, 1.5, 3.9], np.float32))  # width 3.9/8
+    w0 = h.width
+    before = h.counts.copy()
+    h.add(np.array([10.0], np.float32))  # range 3.9 -> grows by k = floor(10/3.9)+1 = 3
+    assert h.width == pytest.approx(3 * w0)
+    expected = np.zeros(8, np.int64)
+    expected[:3] = [before[0:3].sum(), before[3:6].sum(), before[6:8].sum()]
+    expected[int(10.0 / h.width)] += 1
+    np.testing.assert_array_equal(h.counts, expected)
+    assert h.amax == 10.0 and h.counts.sum() == 4
+
+
+def test_streamed_histogram_equals_one_shot_when_range_is_fixed():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(50_000).astype(np.float32)
+    x[0] = 6.0  # first batch sets the range
+    one = hist_of(x)
+    many = AbsHistogram()
+    for part in np.array_split(x, 7):
+        many.add(part) if part is not None else None
+    # the first part contains x[0], so the range is fixed from the start and bins agree exactly
+    np.testing.assert_array_equal(one.counts, many.counts)
+
+
+def test_percentile_on_known_counts():
+    h = AbsHistogram(num_bins=10)
+    h.counts = np.array([50, 30, 10, 5, 3, 1, 1, 0, 0, 0])
+    h.width, h.amax = 0.1, 0.7
+    assert percentile_amax(h, 90.0) == pytest.approx(0.3)  # 50+30+10 = 90 reached in bin 2
+    assert percentile_amax(h, 99.0) == pytest.approx(0.6)
+    assert percentile_amax(h, 100.0) == pytest.approx(0.7)  # capped at the true max
+
+
+def test_cache_bytes_and_round_trip(tmp_path):
+    assert scale_to_hex(1.0 / 127.0) == "3c010204"
+    text = format_cache({"layers.0.input_norm": 1.0, "layers.0.attn": 2.5}, "entropy")
+    assert text == "TRT-101300-EntropyCalibration2\nlayers.0.input_norm: 3c010204\nlayers.0.attn: 3ca14285\n"
+    write_cache(tmp_path / "calibration.cache", {"a:b": 1.0, "x": 0.125}, "max")
+    header, scales = read_cache(tmp_path / "calibration.cache")
+    assert header == "TRT-101300-MinMaxCalibration"
+    assert scales["a:b"] == np.float32(1.0 / 127.0) and scales["x"] == np.float32(0.125 / 127.0)

@@ -1,0 +1,162 @@
+"""Calibration end to end on a tiny model: outputs, Q/DQ placement, reuse, bad input, eval."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from autoglm_trt.calib.cache import read_cache
+from autoglm_trt.calib.data import CalibrationDataError, token_windows
+from autoglm_trt.calib.pipeline import CalibConfig, CalibrationMismatchError, calibrate, check_calibration
+from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
+from autoglm_trt.graph_runner import GraphRunner
+from conftest import ROOT, run_cli
+
+DATA = ROOT / "calibration" / "data"
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "export"
+    export_checkpoint(ExportConfig(tiny_dir("glm"), out), log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_export, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "int8"
+    record = calibrate(CalibConfig(tiny_export, DATA, out, num_samples=16, seq_len=64, gate=False), log=lambda m: None)
+    return out, record
+
+
+def test_outputs_and_record(calibrated, tiny_export):
+    out, record = calibrated
+    for f in ("model.int8.onnx", "model.int8.onnx.data", "calibration.cache", "calib.json", "export.json",
+              "tokenizer.json"):
+        assert (out / f).is_file(), f
+    assert record["method"] == "entropy" and record["data"]["windows"] == 16
+    assert len(record["model_sha256"]) == 64 and len(record["data_sha256"]) == 64
+    layers = json.loads((tiny_export / "export.json").read_text())["spec"]["num_layers"]
+    assert len(record["amax"]) == 4 * layers  # qkv, o_proj, gate_up, down; lm_head stays float by default
+    assert all(v > 0 for v in record["amax"].values())
+    header, scales = read_cache(out / "calibration.cache")
+    assert header == "TRT-101300-EntropyCalibration2"
+    for name, amax in record["amax"].items():
+        assert scales[f"{name}.act_q_input"] == np.float32(amax / 127.0)
+
+
+def test_qdq_placement(calibrated):
+    out, record = calibrated
+    model = onnx.load(str(out / "model.int8.onnx"), load_external_data=False)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t for t in model.graph.initializer}
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.output[0].split(".")[-1] in
+               ("qkv", "o_proj", "gate_up", "down")]
+    assert len(matmuls) == len(record["amax"])
+    for mm in matmuls:
+        act, weight = producer[mm.input[0]], producer[mm.input[1]]
+        assert act.op_type == "DequantizeLinear" and producer[act.input[0]].op_type == "QuantizeLinear"
+        assert weight.op_type == "DequantizeLinear"
+        w_int8 = inits[weight.input[0]]
+        assert w_int8.data_type == onnx.TensorProto.INT8
+        assert [a.i for a in weight.attribute if a.name == "axis"] == [1]  # per output channel of [in, out]
+        assert list(inits[weight.input[1]].dims) == [w_int8.dims[1]]
+        assert inits[weight.input[2]].data_type == onnx.TensorProto.INT8  # symmetric: zero points are int8 0
+    # nothing else is quantized: one QuantizeLinear per quantized MatMul, none before softmax/norms/residuals
+    assert sum(n.op_type == "QuantizeLinear" for n in model.graph.node) == len(matmuls)
+    for n in model.graph.node:
+        if n.op_type in ("Softmax", "Add", "Gather", "ReduceMean", "Gemm"):
+            assert all(producer.get(i) is None or producer[i].op_type != "DequantizeLinear" or n.op_type == "Add"
+                       and i.endswith("_bias") for i in n.input), n.name
+
+
+def test_int8_graph_runs_close_to_float(calibrated, tiny_export):
+    out, _ = calibrated
+    windows = token_windows(DATA, tiny_export, 2, 32, None).windows
+    ref = GraphRunner(tiny_export).logits(windows)
+    got = GraphRunner(out).logits(windows)
+    assert got.shape == ref.shape
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert 0 < rel < 0.1
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.8
+
+
+def test_reuse_and_invalidation(calibrated, tiny_export, tmp_path):
+    out, record = calibrated
+    again = calibrate(CalibConfig(tiny_export, DATA, out, num_samples=16, seq_len=64, gate=False), log=lambda m: None)
+    assert again.get("reused") and again["data_sha256"] == record["data_sha256"]
+    other = tmp_path / "data"
+    shutil.copytree(DATA, other)
+    (other / "extra.txt").write_text("Something new to calibrate on. " * 50)
+    with pytest.raises(CalibrationMismatchError, match="--force"):
+        calibrate(CalibConfig(tiny_export, other, out, num_samples=16, seq_len=64, gate=False), log=lambda m: None)
+    assert check_calibration(out, tiny_export)["data_sha256"] == record["data_sha256"]
+
+
+def test_calibration_of_another_model_is_refused(calibrated, tiny_dir, tmp_path):
+    out, _ = calibrated
+    other = tmp_path / "other-export"
+    export_checkpoint(ExportConfig(tiny_dir("llama"), other), log=lambda m: None)
+    with pytest.raises(CalibrationMismatchError, match="another model"):
+        check_calibration(out, other)
+
+
+def test_sensitivity_pass_keeps_linears_in_float(tiny_export, tmp_path):
+    """An impossible gate (bit-exact perplexity) forces the search; its answer must pass on the real graph."""
+    rec = calibrate(CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64, gate_windows=2,
+                                gate_seq_len=64, target_ppl_ratio=1.0 + 1e-9, target_top1=1.0), log=lambda m: None)
+    kept = rec["float_linears"]
+    assert kept and all("sensitivity rank" in k["reason"] for k in kept)
+    assert rec["gate"]["result"]["passed"]
+    assert len(rec["amax"]) + len(kept) == 8
+    assert 0 < rec["float_weight_fraction"] <= 1
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "not_utf8", "too_short", "bad_jsonl"])
+def test_bad_calibration_data(tiny_export, tmp_path, case):
+    d = tmp_path / "data"
+    if case != "missing":
+        d.mkdir()
+    if case == "not_utf8":
+        (d / "a.txt").write_bytes(b"\xff\xfe\x00 latin-1 \xe9")
+    elif case == "too_short":
+        (d / "a.txt").write_text("too short")
+    elif case == "bad_jsonl":
+        (d / "a.jsonl").write_text('{"body": "no text field"}\n')
+    message = {"missing": "does not exist", "empty": "no .txt or .jsonl", "not_utf8": "not UTF-8",
+               "too_short": "fewer than one sequence", "bad_jsonl": "'text' field"}[case]
+    with pytest.raises(CalibrationDataError, match=message):
+        token_windows(d, tiny_export, 4, 64, None)
+    r = run_cli("calibrate", str(tiny_export), "--calib", str(d), "-o", str(tmp_path / "out"), "--no-gate")
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_cli_json_and_gate(calibrated, tiny_export, tmp_path):
+    out, _ = calibrated
+    text = DATA / "10_json.txt"
+    r = run_cli("eval", str(out), "--text", str(text), "--reference", str(tiny_export), "--seq-len", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert set(res) >= {"ppl", "ref_ppl", "ppl_ratio", "top1_agreement", "kl"}
+    assert res["ppl_ratio"] == pytest.approx(res["ppl"] / res["ref_ppl"])
+    strict = run_cli("eval", str(out), "--text", str(text), "--reference", str(tiny_export), "--seq-len", "64",
+                     "--min-top1", "1.01")
+    assert strict.returncode == 1 and "accuracy gate failed" in strict.stderr
+
+
+def test_calibrating_a_float16_export_is_refused(tiny_dir, tmp_path):
+    fp16 = tmp_path / "fp16"
+    export_checkpoint(ExportConfig(tiny_dir("llama"), fp16, dtype="float16"), log=lambda m: None)
+    r = run_cli("calibrate", str(fp16), "-o", str(tmp_path / "out"))
+    assert r.returncode != 0 and "not a float32 export" in r.stderr
+
+
+def test_eval_of_hf_reference_matches_export(tiny_export, tiny_dir):
+    from autoglm_trt.evaluate import evaluate
+
+    res = evaluate(tiny_export, DATA / "10_json.txt", reference=Path(tiny_dir("glm")), seq_len=64, max_chunks=2)
+    assert res["ppl_ratio"] == pytest.approx(1.0, abs=1e-4) and res["top1_agreement"] == 1.0
