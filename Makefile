@@ -27,14 +27,22 @@ smollm2: $(SMOL)/.prepared
 lint: $(STAMP)
 	$(BIN)/ruff check autoglm_trt tests scripts
 
-typecheck: $(STAMP)
+typings/tensorrt/__init__.pyi: $(STAMP) scripts/prepare_trt_stubs.py
+	$(BIN)/python scripts/prepare_trt_stubs.py
+
+# mypy checks the TensorRT code against tensorrt-stubs (repaired copies in typings/)
+typecheck: $(STAMP) typings/tensorrt/__init__.pyi
 	$(BIN)/mypy autoglm_trt
 
 test: $(STAMP) $(SMOL)/.prepared lint typecheck
 	$(BIN)/python -m pytest -q -rs tests
 
+# The main job end to end: install, prepare SmolLM2, build an INT8 engine (TensorRT when present,
+# else ONNX Runtime), generate once. Earlier export/calibration results are reused when unchanged.
 engine: $(STAMP) $(SMOL)/.prepared
-	$(BIN)/autoglm-trt export $(SMOL) -o engines/smollm2-export --force
+	$(BIN)/autoglm-trt build $(SMOL) --precision int8 -o engines/smollm2-int8 --force
+	$(BIN)/autoglm-trt generate engines/smollm2-int8 "What is the capital of France?" --chat --max-new-tokens 32
+	@echo "engine ready: engines/smollm2-int8  (autoglm-trt inspect engines/smollm2-int8)"
 
 clean:
-	rm -rf $(VENV) models engines/smollm2-*
+	rm -rf $(VENV) models typings engines/smollm2-* engines/.cache

@@ -209,6 +209,75 @@ def doctor_cmd(engine_dir: Path) -> None:
     click.echo(f"{engine_dir}: {manifest['backend']} {manifest['precision']} engine is ready to run here")
 
 
+@cli.command("generate")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                 seed: int | None, stop: tuple[str, ...], chat: bool, stream: bool) -> None:
+    """Generate a continuation of PROMPT with the engine in ENGINE_DIR."""
+    from .runtime import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, stop=stop)
+    message = [{"role": "user", "content": prompt}] if chat else prompt
+    with Engine.load(engine_dir) as engine:
+        if stream:
+            for piece in engine.stream(message, params):
+                click.echo(piece, nl=False)
+            click.echo()
+        else:
+            [res] = engine.generate([message], params)
+            click.echo(res.text)
+            _log(f"[{len(res.token_ids)} tokens, finish reason: {res.finish_reason}]")
+
+
+@cli.command("bench")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated concurrency levels.")
+@click.option("--prompt-len", type=int, default=64, show_default=True)
+@click.option("--gen-len", type=int, default=64, show_default=True)
+@click.option("--requests", type=int, default=None, help="Requests per level [default: 2 x concurrency].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per level.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of latency and throughput.")
+def bench_cmd(engine_dir: Path, concurrency: str, prompt_len: int, gen_len: int, requests: int | None, as_json: bool,
+              plot: Path | None) -> None:
+    """Time to first token, per-token latency and throughput at several concurrency levels."""
+    import json
+
+    from .errors import AutoGLMError
+    from .runtime import Engine
+    from .runtime.bench import plot as draw
+    from .runtime.bench import run_level
+
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+    except ValueError as exc:
+        raise AutoGLMError(f"--concurrency takes comma-separated integers, got {concurrency!r}") from exc
+    rows = []
+    with Engine.load(engine_dir) as engine:
+        run_level(engine, 1, prompt_len, 4, 1)  # warm-up
+        for c in levels:
+            row = run_level(engine, c, prompt_len, gen_len, requests or 2 * c)
+            rows.append(row)
+            if as_json:
+                click.echo(json.dumps(row))
+            else:
+                click.echo(f"concurrency {c:3d}: TTFT P50 {row['ttft_ms_p50']:7.1f} ms | per token P50 "
+                           f"{row['token_ms_p50']:6.1f} P90 {row['token_ms_p90']:6.1f} P99 {row['token_ms_p99']:6.1f} ms"
+                           f" | {row['tokens_per_s']:7.1f} tokens/s")
+    if plot:
+        draw(rows, plot)
+        _log(f"plot written to {plot}")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="autoglm-trt", standalone_mode=False)

@@ -8,8 +8,8 @@ import pytest
 from autoglm_trt.calib.cache import format_cache, read_cache, scale_to_hex, write_cache
 from autoglm_trt.calib.histogram import (
     AbsHistogram,
-    entropy_amax,
     best_candidate,
+    entropy_amax,
     entropy_divergences,
     max_amax,
     percentile_amax,

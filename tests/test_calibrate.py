@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import ROOT, run_cli
 
 from autoglm_trt.calib.cache import read_cache
 from autoglm_trt.calib.data import CalibrationDataError, token_windows
 from autoglm_trt.calib.pipeline import CalibConfig, CalibrationMismatchError, calibrate, check_calibration
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
 from autoglm_trt.graph_runner import GraphRunner
-from conftest import ROOT, run_cli
 
 DATA = ROOT / "calibration" / "data"
 

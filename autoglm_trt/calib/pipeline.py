@@ -219,6 +219,12 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
                          cfg.target_ppl_ratio, cfg.target_top1, GraphRunner(cfg.export_dir, threads=cfg.threads).logits)
             result = final.check_graph()
             log(f"gate on the INT8 graph: ppl ratio {result['ppl_ratio']:.4f}, top-1 {result['top1_agreement']:.3f}")
+            if not result["passed"]:
+                raise AutoGLMError(
+                    f"the INT8 graph misses the accuracy gate (ppl ratio {result['ppl_ratio']:.4f} > "
+                    f"{cfg.target_ppl_ratio} or top-1 {result['top1_agreement']:.3f} < {cfg.target_top1})"
+                    + ("; the LM head is quantized outside the sensitivity search: drop --quantize-lm-head"
+                       if cfg.quantize_lm_head else ""))
             gate_report.update({"target_ppl_ratio": cfg.target_ppl_ratio, "target_top1": cfg.target_top1,
                                 "sensitivity": search.report, "result": result,
                                 "seconds": round(time.perf_counter() - t_gate, 1)})

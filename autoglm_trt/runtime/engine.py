@@ -158,8 +158,9 @@ class Engine:
         ids = self.encode(prompt)
         self._check(ids, params)
         seq = Sequence(ids, params)
-        needs_text = stream or bool(params.stop)
-        req = _Request(seq, IncrementalDecoder(self._tok()) if needs_text else None, stream)
+        if (stream or params.stop) and self.tokenizer is None:
+            raise RequestError(f"{self.dir} has no tokenizer: streaming text and stop strings need one")
+        req = _Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer else None, stream)
         with self._cv:
             self._requests[seq.seq_id] = req
             self.scheduler.add(seq)
@@ -197,7 +198,7 @@ class Engine:
         if req.error is not None:
             raise RequestError(f"generation failed: {req.error}") from req.error
         seq = req.seq
-        text = req.text if req.decoder is not None else (self._tok().decode(seq.output_ids) if self.tokenizer else "")
+        text = req.text
         return GenerationResult(text, list(seq.output_ids), seq.finish_reason or "cancelled", len(seq.prompt_ids),
                                 req.token_times, req.submitted)
 
@@ -252,6 +253,8 @@ class Engine:
             if reason is None and (len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_seq_len):
                 reason = "length"
             if reason is not None:
+                if req.decoder is not None and reason != "stop":
+                    reason = self._emit(req, req.decoder.flush()) or reason
                 self.scheduler.finish(seq, reason)
                 self._finish_request(req)
 

@@ -66,18 +66,31 @@ def _token_text(tok: object) -> str:
 
 
 class IncrementalDecoder:
-    """Text pieces for a growing list of ids; never splits a UTF-8 character."""
+    """Text pieces for a growing list of ids, O(1) tokens decoded per step.
+
+    Decodes a short window (from ``prefix`` to the end) and emits what it adds beyond the
+    window's already-emitted part; a piece ending in an incomplete UTF-8 character (U+FFFD) is
+    held back until the next token completes it.
+    """
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # start of the decode window
+        self.read = 0  # ids before this index have been emitted
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(text) <= len(done) or text.endswith("\ufffd"):
             return ""
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return piece
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of generation)."""
+        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done) :] if len(text) > len(done) else ""

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Runtime figures for the README, measured in one run on this machine.
+
+    python scripts/bench_runtime.py [--gen 64] [--json OUT]
+
+1. batch-1 decode tokens/s: transformers `generate` (float32) vs the fp32 and int8 engines
+   (decode rate = tokens after the first / time after the first);
+2. aggregate tokens/s with 16 concurrent requests vs 1 (fp32 engine);
+3. decode-step time with a 4096-block KV pool vs a 64-block pool at the same context;
+4. batch-1 decode against the memory-bandwidth bound: weight bytes read per token over the
+   copy bandwidth of this machine (numpy copies on all cores, bytes read + written).
+Engines are built first if missing (engines/smollm2-fp32, engines/smollm2-int8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SMOL = ROOT / "models" / "smollm2-135m"
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def ensure_engine(precision: str) -> Path:
+    out = ROOT / "engines" / f"smollm2-{precision}"
+    if not (out / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "autoglm_trt", "build", str(SMOL), "--precision", precision,
+                        "--backend", "onnxruntime", "-o", str(out)], check=True)
+    return out
+
+
+def hf_decode_rate(gen: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SMOL))
+    model = AutoModelForCausalLM.from_pretrained(str(SMOL), dtype=torch.float32)
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                                return_dict=True)["input_ids"]])
+    mask = torch.ones_like(ids)
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t
+
+    timed(4)
+    return (gen - 1) / (min(timed(gen) for _ in range(2)) - min(timed(1) for _ in range(2)))
+
+
+def engine_decode_rate(engine, gen: int, prompt=None) -> float:
+    from autoglm_trt.runtime import SamplingParams
+
+    params = SamplingParams(max_new_tokens=gen, ignore_eos=True)
+    prompt = prompt or [{"role": "user", "content": PROMPT}]
+    engine.generate([prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    best = 0.0
+    for _ in range(2):
+        r = engine.generate([prompt], params)[0]
+        best = max(best, (len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0]))
+    return best
+
+
+def aggregate(engine, n: int, gen: int) -> float:
+    from autoglm_trt.runtime import SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, 48).tolist() for _ in range(n)]
+    best = 0.0
+    for _ in range(2):
+        t = time.perf_counter()
+        res = engine.generate(prompts, SamplingParams(max_new_tokens=gen, ignore_eos=True))
+        best = max(best, sum(len(r.token_ids) for r in res) / (time.perf_counter() - t))
+    return best
+
+
+def copy_bandwidth(threads: int = 2) -> float:
+    """Bytes read + written per second by ``threads`` concurrent numpy copies of 256 MiB each
+    (the engine's GEMMs read weights with all cores, so one thread would understate the bound)."""
+    import threading
+
+    a = [np.ones(64 * 2**20, np.float32) for _ in range(threads)]
+    b = [np.empty_like(x) for x in a]
+    best = float("inf")
+    for _ in range(5):
+        ts = [threading.Thread(target=np.copyto, args=(b[i], a[i])) for i in range(threads)]
+        t = time.perf_counter()
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        best = min(best, time.perf_counter() - t)
+    return 2 * sum(x.nbytes for x in a) / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    from autoglm_trt.runtime import Engine
+
+    fp32, int8 = ensure_engine("fp32"), ensure_engine("int8")
+    out: dict = {}
+    out["hf_fp32_tok_s"] = hf_decode_rate(args.gen)
+    with Engine.load(fp32) as e:
+        out["fp32_tok_s"] = engine_decode_rate(e, args.gen)
+        out["fp32_batch1_aggregate_tok_s"] = aggregate(e, 1, args.gen)
+        out["fp32_16x_aggregate_tok_s"] = aggregate(e, 16, args.gen)
+    with Engine.load(int8) as e:
+        out["int8_tok_s"] = engine_decode_rate(e, args.gen)
+    long_prompt = np.random.default_rng(1).integers(100, 40000, 480).tolist()
+    for blocks in (64, 4096):
+        with Engine.load(fp32, num_blocks=blocks) as e:
+            out[f"step_ms_pool_{blocks}"] = 1000 / engine_decode_rate(e, 32, long_prompt)
+    weight_bytes = (fp32 / "model.opt.onnx.data").stat().st_size
+    bw = copy_bandwidth()
+    out.update({
+        "fp32_vs_hf": out["fp32_tok_s"] / out["hf_fp32_tok_s"],
+        "int8_vs_hf": out["int8_tok_s"] / out["hf_fp32_tok_s"],
+        "concurrency16_vs_1": out["fp32_16x_aggregate_tok_s"] / out["fp32_batch1_aggregate_tok_s"],
+        "pool_4096_vs_64": out["step_ms_pool_4096"] / out["step_ms_pool_64"],
+        "copy_bandwidth_GBps": bw / 1e9,
+        "fp32_weight_bytes": weight_bytes,
+        "bandwidth_bound_tok_s": bw / weight_bytes,
+        "fp32_fraction_of_bound": out["fp32_tok_s"] / (bw / weight_bytes),
+    })
+    for k, v in out.items():
+        print(f"{k:32s} {v:12.3f}" if isinstance(v, float) else f"{k:32s} {v:12d}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The runtime on a tiny model engine: load test, streaming, stop strings, bad input, corruption."""
+
+import json
+import random
+import threading
+
+import pytest
+from conftest import run_cli
+
+from autoglm_trt.build.config import BuildConfig
+from autoglm_trt.build.manifest import EngineError
+from autoglm_trt.build.pipeline import BuildRequest, build_engine
+from autoglm_trt.errors import AutoGLMError
+from autoglm_trt.runtime import Engine, RequestError, SamplingError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eng") / "tiny-fp32"
+    cfg = BuildConfig(max_batch_size=8, max_input_len=48, max_seq_len=96, kv_num_blocks=64, kv_block_size=8)
+    build_engine(BuildRequest(tiny_dir("llama"), out, precision="fp32", backend="onnxruntime", config=cfg,
+                              cache_dir=out.parent / ".cache"), log=lambda m: None)
+    return out
+
+
+def test_load_test_small_pool_many_threads(tiny_engine):
+    """200 requests of random lengths from 8 threads through a pool far smaller than the demand."""
+    rng = random.Random(0)
+    jobs = [([rng.randrange(3, 250) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 40)) for _ in range(200)]
+    demand = sum(-(-(len(p) + n) // 8) for p, n in jobs)
+    with Engine.load(tiny_engine) as solo:
+        expected = [solo.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids for p, n in jobs]
+    with Engine.load(tiny_engine, num_blocks=16) as engine:
+        assert demand > 10 * engine.allocator.num_blocks
+        got: dict[int, list[int]] = {}
+        errors = []
+
+        def worker(k: int) -> None:
+            try:
+                for i in range(k, len(jobs), 8):
+                    p, n = jobs[i]
+                    [res] = engine.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True))
+                    assert res.finish_reason == "length"
+                    got[i] = res.token_ids
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors and len(got) == len(jobs)
+        for i, tokens in got.items():
+            assert tokens == expected[i], f"request {i} differs from its solo run"
+        stats = engine.stats()
+        assert stats["free_blocks"] == stats["num_blocks"] == 16
+        assert stats["running"] == stats["waiting"] == 0
+        assert stats["preemptions"] > 0  # the pool really was too small
+
+
+def test_stream_pieces_join_to_the_generated_text(tiny_engine):
+    with Engine.load(tiny_engine) as engine:
+        params = SamplingParams(max_new_tokens=20, temperature=0.9, seed=3, ignore_eos=True)
+        [full] = engine.generate(["Hello there"], params)
+        pieces = list(engine.stream("Hello there", params))
+        assert "".join(pieces) == full.text and len(pieces) > 1
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine):
+    with Engine.load(tiny_engine) as engine:
+        params = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=11, ignore_eos=True)
+        alone = engine.generate(["abc"], params)[0].token_ids
+        batch = engine.generate(["abc", "a different prompt", "xyz"], params)
+        assert batch[0].token_ids == alone
+
+
+def test_stop_string_truncates(tiny_engine):
+    with Engine.load(tiny_engine) as engine:
+        [ref] = engine.generate(["stop test"], SamplingParams(max_new_tokens=30, ignore_eos=True))
+        stop = ref.text[5:8]
+        assert len(stop) == 3
+        [res] = engine.generate(["stop test"], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)))
+        assert res.finish_reason == "stop" and res.text == ref.text[: ref.text.find(stop)]
+
+
+def test_bad_requests(tiny_engine):
+    with Engine.load(tiny_engine) as engine:
+        with pytest.raises(RequestError, match="at most 48"):
+            engine.generate([list(range(3, 60))])
+        with pytest.raises(RequestError, match="max_seq_len 96"):
+            engine.generate(["hi"], SamplingParams(max_new_tokens=95))
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            engine.generate([[1, 2, 9999]])
+        with pytest.raises(AutoGLMError, match="no chat template"):
+            engine.generate([[{"role": "user", "content": "hi"}]])
+    with pytest.raises(SamplingError, match="top_p"):
+        SamplingParams(top_p=1.5)
+
+
+def test_missing_and_corrupt_engine(tiny_engine, tmp_path):
+    with pytest.raises(EngineError, match="does not exist"):
+        Engine.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineError, match="no manifest.json"):
+        Engine.load(tmp_path / "empty")
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_engine, broken)
+    data = broken / "model.opt.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(EngineError, match="corrupt"):
+        Engine.load(broken)
+    r = run_cli("doctor", str(broken))
+    assert r.returncode == 1 and "PROBLEM" in r.stdout and "model.opt.onnx.data is corrupt" in r.stdout
+    ok = run_cli("doctor", str(tiny_engine))
+    assert ok.returncode == 0 and "ready to run here" in ok.stdout
+
+
+def test_generate_cli(tiny_engine):
+    r = run_cli("generate", str(tiny_engine), "Once upon", "--max-new-tokens", "5", "--stream")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("generate", str(tiny_engine), "x" * 200)
+    assert r.returncode == 1 and "at most 48" in r.stderr
+
+
+def test_bench_cli_json_and_plot(tiny_engine, tmp_path):
+    r = run_cli("bench", str(tiny_engine), "--concurrency", "1,2", "--prompt-len", "8", "--gen-len", "8", "--json",
+                "--plot", str(tmp_path / "b.png"))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["concurrency"] for x in rows] == [1, 2]
+    assert all(x["tokens_per_s"] > 0 and x["token_ms_p50"] <= x["token_ms_p99"] for x in rows)
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,112 @@
+"""SmolLM2-135M engines: greedy output equals transformers, solo and batched; the INT8 gate."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from autoglm_trt.build.config import BuildConfig
+from autoglm_trt.build.pipeline import BuildRequest, build_engine
+from autoglm_trt.evaluate import evaluate
+from autoglm_trt.runtime import Engine, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hi! Who are you, and what can you do? Answer in detail.",
+    "Tell me a story about a dragon.",
+    "Write a poem about the sea and the stars at night.",
+    "Explain how photosynthesis works, step by step, for a ten year old.",
+    "What are the three most important things to know before adopting a dog, and why does each matter?",
+    "Write an essay about why reading books matters, for students who would rather watch videos all day long "
+    "instead of reading anything at all.",
+    "Describe a typical day in the life of a medieval farmer, from sunrise to sunset, including the work, the food "
+    "and the worries.",
+    "Give me a recipe for pancakes.",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smol-eng") / "fp32"
+    build_engine(BuildRequest(smollm2, out, precision="fp32", backend="onnxruntime",
+                              config=BuildConfig(max_batch_size=8, max_seq_len=512, max_input_len=256),
+                              cache_dir=out.parent / ".cache"), log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """transformers greedy continuations (64 new tokens or up to EOS) of the chat-formatted prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
+    out = []
+    for p in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append((list(ids), gen[0, len(ids):].tolist()))
+    return model, out
+
+
+def assert_same_or_near_tie(model, prompt_ids, ours, ref, eos):
+    import torch
+
+    ref = [t for t in ref if t not in eos]
+    if ours == ref:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ref[:k]])).logits[0, -1].numpy()
+    top2 = np.sort(logits)[-2:]
+    assert top2[1] - top2[0] < 1e-3, f"diverged at token {k} without a near-tie (gap {top2[1] - top2[0]:.4g})"
+
+
+def test_prompt_ids_match_transformers_chat_template(fp32_engine, reference):
+    _, ref = reference
+    with Engine.load(fp32_engine) as engine:
+        for p, (ids, _) in zip(PROMPTS, ref):
+            assert engine.encode([{"role": "user", "content": p}]) == ids
+    assert len({len(ids) for ids, _ in ref}) == len(PROMPTS)  # all different lengths
+
+
+def test_greedy_equals_transformers_solo_and_concurrent(fp32_engine, reference):
+    model, ref = reference
+    eos = {2}
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    assert sum(len(r) == NEW_TOKENS for _, r in ref) >= 6  # most run the full 64 tokens
+    with Engine.load(fp32_engine) as engine:
+        solo = [engine.generate([ids], params)[0].token_ids for ids, _ in ref]
+        together: list = [None] * len(ref)
+
+        def run(i):
+            together[i] = engine.generate([ref[i][0]], params)[0].token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ref))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        batched = [r.token_ids for r in engine.generate([ids for ids, _ in ref], params)]
+    for (ids, r), a, b, c in zip(ref, solo, together, batched):
+        for ours in (a, b, c):
+            assert_same_or_near_tie(model, ids, ours, r, eos)
+
+
+def test_int8_engine_meets_the_accuracy_gate(smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smol-int8") / "int8"
+    manifest = build_engine(BuildRequest(smollm2, out, precision="int8", backend="onnxruntime",
+                                         config=BuildConfig(max_batch_size=8, max_seq_len=512, max_input_len=256),
+                                         cache_dir=out.parent / ".cache"), log=lambda m: None)
+    calib = json.loads((out / "calib.json").read_text())
+    assert manifest["precision"] == "int8" and calib["gate"]["result"]["passed"]
+    res = evaluate(out, ROOT / "calibration" / "eval" / "heldout.txt", reference=smollm2, max_chunks=24)
+    assert res["ppl_ratio"] <= 1.02 and res["top1_agreement"] >= 0.90, res
