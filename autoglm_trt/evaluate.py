@@ -35,10 +35,11 @@ def text_chunks(text_file: Path, model_dir: Path, seq_len: int, max_chunks: int 
     return np.asarray(ids[: n * seq_len], np.int64).reshape(n, seq_len)
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+def log_softmax(x: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """Log-probabilities along the last axis, computed in ``dtype``."""
+    y: np.ndarray = x.astype(dtype)
+    y -= y.max(axis=-1, keepdims=True)
+    return y - np.log(np.exp(y).sum(axis=-1, keepdims=True))
 
 
 def hf_logits(checkpoint: Path) -> Logits:

@@ -13,6 +13,14 @@ from autoglm_trt.build.tensorrt_backend import summarize_layers, tensorrt_availa
 HAS_TRT = tensorrt_available()[0]
 
 
+def tiny_spec():
+    return spec_from_dict({"family": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+                           "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+                           "rope": {"theta": 1e4, "rotary_dim": 16, "rope_type": "default", "scaling": {}},
+                           "max_position_embeddings": 256, "tie_word_embeddings": True, "bos_token_id": 1,
+                           "eos_token_ids": [2]})
+
+
 def test_yaml_config_with_overrides(tmp_path):
     f = tmp_path / "b.yaml"
     f.write_text("max_batch_size: 4\nmax_seq_len: 512\nkv_num_blocks: 100\n")
@@ -41,12 +49,8 @@ def test_print_config_shows_effective_values():
     assert r.returncode == 0 and "max_batch_size: 3" in r.stdout and "kv_block_size: 16" in r.stdout
 
 
-def test_profile_shapes_map_the_config(tiny_dir):
-    spec = spec_from_dict({"family": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
-                           "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-                           "rope": {"theta": 1e4, "rotary_dim": 16, "rope_type": "default", "scaling": {}},
-                           "max_position_embeddings": 256, "tie_word_embeddings": True, "bos_token_id": 1,
-                           "eos_token_ids": [2]})
+def test_profile_shapes_map_the_config():
+    spec = tiny_spec()
     cfg = BuildConfig(max_batch_size=8, max_input_len=128, max_seq_len=300, kv_block_size=16, prefill_opt_tokens=64,
                       decode_opt_batch=4)
     p = profile_shapes(cfg, spec, num_blocks=40)
@@ -60,11 +64,7 @@ def test_profile_shapes_map_the_config(tiny_dir):
 
 
 def test_kv_pool_from_memory_budget():
-    spec = spec_from_dict({"family": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
-                           "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-                           "rope": {"theta": 1e4, "rotary_dim": 16, "rope_type": "default", "scaling": {}},
-                           "max_position_embeddings": 256, "tie_word_embeddings": True, "bos_token_id": 1,
-                           "eos_token_ids": [2]})
+    spec = tiny_spec()
     # one block: 2 (K,V) x 2 layers x 16 tokens x 2 heads x 16 dims x 4 bytes = 8192 bytes
     assert BuildConfig(kv_memory_bytes=8192 * 100, max_seq_len=256).num_blocks(spec, 4) == 100
     with pytest.raises(BuildConfigError, match="fewer than one sequence"):

@@ -78,9 +78,13 @@ class AbsHistogram:
         elif m >= self.range:
             self._grow(math.floor(m / self.range) + 1)
         np.multiply(a, np.float32(1.0 / self.width), out=a)
-        idx = a.astype(np.int32).ravel()
-        np.minimum(idx, self.num_bins - 1, out=idx)
-        self.counts += np.bincount(idx, minlength=self.num_bins)
+        # values at the very top of the range land in bin num_bins (or, by rounding, a little
+        # above): count them there and fold them into the last bin, instead of a clipping pass
+        counts = np.bincount(a.astype(np.int32).ravel())
+        self.counts += counts[: self.num_bins] if counts.size >= self.num_bins else np.pad(
+            counts, (0, self.num_bins - counts.size))
+        if counts.size > self.num_bins:
+            self.counts[-1] += counts[self.num_bins :].sum()
 
     def _grow(self, k: int) -> None:
         merged = np.add.reduceat(self.counts, np.arange(0, self.num_bins, k))

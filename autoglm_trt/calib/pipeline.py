@@ -251,6 +251,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
             "activation_tensors": act_names,
             "float_linears": float_layers,
             "float_weight_fraction": _float_fraction(spec, keep + cfg.keep_float),
+            "weight_bytes_per_token": _weight_bytes(spec, keep + cfg.keep_float, "lm_head" in quantized),
             "int8_output_error": errors,
             "smoothquant": {"alpha": alpha, "linears": sorted(stats.smooth)},
             "timings": {**timings, "total_s": round(time.perf_counter() - t0, 2)},
@@ -277,6 +278,20 @@ def _matrix(weights: SmoothedWeights, name: str) -> np.ndarray:
     if kind in ("qkv", "o_proj"):
         return getattr(weights, kind)(layer)[0]
     return getattr(weights, kind)(layer)
+
+
+def _weight_bytes(spec, keep: list[str], head_int8: bool) -> dict:
+    """What the float linears cost a bandwidth-bound decode step: weight bytes read per token."""
+    sizes = {"qkv": spec.hidden_size * (spec.q_size + 2 * spec.kv_size), "o_proj": spec.q_size * spec.hidden_size,
+             "gate_up": 2 * spec.hidden_size * spec.intermediate_size, "down": spec.intermediate_size * spec.hidden_size}
+    linear = spec.num_layers * sum(sizes.values())
+    float_params = sum(sizes[n.split(".")[-1]] for n in keep if n != "lm_head")
+    head = spec.vocab_size * spec.hidden_size
+    plan = (linear - float_params) + 4 * float_params + (1 if head_int8 else 4) * head
+    all_int8 = linear + (1 if head_int8 else 4) * head
+    return {"this_plan_mb": round(plan / 1e6, 1), "all_int8_mb": round(all_int8 / 1e6, 1),
+            "float32_mb": round(4 * (linear + head) / 1e6, 1),
+            "note": "linears and LM head only (float32 where not INT8); decode on a CPU is bound by these reads"}
 
 
 def _float_fraction(spec, keep: list[str]) -> float:
