@@ -81,7 +81,7 @@ def test_export_json_records_spec_io_and_hashes(exported, tiny_dir):
     assert meta["graph"]["inputs"][:6] == ["input_ids", "position_ids", "context_lens", "query_lens", "block_tables",
                                            "logits_indices"]
     assert "new_value.1" in meta["graph"]["outputs"]
-    assert set(meta["source"]["sha256"]) == {"config.json", "model.safetensors", "generation_config.json"}
+    assert set(meta["source"]["sha256"]) == {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"}
     assert all(len(h) == 64 for h in meta["source"]["sha256"].values())
     assert meta["versions"]["onnxruntime"]
 
