@@ -26,6 +26,8 @@ def tensorrt_available() -> tuple[bool, str]:
         import tensorrt as trt
     except ImportError as exc:
         return False, f"the Python module 'tensorrt' is not installed ({exc})"
+    if not hasattr(trt, "Builder"):  # e.g. only tensorrt-stubs' .pyi files: a namespace package
+        return False, "the Python module 'tensorrt' is not installed (only its type stubs are)"
     gpu = cuda_device()
     if gpu is None:
         return False, "no NVIDIA GPU is visible to cuda-python (cuda.bindings)"
