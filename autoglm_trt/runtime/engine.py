@@ -27,7 +27,6 @@ import numpy as np
 from ..arch import spec_from_dict
 from ..build.manifest import EngineError, check_engine
 from ..errors import AutoGLMError
-from ..graph_runner import read_model_meta
 from ..paged_kv import BlockAllocator, blocks_needed, step_inputs
 from .backend import OrtBackend, StepBackend
 from .sampling import SamplingParams, sample
@@ -98,7 +97,6 @@ class Engine:
         """
         path = Path(path)
         manifest = check_engine(path, verify_hashes=verify)
-        meta = read_model_meta(path)
         spec = spec_from_dict(manifest["spec"])
         kv = manifest["kv_cache"]
         blocks = kv["num_blocks"]
@@ -116,7 +114,6 @@ class Engine:
             backend = TrtBackend(path / manifest["engine_file"], spec, blocks, kv["block_size"], kv["dtype"],
                                  manifest["limits"]["max_batch_size"], manifest["limits"]["max_input_len"])
         tokenizer = TextTokenizer(path) if (path / "tokenizer.json").is_file() else None
-        del meta
         return cls(path, manifest, backend, tokenizer)
 
     # -- requests ----------------------------------------------------------------
