@@ -160,3 +160,37 @@ def test_eval_of_hf_reference_matches_export(tiny_export, tiny_dir):
 
     res = evaluate(tiny_export, DATA / "10_json.txt", reference=Path(tiny_dir("glm")), seq_len=64, max_chunks=2)
     assert res["ppl_ratio"] == pytest.approx(1.0, abs=1e-4) and res["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("family", ["glm", "glm4", "llama"])
+def test_smoothquant_folding_leaves_the_float_model_unchanged(tiny_dir, tmp_path, family):
+    """Random smoothing vectors on all four linears of every layer, folded into norms, V and up:
+    the float graph must compute the same logits (only the INT8 error changes)."""
+    from autoglm_trt.arch import spec_from_dict
+    from autoglm_trt.calib.exported_weights import ExportedWeights
+    from autoglm_trt.calib.smooth import SmoothedWeights, expand_groups, group_shared
+    from autoglm_trt.export.graph import OPSET, DecoderGraph, GraphOptions
+    from autoglm_trt.onnx_builder import GraphBuilder
+
+    export = tmp_path / "export"
+    export_checkpoint(ExportConfig(tiny_dir(family), export), log=lambda m: None)
+    meta = json.loads((export / "export.json").read_text())
+    spec = spec_from_dict(meta["spec"])
+    rng = np.random.default_rng(0)
+    scales = {}
+    for i in range(spec.num_layers):
+        p = f"layers.{i}"
+        scales[f"{p}.qkv"] = rng.uniform(0.2, 5.0, spec.hidden_size).astype(np.float32)
+        scales[f"{p}.gate_up"] = rng.uniform(0.2, 5.0, spec.hidden_size).astype(np.float32)
+        scales[f"{p}.down"] = rng.uniform(0.2, 5.0, spec.intermediate_size).astype(np.float32)
+        o = rng.uniform(0.2, 5.0, spec.q_size).astype(np.float32)
+        scales[f"{p}.o_proj"] = expand_groups(group_shared(o, spec), spec)
+    smoothed = tmp_path / "smoothed"
+    shutil.copytree(export, smoothed)
+    builder = GraphBuilder(smoothed / "model.onnx.data")
+    DecoderGraph(builder, spec, SmoothedWeights(ExportedWeights(export), spec, scales),
+                 GraphOptions("float32", meta["graph"]["max_positions"])).build()
+    onnx.save_model(builder.model("smoothed", OPSET), str(smoothed / "model.onnx"))
+    windows = token_windows(DATA, export, 2, 48, None).windows
+    ref, got = GraphRunner(export).logits(windows), GraphRunner(smoothed).logits(windows)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)

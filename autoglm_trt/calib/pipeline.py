@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -40,7 +41,7 @@ from .data import token_windows
 from .exported_weights import ExportedWeights
 from .histogram import METHODS, percentile_amax
 from .sensitivity import Gate, SensitivitySearch, output_error
-from .smooth import SmoothedWeights, layer_scales
+from .smooth import SmoothedWeights, smoothing_scales, weight_row_max
 
 # "auto": per tensor, the threshold (of these) with the least INT8 output error on real rows
 AUTO_CANDIDATES = {
@@ -148,11 +149,15 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     session = calibration_session(cfg.export_dir, list(inputs.values()), cfg.threads)
     alpha = cfg.smoothquant_alpha
 
+    # The weight maxima SmoothQuant needs are read while ONNX Runtime runs the first batch.
+    w_max: dict[str, dict[str, np.ndarray]] = {}
+    reader = threading.Thread(target=lambda: w_max.update(all=weight_row_max(spec, base)), daemon=True)
+    if alpha is not None:
+        reader.start()
+
     def smoothing(chan_max: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        scales: dict[str, np.ndarray] = {}
-        for i in range(spec.num_layers):
-            scales.update(layer_scales(spec, base, i, chan_max, alpha))  # type: ignore[arg-type]
-        return scales
+        reader.join()
+        return smoothing_scales(spec, w_max["all"], chan_max, alpha)  # type: ignore[arg-type]
 
     t_collect = time.perf_counter()
     stats = collect(session, spec, inputs, windows.windows, cfg.batch_size, smoothing if alpha is not None else None)

@@ -43,19 +43,28 @@ def expand_groups(v_kv: np.ndarray, spec: ModelSpec) -> np.ndarray:
     return np.repeat(v_kv.reshape(spec.num_kv_heads, 1, spec.head_dim), grp, axis=1).reshape(-1)
 
 
-def layer_scales(spec: ModelSpec, weights: WeightSource, i: int, act_max: dict[str, np.ndarray],
-                 alpha: float) -> dict[str, np.ndarray]:
-    """Smoothing vectors of layer i's four linears from per-channel activation maxima."""
-    p = f"layers.{i}"
+def weight_row_max(spec: ModelSpec, weights: WeightSource) -> dict[str, np.ndarray]:
+    """max |W| over the output channels, for each input channel of every linear."""
     out = {}
-    w_qkv, _ = weights.qkv(i)
-    out[f"{p}.qkv"] = smoothing_scale(act_max[f"{p}.qkv"], np.abs(w_qkv).max(axis=1), alpha)
-    w_o, _ = weights.o_proj(i)
-    s_kv = smoothing_scale(group_shared(act_max[f"{p}.o_proj"], spec), group_shared(np.abs(w_o).max(axis=1), spec),
-                           alpha)
-    out[f"{p}.o_proj"] = expand_groups(s_kv, spec)
-    out[f"{p}.gate_up"] = smoothing_scale(act_max[f"{p}.gate_up"], np.abs(weights.gate_up(i)).max(axis=1), alpha)
-    out[f"{p}.down"] = smoothing_scale(act_max[f"{p}.down"], np.abs(weights.down(i)).max(axis=1), alpha)
+    for i in range(spec.num_layers):
+        p = f"layers.{i}"
+        out[f"{p}.qkv"] = np.abs(weights.qkv(i)[0]).max(axis=1)
+        out[f"{p}.o_proj"] = np.abs(weights.o_proj(i)[0]).max(axis=1)
+        out[f"{p}.gate_up"] = np.abs(weights.gate_up(i)).max(axis=1)
+        out[f"{p}.down"] = np.abs(weights.down(i)).max(axis=1)
+    return out
+
+
+def smoothing_scales(spec: ModelSpec, w_max: dict[str, np.ndarray], act_max: dict[str, np.ndarray],
+                     alpha: float) -> dict[str, np.ndarray]:
+    """Smoothing vectors of every linear from per-channel activation and weight maxima."""
+    out = {}
+    for name, wm in w_max.items():
+        if name.endswith(".o_proj"):  # shared by the query heads of a KV group (see the module docstring)
+            s_kv = smoothing_scale(group_shared(act_max[name], spec), group_shared(wm, spec), alpha)
+            out[name] = expand_groups(s_kv, spec)
+        else:
+            out[name] = smoothing_scale(act_max[name], wm, alpha)
     return out
 
 
