@@ -285,10 +285,15 @@ def _matrix(weights: SmoothedWeights, name: str) -> np.ndarray:
     return getattr(weights, kind)(layer)
 
 
+def _linear_params(spec) -> dict[str, int]:
+    """Parameters of one layer's linear of each kind."""
+    return {"qkv": spec.hidden_size * (spec.q_size + 2 * spec.kv_size), "o_proj": spec.q_size * spec.hidden_size,
+            "gate_up": 2 * spec.hidden_size * spec.intermediate_size, "down": spec.intermediate_size * spec.hidden_size}
+
+
 def _weight_bytes(spec, keep: list[str], head_int8: bool) -> dict:
     """What the float linears cost a bandwidth-bound decode step: weight bytes read per token."""
-    sizes = {"qkv": spec.hidden_size * (spec.q_size + 2 * spec.kv_size), "o_proj": spec.q_size * spec.hidden_size,
-             "gate_up": 2 * spec.hidden_size * spec.intermediate_size, "down": spec.intermediate_size * spec.hidden_size}
+    sizes = _linear_params(spec)
     linear = spec.num_layers * sum(sizes.values())
     float_params = sum(sizes[n.split(".")[-1]] for n in keep if n != "lm_head")
     head = spec.vocab_size * spec.hidden_size
@@ -301,8 +306,7 @@ def _weight_bytes(spec, keep: list[str], head_int8: bool) -> dict:
 
 def _float_fraction(spec, keep: list[str]) -> float:
     """Share of the linear weights (by parameter count) that stay in float."""
-    sizes = {"qkv": spec.hidden_size * (spec.q_size + 2 * spec.kv_size), "o_proj": spec.q_size * spec.hidden_size,
-             "gate_up": 2 * spec.hidden_size * spec.intermediate_size, "down": spec.intermediate_size * spec.hidden_size}
+    sizes = _linear_params(spec)
     total = spec.num_layers * sum(sizes.values())
     kept = sum(sizes.get(n.split(".")[-1], spec.vocab_size * spec.hidden_size) for n in keep)
     return round(kept / total, 4)
