@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -143,13 +144,9 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._names
 
-    @property
+    @cached_property
     def _names(self) -> set[str]:
-        cached = self.__dict__.get("_name_set")
-        if cached is None:
-            cached = set(self.source.names())
-            self.__dict__["_name_set"] = cached
-        return cached
+        return set(self.source.names())
 
     def shape(self, name: str) -> tuple[int, ...]:
         self._check(name)

@@ -125,13 +125,6 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
         raise AutoGLMError("accuracy gate failed: " + "; ".join(failures))
 
 
-_CONFIG_FLAGS = {
-    "max_batch_size": "--max-batch-size", "max_input_len": "--max-input-len", "max_seq_len": "--max-seq-len",
-    "kv_block_size": "--kv-block-size", "kv_num_blocks": "--kv-num-blocks", "kv_memory_bytes": "--kv-memory-bytes",
-    "workspace_bytes": "--workspace-bytes", "builder_optimization_level": "--opt-level", "threads": "--threads",
-}
-
-
 @cli.command("build")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="int8", show_default=True)

@@ -42,11 +42,20 @@ def log_softmax(x: np.ndarray, dtype: type = np.float64) -> np.ndarray:
     return y - np.log(np.exp(y).sum(axis=-1, keepdims=True))
 
 
-def hf_logits(checkpoint: Path) -> Logits:
+def next_token_scores(logits: np.ndarray, windows: np.ndarray, dtype: type = np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced scores: log-probabilities of the next token at each position
+    ``[batch, seq_len - 1, vocab]`` and the negative log-likelihood of the actual next tokens."""
+    lp = log_softmax(logits[:, :-1], dtype)
+    return lp, -np.take_along_axis(lp, windows[:, 1:, None], -1)[..., 0]
+
+
+def hf_logits(checkpoint: Path, allow_pickle: bool = False) -> Logits:
+    """Logits function of a checkpoint in transformers, float32 (no remote code)."""
     torch = require("torch", "torch==2.13.0", "A transformers reference")
     transformers = require("transformers", "autoglm-trt[test]", "A transformers reference")
     model = transformers.AutoModelForCausalLM.from_pretrained(  # type: ignore[attr-defined]
-        str(checkpoint), dtype=torch.float32, trust_remote_code=False, use_safetensors=True)  # type: ignore[attr-defined]
+        str(checkpoint), dtype=torch.float32, trust_remote_code=False,  # type: ignore[attr-defined]
+        use_safetensors=not allow_pickle)
     model.eval()
 
     def fn(windows: np.ndarray) -> np.ndarray:
@@ -74,12 +83,11 @@ def evaluate(model: Path, text: Path, reference: Path | None = None, seq_len: in
     nll, ref_nll, agree, kl = [], [], [], []
     for start in range(0, len(chunks), batch):
         w = chunks[start : start + batch]
-        targets = w[:, 1:]
-        lp = log_softmax(run_model(w)[:, :-1])
-        nll.append(-np.take_along_axis(lp, targets[..., None], -1)[..., 0])
+        lp, model_nll = next_token_scores(run_model(w), w)
+        nll.append(model_nll)
         if run_ref is not None:
-            rlp = log_softmax(run_ref(w)[:, :-1])
-            ref_nll.append(-np.take_along_axis(rlp, targets[..., None], -1)[..., 0])
+            rlp, r_nll = next_token_scores(run_ref(w), w)
+            ref_nll.append(r_nll)
             agree.append(lp.argmax(-1) == rlp.argmax(-1))
             kl.append((np.exp(rlp) * (rlp - lp)).sum(-1))
         if log:

@@ -28,6 +28,21 @@ def read_model_meta(model_dir: Path) -> dict:
     return json.loads(meta_path.read_text())
 
 
+def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str,
+                  all_logits: bool = False) -> dict[str, np.ndarray]:
+    """Graph inputs for a prefill of equal-length windows with nothing cached.
+
+    One pool block (masked out by ``context_lens`` 0) suffices, and the new K/V outputs are not
+    written back.
+    """
+    batch, seq_len = windows.shape
+    block = 16
+    pools = KVPools(spec.num_layers, 1, block, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
+    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits)
+    return {**feeds, **pools.feeds()}
+
+
 class GraphRunner:
     """One ONNX Runtime session over a model directory's graph."""
 
@@ -43,12 +58,4 @@ class GraphRunner:
 
     def logits(self, windows: np.ndarray) -> np.ndarray:
         """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""
-        batch, seq_len = windows.shape
-        block = 16
-        s = self.spec
-        # Nothing is cached before a prefill: one pool block (masked out) suffices, and the
-        # new K/V outputs are not written back.
-        pools = KVPools(s.num_layers, 1, block, s.num_kv_heads, s.head_dim, self.kv_dtype)
-        states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
-        feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=True)
-        return run(self.session, {**feeds, **pools.feeds()})["logits"]
+        return run(self.session, prefill_feeds(self.spec, windows, self.kv_dtype, all_logits=True))["logits"]

@@ -73,7 +73,7 @@ class GraphBuilder:
         start = self._offset
         for chunk in chunks:
             chunk = np.ascontiguousarray(chunk, dtype=dtype)
-            self._file.write(chunk.tobytes() if chunk.nbytes < (1 << 20) else memoryview(chunk).cast("B"))  # type: ignore[arg-type]
+            self._file.write(chunk.data)
             self._offset += chunk.nbytes
         length = self._offset - start
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

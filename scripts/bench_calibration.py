@@ -28,9 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 def child_forward(export: Path, samples: int, seq_len: int, batch: int) -> dict:
     from autoglm_trt.arch import spec_from_dict
-    from autoglm_trt.calib.collect import prefill_feeds
     from autoglm_trt.calib.data import token_windows
-    from autoglm_trt.graph_runner import read_model_meta
+    from autoglm_trt.graph_runner import prefill_feeds, read_model_meta
     from autoglm_trt.ort_session import make_session
 
     spec = spec_from_dict(read_model_meta(export)["spec"])

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from ..arch import ModelSpec
-from ..paged_kv import KVPools, SeqState, step_inputs
+from ..graph_runner import prefill_feeds
 from ..progress import Progress
 from .histogram import AbsHistogram
 
@@ -62,14 +62,6 @@ def calibration_session(export_dir: Path, outputs: list[str], threads: int | Non
         so.intra_op_num_threads = threads
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(export_dir).resolve()))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str) -> dict[str, np.ndarray]:
-    batch, seq_len = windows.shape
-    pools = KVPools(spec.num_layers, 1, 16, spec.num_kv_heads, spec.head_dim, kv_dtype)
-    states = [SeqState(0, [0] * -(-seq_len // 16)) for _ in range(batch)]
-    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, 16)
-    return {**feeds, **pools.feeds()}
 
 
 def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,

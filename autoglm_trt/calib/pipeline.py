@@ -119,6 +119,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     data_sha = hashlib.sha256((windows.sha256 + json.dumps(settings, sort_keys=True)).encode()).hexdigest()
     msha = model_sha256(cfg.export_dir)
 
+    replace = cfg.force
     existing = Path(cfg.out_dir) / "calib.json"
     if existing.is_file():
         record = json.loads(existing.read_text())
@@ -130,7 +131,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
             raise CalibrationMismatchError(
                 f"{cfg.out_dir} holds a calibration of another model or other data/settings; "
                 "pass --force to replace it")
-        cfg.force = True
+        replace = True
 
     log(f"calibrating {cfg.export_dir} with {len(windows.windows)} windows of {cfg.seq_len} tokens "
         f"({windows.total_tokens} tokens of text), method {cfg.method}, SmoothQuant "
@@ -184,7 +185,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
 
     errors = {n: output_error(stats.sample[n], _matrix(weights, n), amax[n]) for n in amax}
 
-    with staged_directory(Path(cfg.out_dir), cfg.force) as tmp:
+    with staged_directory(Path(cfg.out_dir), replace) as tmp:
         def build(keep: list[str], switchable: bool = False, name: str = "model.int8.onnx") -> Path:
             plan = QuantPlan({n: a for n, a in amax.items() if n not in keep and n not in cfg.keep_float}, switchable)
             builder = GraphBuilder(tmp / f"{name}.data")

@@ -22,8 +22,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..arch import ModelSpec
+from ..evaluate import log_softmax, next_token_scores
 from ..export.graph import act_scale, quantize_weight_per_channel
-from .collect import prefill_feeds
+from ..graph_runner import prefill_feeds
 
 RANK_WINDOWS = 2
 RANK_SEQ_LEN = 128
@@ -66,12 +67,6 @@ def fewest_float(ranked: list[str], passes: Callable[[list[str]], bool], log: Ca
     return ranked[:hi]
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    from ..evaluate import log_softmax as log_softmax_any
-
-    return log_softmax_any(x, np.float32)
-
-
 class Gate:
     """Perplexity ratio and top-1 agreement of a model against a float reference on fixed windows."""
 
@@ -84,8 +79,8 @@ class Gate:
         nll, top = [], []
         for b in range(0, len(self.windows), self.batch):
             w = self.windows[b : b + self.batch]
-            lp = log_softmax(fn(w)[:, :-1])
-            nll.append(-np.take_along_axis(lp, w[:, 1:, None], -1)[..., 0])
+            lp, w_nll = next_token_scores(fn(w), w, np.float32)
+            nll.append(w_nll)
             top.append(lp.argmax(-1))
         return np.concatenate(nll), np.concatenate(top)
 
@@ -110,8 +105,7 @@ class SensitivitySearch:
 
         def run(mask: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
             def fn(w: np.ndarray) -> np.ndarray:
-                feeds = prefill_feeds(spec, w, "float32")
-                feeds["logits_indices"] = np.tile(np.arange(w.shape[1], dtype=np.int64), (len(w), 1))
+                feeds = prefill_feeds(spec, w, "float32", all_logits=True)
                 feeds["quant_mask"] = mask
                 return session.run(["logits"], feeds)[0]
             return fn
@@ -127,11 +121,11 @@ class SensitivitySearch:
         return m
 
     def rank(self, errors: dict[str, float], log: Callable[[str], None]) -> list[str]:
-        ref = log_softmax(self._run(np.zeros(len(self.order), np.float32))(self.rank_windows))
+        ref = log_softmax(self._run(np.zeros(len(self.order), np.float32))(self.rank_windows), np.float32)
         p = np.exp(ref)
 
         def kl(keep: list[str]) -> float:
-            lq = log_softmax(self._run(self.mask(keep))(self.rank_windows))
+            lq = log_softmax(self._run(self.mask(keep))(self.rank_windows), np.float32)
             return float((p * (ref - lq)).sum(-1).mean())
 
         base = kl([])

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..arch import ModelSpec
-from ..errors import ValidationError, require
+from ..errors import ValidationError
 from ..ort_session import make_session, run
 from ..paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
 
@@ -48,20 +48,10 @@ def validation_prompts(checkpoint: Path, spec: ModelSpec, seed: int = 0) -> list
 
 def reference_logits(checkpoint: Path, prompts: list[list[int]], allow_pickle: bool = False) -> list[np.ndarray]:
     """transformers' float32 logits at every position of every prompt (each run alone)."""
-    torch = require("torch", "torch==2.13.0", "Validating an export against transformers")
-    transformers = require("transformers", "autoglm-trt[test]", "Validating an export against transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(  # type: ignore[attr-defined]
-        str(checkpoint), dtype=torch.float32, trust_remote_code=False,  # type: ignore[attr-defined]
-        use_safetensors=not allow_pickle,
-    )
-    model.eval()
-    out = []
-    with torch.no_grad():  # type: ignore[attr-defined]
-        for ids in prompts:
-            logits = model(torch.tensor([ids])).logits[0]  # type: ignore[attr-defined]
-            out.append(logits.float().numpy())
-    del model
-    return out
+    from ..evaluate import hf_logits
+
+    run_hf = hf_logits(checkpoint, allow_pickle)
+    return [run_hf(np.asarray([ids], np.int64))[0] for ids in prompts]
 
 
 def paged_decode_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_dtype: str) -> list[np.ndarray]:

@@ -46,7 +46,6 @@ class OrtBackend:
         self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
         self._outputs = [o.name for o in self.session.get_outputs()]
-        self._ort = ort
 
     def step(self, feeds: dict[str, np.ndarray], slots: SlotMap) -> np.ndarray:
         binding = self.session.io_binding()
