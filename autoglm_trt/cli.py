@@ -64,7 +64,11 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
 @click.option("--percentile", type=float, default=99.99, show_default=True)
 @click.option("--smoothquant", "alpha", type=float, default=0.8, show_default=True,
               help="SmoothQuant migration strength alpha; 0 turns it off.")
-@click.option("--quantize-lm-head", is_flag=True, help="Quantize the LM head too (off: measured to cost accuracy).")
+@click.option("--quantize-lm-head/--float-lm-head", default=True, show_default=True,
+              help="Offer the LM head to INT8 (the accuracy gate still decides).")
+@click.option("--rotate", default="down,lm_head", show_default=True,
+              help="Linear kinds (qkv, o_proj, gate_up, down, lm_head) whose input gets a Hadamard rotation; "
+                   "'none' for none.")
 @click.option("--keep-float", multiple=True, help="Linear to keep in float, e.g. layers.3.down (repeatable).")
 @click.option("--gate/--no-gate", default=True, show_default=True,
               help="Check accuracy against the float graph and keep the fewest linears in float until it holds.")
@@ -72,7 +76,8 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
 @click.option("--target-top1", type=float, default=0.91, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an output made from another model or data.")
 def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: str, num_samples: int, seq_len: int,
-                  batch_size: int, percentile: float, alpha: float, quantize_lm_head: bool, keep_float: tuple[str, ...],
+                  batch_size: int, percentile: float, alpha: float, quantize_lm_head: bool, rotate: str,
+                  keep_float: tuple[str, ...],
                   gate: bool, target_ppl_ratio: float, target_top1: float, force: bool) -> None:
     """INT8-calibrate a float32 EXPORT_DIR: Q/DQ ONNX, TensorRT calibration cache, calib.json."""
     from .calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
@@ -83,6 +88,7 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
     calibrate(CalibConfig(export_dir=export_dir, data=data, out_dir=out_dir, method=method, num_samples=num_samples,
                           seq_len=seq_len, batch_size=batch_size, percentile=percentile,
                           smoothquant_alpha=alpha or None, quantize_lm_head=quantize_lm_head,
+                          rotate=[] if rotate == "none" else [k.strip() for k in rotate.split(",") if k.strip()],
                           keep_float=list(keep_float), gate=gate, target_ppl_ratio=target_ppl_ratio,
                           target_top1=target_top1, force=force), log=_log)
     click.echo(f"calibrated model written to {out_dir}")

@@ -118,7 +118,16 @@ class GraphBuilder:
         return outs
 
     def rename_output(self, tensor: str, name: str) -> str:
-        """Give an intermediate tensor a graph-output name through an Identity node."""
+        """Give an intermediate tensor a graph-output name; use the returned name from then on.
+
+        The producing node's output is renamed in place when nothing has consumed the tensor yet
+        (no extra node for the runtime to schedule); otherwise an Identity node is added.
+        """
+        if not any(tensor in n.input for n in self.nodes):
+            for node in reversed(self.nodes):
+                if tensor in node.output:
+                    node.output[list(node.output).index(tensor)] = name
+                    return name
         self.nodes.append(helper.make_node("Identity", [tensor], [name], name=f"{name}_identity"))
         return name
 

@@ -5,8 +5,8 @@ outputs. Output: the graph's inputs for one step, and the pools updated in place
 
 Layout (one pool per layer for K and one for V)::
 
-    pool[num_blocks, block_size, kv_heads, head_dim]
-    sequence s, token at position p  ->  pool[block_table[s][p // block_size], p % block_size]
+    pool[kv_heads, num_blocks, block_size, head_dim]
+    sequence s, token at position p, KV head h  ->  pool[h, block_table[s][p // block_size], p % block_size]
 
     block_table of a 40-token sequence, block_size 16:  [7, 2, 9]
       block 7: positions  0..15 | block 2: 16..31 | block 9: 32..39 (8 slots still free)
@@ -14,6 +14,11 @@ Layout (one pool per layer for K and one for V)::
 The allocator hands out block ids from a free list (lowest id first, freed blocks return to
 the end); it answers ``None`` when a request cannot be met and leaves the decision (wait,
 preempt) to the caller.
+
+KV heads come first so that the graph's ``Gather(pool, block_tables, axis=1)`` yields
+``[kv_heads, batch, blocks, block_size, head_dim]``: each head's past keys and values are
+already the contiguous ``[tokens, head_dim]`` matrices attention multiplies, with no
+transpose or copy of the past in the step.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing
+
+POOL_LAYOUT = "[kv_heads, num_blocks, block_size, head_dim]"
+
+
+def pool_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    return (kv_heads, num_blocks, block_size, head_dim)
 
 
 class BlockAllocator:
@@ -69,8 +80,8 @@ class KVPools:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: np.typing.DTypeLike = np.float32):
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.block_size = block_size
+        shape = pool_shape(num_blocks, block_size, kv_heads, head_dim)
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.keys = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 
@@ -85,8 +96,8 @@ class KVPools:
         """Scatter every layer's new K/V into the pools at the slots of the step."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             new_k, new_v = outputs[f"new_key.{i}"], outputs[f"new_value.{i}"]
-            k[slots.block, slots.offset] = new_k[slots.batch, slots.token]
-            v[slots.block, slots.offset] = new_v[slots.batch, slots.token]
+            k[:, slots.block, slots.offset] = new_k[slots.batch, slots.token].swapaxes(0, 1)
+            v[:, slots.block, slots.offset] = new_v[slots.batch, slots.token].swapaxes(0, 1)
 
 
 @dataclass(frozen=True)

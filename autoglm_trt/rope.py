@@ -1,9 +1,16 @@
 """Rotary position embedding tables, in numpy.
 
 Input: the model's rope parameters. Output: ``cos`` and ``sin`` tables of shape
-``[max_positions, rotary_dim // 2]`` that the graph gathers by ``position_ids``. Computed in
-float32 the way transformers computes them, so the exported graph and the reference agree.
-Supported rope types: ``default``, ``linear`` and ``llama3``.
+``[max_positions, rotary_dim // 2]``, computed in float32 the way transformers computes them,
+so the exported graph and the reference agree. Supported rope types: ``default``, ``linear``
+and ``llama3``.
+
+The graph applies half-split rope to a whole head in four nodes,
+``x * cos_full + (x @ P) * sin_full``: the tables widened to ``head_dim`` (cos and sin
+repeated for the two halves, then 1 and 0 on the pass-through dimensions) and ``P`` the
+signed permutation with ``(x @ P) = [-x2, x1, 0]``. Every product in ``x @ P`` is by 0 or
++-1, so it is exact, and the result equals ``[x1 cos - x2 sin, x2 cos + x1 sin, x3]`` bit
+for bit.
 """
 
 from __future__ import annotations
@@ -57,6 +64,23 @@ def cos_sin_tables(rope: RopeSpec, max_positions: int, max_position_embeddings: 
     positions = np.arange(max_positions, dtype=np.float32)
     angles = np.outer(positions, inv_freq).astype(np.float32)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def full_width_tables(cos: np.ndarray, sin: np.ndarray, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[P, rotary_dim // 2]`` tables -> ``[P, head_dim]``: each repeated for both halves, then 1 / 0."""
+    rest = head_dim - 2 * cos.shape[1]
+    ones, zeros = np.ones((cos.shape[0], rest), np.float32), np.zeros((cos.shape[0], rest), np.float32)
+    return np.concatenate([cos, cos, ones], axis=1), np.concatenate([sin, sin, zeros], axis=1)
+
+
+def rotate_half_matrix(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """``P`` with ``x @ P = [-x[r/2:r], x[:r/2], 0...]`` (r = rotary_dim), float32 entries 0 / +-1."""
+    half = rotary_dim // 2
+    p = np.zeros((head_dim, head_dim), np.float32)
+    for j in range(half):
+        p[j + half, j] = -1.0
+        p[j, j + half] = 1.0
+    return p
 
 
 def interleaved_to_half_order(head_dim: int, rotary_dim: int) -> np.ndarray:

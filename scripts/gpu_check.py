@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autoglm_trt.paged_kv import KVPools, SeqState, step_inputs  # noqa: E402
+from autoglm_trt.paged_kv import KVPools, SeqState, pool_shape, step_inputs  # noqa: E402
 from autoglm_trt.runtime import cuda_utils as cu  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 
 
 def check_pools(dtype: np.dtype, num_blocks: int) -> dict:
-    pool = cu.DeviceArray.zeros((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype)
+    pool = cu.DeviceArray.zeros(pool_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype)
     host = pool.to_numpy()
     ok = bool(host.shape == pool.shape and not host.any())
     pool.free()
@@ -83,8 +83,8 @@ def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> 
     kernel(src, pool, stream)
     stream.synchronize()
     got = pool.to_numpy()
-    untouched = np.ones(before.shape[:2], bool)
-    untouched[slots.block, slots.offset] = False
+    untouched = np.ones(before.shape[:3], bool)  # [kv_heads, num_blocks, block_size]
+    untouched[:, slots.block, slots.offset] = False
     ok = bool(np.array_equal(got, ref.keys[0]) and np.array_equal(got[untouched], before[untouched]))
     for a in (pool, src):
         a.free()
@@ -95,7 +95,7 @@ def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> 
 def time_scatter(rng: np.random.Generator, num_blocks: int) -> dict:
     dtype = np.dtype(np.float16)
     stream = cu.Stream()
-    pools = [cu.DeviceArray.zeros((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype) for _ in range(2 * LAYERS)]
+    pools = [cu.DeviceArray.zeros(pool_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype) for _ in range(2 * LAYERS)]
     src = cu.DeviceArray.empty((16, KV_HEADS * HEAD_DIM), dtype)
     src.copy_from_host(rng.standard_normal((16, KV_HEADS * HEAD_DIM)).astype(dtype))
     kernel = cu.ScatterKernel()

@@ -58,7 +58,7 @@ def test_profile_shapes_map_the_config():
     assert p["prefill"]["block_tables"] == ((1, 1), (1, 1), (8, 19))  # ceil(300 / 16) blocks per sequence
     assert p["decode"]["input_ids"] == ((1, 1), (4, 1), (8, 1))
     assert p["decode"]["logits_indices"] == ((1, 1), (4, 1), (8, 1))
-    assert p["decode"]["past_value.1"] == ((40, 16, 2, 16),) * 3
+    assert p["decode"]["past_value.1"] == ((2, 40, 16, 16),) * 3  # [kv_heads, num_blocks, block_size, head_dim]
     assert set(p["prefill"]) == {"input_ids", "position_ids", "context_lens", "query_lens", "block_tables",
                                  "logits_indices", "past_key.0", "past_value.0", "past_key.1", "past_value.1"}
 

@@ -40,7 +40,7 @@ def test_outputs_and_record(calibrated, tiny_export):
     assert record["method"] == "entropy" and record["data"]["windows"] == 16
     assert len(record["model_sha256"]) == 64 and len(record["data_sha256"]) == 64
     layers = json.loads((tiny_export / "export.json").read_text())["spec"]["num_layers"]
-    assert len(record["amax"]) == 4 * layers  # qkv, o_proj, gate_up, down; lm_head stays float by default
+    assert len(record["amax"]) == 4 * layers + 1  # qkv, o_proj, gate_up, down of each layer, and the LM head
     assert all(v > 0 for v in record["amax"].values())
     header, scales = read_cache(out / "calibration.cache")
     assert header == "TRT-101300-EntropyCalibration2"
@@ -54,17 +54,31 @@ def test_qdq_placement(calibrated):
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name: t for t in model.graph.initializer}
     matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.output[0].split(".")[-1] in
-               ("qkv", "o_proj", "gate_up", "down")]
+               ("qkv", "o_proj", "gate_up", "down", "lm_head")]
     assert len(matmuls) == len(record["amax"])
+    rotated = 0
     for mm in matmuls:
         act, weight = producer[mm.input[0]], producer[mm.input[1]]
         assert act.op_type == "DequantizeLinear" and producer[act.input[0]].op_type == "QuantizeLinear"
+        # down and the LM head (the default rotations): Q <- Reshape <- MatMul by a Hadamard block <- Reshape
+        source = producer[producer[act.input[0]].input[0]]
+        if mm.output[0].endswith(("down", "lm_head")):
+            rot = producer[source.input[0]]
+            assert source.op_type == "Reshape" and rot.op_type == "MatMul"
+            h = onnx.numpy_helper.to_array(inits[rot.input[1]])
+            b = h.shape[0]
+            np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(b), rtol=1e-6)
+            np.testing.assert_allclose(h @ h.T, np.eye(b), atol=1e-6)
+            rotated += 1
+        else:
+            assert source.op_type in ("SimplifiedLayerNormalization", "Mul", "Reshape", "Transpose", "MatMul")
         assert weight.op_type == "DequantizeLinear"
         w_int8 = inits[weight.input[0]]
         assert w_int8.data_type == onnx.TensorProto.INT8
         assert [a.i for a in weight.attribute if a.name == "axis"] == [1]  # per output channel of [in, out]
         assert list(inits[weight.input[1]].dims) == [w_int8.dims[1]]
         assert inits[weight.input[2]].data_type == onnx.TensorProto.INT8  # symmetric: zero points are int8 0
+    assert rotated == len(matmuls) // 4 + 1
     # nothing else is quantized: one QuantizeLinear per quantized MatMul, none before softmax/norms/residuals
     assert sum(n.op_type == "QuantizeLinear" for n in model.graph.node) == len(matmuls)
     for n in model.graph.node:
@@ -111,7 +125,7 @@ def test_sensitivity_pass_keeps_linears_in_float(tiny_export, tmp_path):
     kept = rec["float_linears"]
     assert kept and all("sensitivity rank" in k["reason"] for k in kept)
     assert rec["gate"]["result"]["passed"]
-    assert len(rec["amax"]) + len(kept) == 8
+    assert len(rec["amax"]) + len(kept) == 9
     assert 0 < rec["float_weight_fraction"] <= 1
 
 
@@ -194,3 +208,42 @@ def test_smoothquant_folding_leaves_the_float_model_unchanged(tiny_dir, tmp_path
     windows = token_windows(DATA, export, 2, 48, None).windows
     ref, got = GraphRunner(export).logits(windows), GraphRunner(smoothed).logits(windows)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["glm", "glm4", "llama"])
+def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, family):
+    """Every linear's input rotated in the graph and its weight offline (switchable graph, all
+    linears switched to float): the logits must equal the export's; with the linears switched to
+    INT8 they must differ (the switch works)."""
+    from autoglm_trt.arch import spec_from_dict
+    from autoglm_trt.calib.exported_weights import ExportedWeights
+    from autoglm_trt.calib.linears import all_linears, input_channels
+    from autoglm_trt.export.graph import OPSET, DecoderGraph, GraphOptions, QuantPlan
+    from autoglm_trt.graph_runner import prefill_feeds
+    from autoglm_trt.hadamard import block_size
+    from autoglm_trt.onnx_builder import GraphBuilder
+    from autoglm_trt.ort_session import make_session
+
+    export = tmp_path / "export"
+    export_checkpoint(ExportConfig(tiny_dir(family), export), log=lambda m: None)
+    meta = json.loads((export / "export.json").read_text())
+    spec = spec_from_dict(meta["spec"])
+    names = all_linears(spec)
+    plan = QuantPlan({n: 4.0 for n in names}, switchable=True,
+                     rotate={n: block_size(input_channels(spec, n), 128) for n in names})
+    assert min(plan.rotate.values()) >= 16
+    builder = GraphBuilder(tmp_path / "rot.onnx.data")
+    opts = GraphOptions("float32", meta["graph"]["max_positions"], plan)
+    DecoderGraph(builder, spec, ExportedWeights(export), opts).build()
+    onnx.save_model(builder.model("rotated", OPSET), str(tmp_path / "rot.onnx"))
+    session = make_session(tmp_path / "rot.onnx")
+    windows = token_windows(DATA, export, 2, 48, None).windows
+
+    def logits(mask: float) -> np.ndarray:
+        feeds = prefill_feeds(spec, windows, "float32", all_logits=True)
+        feeds["quant_mask"] = np.full(len(plan.switch_order), mask, np.float32)
+        return session.run(["logits"], feeds)[0]
+
+    ref = GraphRunner(export).logits(windows)
+    np.testing.assert_allclose(logits(0.0), ref, rtol=1e-4, atol=1e-4)
+    assert np.abs(logits(1.0) - ref).max() > 1e-3

@@ -40,7 +40,16 @@ def test_pool_write_places_each_token_in_its_slot():
     _, slots = step_inputs([[5, 6]], states, block_size=2)  # positions 1, 2 -> (block 2, 1), (block 0, 0)
     new = np.arange(4, dtype=np.float32).reshape(1, 2, 1, 2)
     pools.write({"new_key.0": new, "new_value.0": -new}, slots)
-    np.testing.assert_array_equal(pools.keys[0][2, 1, 0], [0, 1])
+    assert pools.keys[0].shape == (1, 3, 2, 2)  # [kv_heads, num_blocks, block_size, head_dim]
+    np.testing.assert_array_equal(pools.keys[0][0, 2, 1], [0, 1])
     np.testing.assert_array_equal(pools.keys[0][0, 0, 0], [2, 3])
     np.testing.assert_array_equal(pools.values[0][0, 0, 0], [-2, -3])
     assert np.count_nonzero(pools.keys[0]) == 3  # nothing else written
+
+
+def test_pool_write_puts_each_kv_head_in_its_own_plane():
+    pools = KVPools(num_layers=1, num_blocks=2, block_size=2, kv_heads=2, head_dim=1)
+    _, slots = step_inputs([[5, 6, 7]], [SeqState(0, [1, 0])], block_size=2)  # slots (1,0), (1,1), (0,0)
+    new = np.array([[[10, 20], [11, 21], [12, 22]]], np.float32)[..., None]  # [batch 1, tokens 3, heads 2, dim 1]
+    pools.write({"new_key.0": new, "new_value.0": new}, slots)
+    np.testing.assert_array_equal(pools.keys[0][..., 0], [[[12, 0], [10, 11]], [[22, 0], [20, 21]]])

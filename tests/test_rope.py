@@ -36,3 +36,20 @@ def test_tables_at_known_positions():
     assert cos.shape == (3, 2) and cos.dtype == np.float32
     np.testing.assert_array_equal(cos[0], [1.0, 1.0])
     np.testing.assert_allclose(sin[1], [np.sin(1.0), np.sin(0.01)], rtol=1e-6)
+
+
+def test_four_node_rope_equals_split_rope_bit_for_bit():
+    """x * cos_full + (x @ P) * sin_full, as the graph computes it, in float32."""
+    from autoglm_trt.rope import full_width_tables, rotate_half_matrix
+
+    rng = np.random.default_rng(1)
+    for hd, rot in ((16, 16), (16, 8)):  # full rotary (Llama) and partial (GLM)
+        cos, sin = cos_sin_tables(RopeSpec(10000.0, rot), 7, 256)
+        x = rng.standard_normal((7, 3, hd)).astype(np.float32)  # [positions, heads, head_dim]
+        cos_f, sin_f = full_width_tables(cos, sin, hd)
+        p = rotate_half_matrix(hd, rot)
+        assert set(np.unique(p)) == {-1.0, 0.0, 1.0} and (np.abs(p).sum(0)[:rot] == 1).all()
+        got = x * cos_f[:, None] + (x @ p) * sin_f[:, None]
+        ref = rope_half(x, cos[:, None], sin[:, None], rot)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, ref)

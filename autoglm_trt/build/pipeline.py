@@ -20,8 +20,10 @@ from pathlib import Path
 from ..arch import spec_from_dict
 from ..checkpoint import Checkpoint
 from ..errors import AutoGLMError
+from ..export.graph import GRAPH_VERSION
 from ..fileutil import library_versions, sha256_files, staged_directory, write_json
 from ..graph_runner import read_model_meta
+from ..paged_kv import POOL_LAYOUT
 from .config import BuildConfig
 from .manifest import MANIFEST, hash_dir
 from .profiles import profile_shapes
@@ -67,10 +69,14 @@ def _checkpoint_export(source: Path, dtype: str, cache: Path, log: Callable[[str
     if (out / "export.json").is_file():
         ckpt = Checkpoint.open(source)
         current = sha256_files([ckpt.path / "config.json", *ckpt.weight_files, *ckpt.tokenizer_files()], ckpt.path)
-        if read_model_meta(out)["source"]["sha256"] == current:
+        meta = read_model_meta(out)
+        if meta["graph"].get("version") != GRAPH_VERSION:
+            log(f"{out} was exported by another version of the graph code: exporting again")
+        elif meta["source"]["sha256"] == current:
             log(f"reusing export {out} (checkpoint hashes match)")
             return out
-        log(f"checkpoint changed since {out} was exported: exporting again")
+        else:
+            log(f"checkpoint changed since {out} was exported: exporting again")
     export_checkpoint(ExportConfig(source, out, dtype=dtype, force=True), log=log)
     return out
 
@@ -162,7 +168,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
             "limits": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
                        "max_seq_len": cfg.max_seq_len},
             "kv_cache": {"block_size": cfg.kv_block_size, "num_blocks": num_blocks, "dtype": meta["graph"]["dtype"],
-                         "layout": "[num_blocks, block_size, kv_heads, head_dim] per layer, K and V",
+                         "layout": f"{POOL_LAYOUT} per layer, K and V",
                          "bytes": 2 * spec.num_layers * num_blocks * cfg.kv_block_size * spec.num_kv_heads
                          * spec.head_dim * kv_bytes},
             "build_config": asdict(cfg),

@@ -6,12 +6,13 @@ Two profiles, as TensorRT wants one per regime:
 * decode:  1..max_batch sequences of exactly 1 new token.
 
 In both, ``block_tables`` is ``[batch, 1..blocks_per_seq]`` and each pool input is fixed at
-``[num_blocks, block_size, kv_heads, head_dim]``.
+``paged_kv.pool_shape`` (``[kv_heads, num_blocks, block_size, head_dim]``).
 """
 
 from __future__ import annotations
 
 from ..arch import ModelSpec
+from ..paged_kv import pool_shape
 from .config import BuildConfig
 
 Shape = tuple[int, ...]
@@ -20,7 +21,7 @@ Profile = dict[str, tuple[Shape, Shape, Shape]]  # input -> (min, opt, max)
 
 def profile_shapes(cfg: BuildConfig, spec: ModelSpec, num_blocks: int) -> dict[str, Profile]:
     b, t, mb = cfg.max_batch_size, cfg.max_input_len, cfg.blocks_per_seq
-    pool: Shape = (num_blocks, cfg.kv_block_size, spec.num_kv_heads, spec.head_dim)
+    pool: Shape = pool_shape(num_blocks, cfg.kv_block_size, spec.num_kv_heads, spec.head_dim)
 
     def make(min_t: int, opt_b: int, opt_t: int, max_t: int, opt_mb: int) -> Profile:
         opt_b, opt_t = min(opt_b, b), min(opt_t, max_t)

@@ -20,8 +20,10 @@ import onnx
 
 from ..arch import ModelSpec
 from ..graph_runner import prefill_feeds
+from ..hadamard import rotate_rows
 from ..progress import Progress
 from .histogram import AbsHistogram
+from .linears import input_channels
 
 SAMPLE_ROWS = 256
 
@@ -66,19 +68,22 @@ def calibration_session(export_dir: Path, outputs: list[str], threads: int | Non
 
 def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,
             smoothing: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
-            show_progress: bool = True) -> ActivationStats:
+            show_progress: bool = True, rotate: dict[str, int] | None = None) -> ActivationStats:
     """Run all windows through the graph and accumulate the statistics.
 
     ``smoothing`` maps the first batch's per-channel maxima to SmoothQuant vectors; every
-    batch (the first included) is then histogrammed as ``x / s``.
+    batch (the first included) is then histogrammed as ``x / s``. The inputs named in
+    ``rotate`` (name -> Hadamard block) are histogrammed and sampled as ``(x / s) R``, which
+    is what their quantizer sees in the INT8 graph.
     """
+    rotate = rotate or {}
     names = list(inputs)
     tensors = [inputs[n] for n in names]
     stats = ActivationStats(hist={n: AbsHistogram() for n in names})
     n_batches = -(-len(windows) // batch_size)
     progress = Progress(n_batches, "calibrating") if show_progress else None
     inv: dict[str, np.ndarray] = {}
-    bound = _BoundOutputs(session, tensors, [_channels(spec, n) for n in names], ["lm_head" in n for n in names])
+    bound = _BoundOutputs(session, tensors, [input_channels(spec, n) for n in names], ["lm_head" in n for n in names])
     for b in range(n_batches):
         w = windows[b * batch_size : (b + 1) * batch_size]
         outs = bound.run(prefill_feeds(spec, w, "float32"))
@@ -93,18 +98,18 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
                 for name in stats.sample:
                     if name in inv:
                         stats.sample[name] *= inv[name]
+            for name, b in rotate.items():
+                stats.sample[name] = rotate_rows(stats.sample[name], b)
         for name, x in zip(names, outs):
-            stats.hist[name].add(x, inv.get(name), in_place=True)  # our buffers, refilled by the next batch
+            if name in rotate:
+                stats.hist[name].add(rotate_rows(x * inv[name] if name in inv else x, rotate[name]), in_place=True)
+            else:
+                stats.hist[name].add(x, inv.get(name), in_place=True)  # our buffers, refilled by the next batch
         stats.batches += 1
         stats.tokens += int(w.size)
         if progress:
             progress.update()
     return stats
-
-
-def _channels(spec: ModelSpec, linear: str) -> int:
-    kind = linear.rsplit(".", 1)[-1]
-    return {"o_proj": spec.q_size, "down": spec.intermediate_size}.get(kind, spec.hidden_size)
 
 
 class _BoundOutputs:

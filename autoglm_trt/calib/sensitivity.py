@@ -25,6 +25,7 @@ from ..arch import ModelSpec
 from ..evaluate import log_softmax, next_token_scores
 from ..export.graph import act_scale, quantize_weight_per_channel
 from ..graph_runner import prefill_feeds
+from .linears import kind_of
 
 RANK_WINDOWS = 2
 RANK_SEQ_LEN = 128
@@ -129,15 +130,18 @@ class SensitivitySearch:
             return float((p * (ref - lq)).sum(-1).mean())
 
         base = kl([])
-        kinds = sorted({n.rsplit(".", 1)[-1] for n in self.order})
-        gains = {k: base - kl([n for n in self.order if n.endswith("." + k)]) for k in kinds}
+        kinds = sorted({kind_of(n) for n in self.order})
+        gains = {k: base - kl([n for n in self.order if kind_of(n) == k]) for k in kinds}
         kinds.sort(key=lambda k: -gains[k])
         log("  sensitivity by kind (KL gain with all of a kind in float): "
             + ", ".join(f"{k} {gains[k]:.4f}" for k in kinds))
-        ranked = [n for k in kinds for n in sorted((n for n in self.order if n.endswith("." + k)),
-                                                   key=lambda n: -errors[n])]
+        ranked = [n for k in kinds for n in sorted((n for n in self.order if kind_of(n) == k), key=lambda n: -errors[n])]
         self.report.update({"kl_all_int8": base, "kl_gain_by_kind": gains, "ranked": ranked})
         return ranked
+
+    def ranked(self, errors: dict[str, float], log: Callable[[str], None]) -> list[str]:
+        """The ranking (computed once)."""
+        return self.report.get("ranked") or self.rank(errors, log)
 
     def run(self, errors: dict[str, float], log: Callable[[str], None]) -> list[str] | None:
         first = self.gate.check(self._run(self.mask([])))

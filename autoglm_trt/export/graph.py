@@ -10,8 +10,8 @@ Input: a ``ModelSpec`` and a ``WeightReader``. Output: the nodes and weights, st
     block_tables   int64 [batch, max_blocks]   pool block ids of each sequence, in order
     logits_indices int64 [batch, num_logits]   which new tokens to compute logits for
                                                (the runtime passes query_lens - 1; eval passes all)
-    past_key.<i>   kv    [num_blocks, block_size, kv_heads, head_dim]   (read only)
-    past_value.<i> kv    [num_blocks, block_size, kv_heads, head_dim]
+    past_key.<i>   kv    [kv_heads, num_blocks, block_size, head_dim]   (read only)
+    past_value.<i> kv    [kv_heads, num_blocks, block_size, head_dim]
     ->
     logits         f32   [batch, num_logits, vocab]
     new_key.<i>    kv    [batch, new_tokens, kv_heads, head_dim]   to be written to the pool
@@ -25,6 +25,8 @@ are appended, and every new token attends causally::
     valid:  | <-- context_lens[b] --> ...(masked)...      | t' <= t, t' < query_lens[b] |
 
 The work grows with max_blocks (the longest context in the batch), never with the pool size.
+Past and new keys are attended separately and the two score blocks joined, so the past is
+read where the Gather puts it: no transpose or concatenation copies it (see ``paged_attention``).
 Numerically sensitive parts (RMSNorm, rope, softmax, the residual stream, logits) are float32;
 with ``dtype=float16`` the weights, GEMMs and the KV cache are float16. With a ``QuantPlan``
 the planned linears get INT8 Q/DQ in TensorRT's explicit-quantization placement: a
@@ -36,17 +38,22 @@ residuals, embeddings and everything not planned stay in float.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx import TensorProto
 
 from ..arch import ModelSpec
+from ..hadamard import hadamard, rotate_weight
 from ..onnx_builder import GraphBuilder, row_chunks
-from ..rope import cos_sin_tables
+from ..rope import cos_sin_tables, full_width_tables, rotate_half_matrix
 from .weights import WeightSource
 
 OPSET = 17
+# The graph's layout as this code writes it; a cached export of another version is redone.
+# 2: rope for q and k together in four nodes, new K/V named at their producer (no Identity),
+#    pools [kv_heads, num_blocks, block_size, head_dim], past and new keys attended separately.
+GRAPH_VERSION = 2
 NEG_INF = -1.0e9  # finite, so a row with no valid key gives a uniform softmax, not NaN
 EMBED_CHUNK_ROWS = 8192
 
@@ -62,10 +69,13 @@ class QuantPlan:
 
     act_amax: dict[str, float]
     switchable: bool = False
+    # linear name -> Hadamard block size: its input is rotated in the graph and its weight
+    # offline (see ``hadamard``); the amax is then that of the rotated input
+    rotate: dict[str, int] = field(default_factory=dict)
 
     @property
     def switch_order(self) -> list[str]:
-        return sorted(n for n in self.act_amax if n != "lm_head")
+        return sorted(self.act_amax)
 
 
 @dataclass(frozen=True)
@@ -108,11 +118,16 @@ class DecoderGraph:
     def to_f32(self, x: str) -> str:
         return x if self.opts.dtype == "float32" else self.g.op("Cast", [x], "cast_f", to=TensorProto.FLOAT)
 
-    def linear(self, x: str, w: np.ndarray, b: np.ndarray | None, name: str) -> str:
-        """float32 x -> MatMul in the weight dtype (+ bias) -> float32; INT8 Q/DQ if planned."""
+    def quantized(self, name: str) -> bool:
+        return self.opts.quant is not None and name in self.opts.quant.act_amax
+
+    def linear(self, x: str, w: np.ndarray, b: np.ndarray | None, name: str, rank: int = 3) -> str:
+        """float32 x (``rank`` dims) -> MatMul in the weight dtype (+ bias) -> float32; INT8 Q/DQ if planned."""
         g = self.g
         quant = self.opts.quant
         if quant is not None and name in quant.act_amax:
+            if name in quant.rotate:
+                x, w = self.rotate(x, quant.rotate[name], name, rank), rotate_weight(w, quant.rotate[name])
             x_scale = g.const(np.float32(act_scale(quant.act_amax[name])), f"{name}.act_scale")
             zero = g.const(np.int8(0), "zero_i8")
             xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
@@ -136,6 +151,14 @@ class DecoderGraph:
             y = g.op("Add", [y, g.weight(f"{name}.bias", b.astype(self.wdt))], f"{name}_bias")
         return self.to_f32(y)
 
+    def rotate(self, x: str, b: int, name: str, rank: int = 3) -> str:
+        """``x R`` over the last axis of x [..., n] (``rank`` dims): blocks of b, one MatMul by H."""
+        g = self.g
+        keep = [0] * (rank - 1)
+        blocks = g.op("Reshape", [x, g.ints([*keep, -1, b], f"blocks_{b}_{rank}")], f"{name}.rot_blocks")
+        rotated = g.op("MatMul", [blocks, g.const(hadamard(b), f"hadamard_{b}")], f"{name}.rot")
+        return g.op("Reshape", [rotated, g.ints([*keep, -1], f"unblocks_{rank}")], f"{name}.rotated")
+
     def rms_norm(self, x: str, weight: np.ndarray, name: str) -> str:
         # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern ONNX Runtime fuses into
         # SimplifiedLayerNormalization and TensorRT into one normalization kernel.
@@ -146,19 +169,12 @@ class DecoderGraph:
         normed = g.op("Div", [x, std], f"{name}_div")
         return g.op("Mul", [normed, g.weight(f"{name}.weight", weight.astype(np.float32))], name)
 
-    def rope(self, x: str, heads: int, cos: str, sin: str, name: str) -> str:
-        """Half-split rope on the first rotary_dim dims of x [B, T, heads, head_dim]."""
+    def rope(self, x: str, cos: str, sin: str, name: str) -> str:
+        """Half-split rope of x [B, T, heads, head_dim]: x * cos + (x @ P) * sin (see ``rope``)."""
         g, s = self.g, self.spec
-        r, hd = s.rope.rotary_dim, s.head_dim
-        if r == hd:
-            x1, x2 = g.op_n("Split", [x, g.ints([r // 2, r // 2])], f"{name}_half", 2, axis=-1)
-            passthrough = None
-        else:
-            x1, x2, passthrough = g.op_n("Split", [x, g.ints([r // 2, r // 2, hd - r])], f"{name}_part", 3, axis=-1)
-        out1 = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])], f"{name}_r1")
-        out2 = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])], f"{name}_r2")
-        parts = [out1, out2] + ([passthrough] if passthrough else [])
-        return g.op("Concat", parts, name, axis=-1)
+        p = g.const(rotate_half_matrix(s.head_dim, s.rope.rotary_dim), "rotate_half")
+        turned = g.op("Mul", [g.op("MatMul", [x, p], f"{name}_turn"), sin], f"{name}_sin")
+        return g.op("Add", [g.op("Mul", [x, cos], f"{name}_cos"), turned], name)
 
     # -- the model -----------------------------------------------------------------
     def build(self) -> None:
@@ -172,10 +188,10 @@ class DecoderGraph:
         g.input("logits_indices", TensorProto.INT64, ["batch", "num_logits"])
         if o.quant is not None and o.quant.switchable:
             g.input("quant_mask", TensorProto.FLOAT, [len(o.quant.switch_order)])
-        pool_shape: list[int | str] = ["num_blocks", "block_size", s.num_kv_heads, s.head_dim]
+        pool_dims: list[int | str] = [s.num_kv_heads, "num_blocks", "block_size", s.head_dim]  # paged_kv.POOL_LAYOUT
         for i in range(s.num_layers):
-            g.input(f"past_key.{i}", kvdt, pool_shape)
-            g.input(f"past_value.{i}", kvdt, pool_shape)
+            g.input(f"past_key.{i}", kvdt, pool_dims)
+            g.input(f"past_value.{i}", kvdt, pool_dims)
 
         # embedding (chunked: the largest tensor of a 9B model)
         emb_name = self.w.embedding_name()
@@ -184,7 +200,8 @@ class DecoderGraph:
         x = self.to_f32(g.op("Gather", [embed, "input_ids"], "embed", axis=0))
 
         # rope tables gathered once by position
-        cos_t, sin_t = cos_sin_tables(s.rope, o.max_positions, s.max_position_embeddings)
+        cos_t, sin_t = full_width_tables(*cos_sin_tables(s.rope, o.max_positions, s.max_position_embeddings),
+                                         s.head_dim)
         cos = g.op("Unsqueeze", [g.op("Gather", [g.weight("rope.cos", cos_t), "position_ids"], "cos_pos", axis=0),
                                   g.ints([2])], "cos")
         sin = g.op("Unsqueeze", [g.op("Gather", [g.weight("rope.sin", sin_t), "position_ids"], "sin_pos", axis=0),
@@ -198,13 +215,17 @@ class DecoderGraph:
         self.head(x, embed)
 
     def attention_bias(self) -> str:
-        """[B, 1, 1, T, P+T] float32: 0 where a new token may attend, NEG_INF elsewhere."""
+        """[1, B, 1, T, P+T] float32: 0 where a new token may attend, NEG_INF elsewhere.
+
+        Also sets ``self.key_split``: the sizes [P, T] of the past and new key blocks.
+        """
         g = self.g
         zero, one = g.ints([0], "i0"), g.ints([1], "i1")
-        block_size = g.op("Gather", [g.op("Shape", ["past_key.0"], "pool_shape"), g.ints([1], "i1")], "block_size")
+        block_size = g.op("Gather", [g.op("Shape", ["past_key.0"], "pool_shape"), g.ints([2], "i2")], "block_size")
         max_blocks = g.op("Gather", [g.op("Shape", ["block_tables"], "bt_shape"), one], "max_blocks")
         past_len = g.op("Mul", [max_blocks, block_size], "past_len")
         new_len = g.op("Gather", [g.op("Shape", ["input_ids"], "ids_shape"), one], "new_len")
+        self.key_split = g.op("Concat", [past_len, new_len], "key_split", axis=0)
         scalar = lambda t, h: g.op("Squeeze", [t, zero], h)
         zero_s, one_s = g.const(np.int64(0), "s0"), g.const(np.int64(1), "s1")
         past_idx = g.op("Range", [zero_s, scalar(past_len, "past_len_s"), one_s], "past_idx")  # [P]
@@ -219,7 +240,7 @@ class DecoderGraph:
         past_full = g.op("Expand", [past_ok, g.op("Concat", [batch, new_len, past_len], "pm_shape", axis=0)], "past_full")
         ok = g.op("Concat", [past_full, new_ok], "attn_ok", axis=2)  # [B,T,P+T]
         bias = g.op("Where", [ok, g.const(np.float32(0.0), "f0"), g.const(np.float32(NEG_INF), "neg_inf")], "attn_bias3")
-        return g.op("Unsqueeze", [bias, g.ints([1, 2], "i12")], "attn_bias")
+        return g.op("Unsqueeze", [bias, g.ints([0, 2], "i02")], "attn_bias")
 
     def layer(self, i: int, x: str, cos: str, sin: str, mask: str) -> str:
         g, s, w = self.g, self.spec, self.w
@@ -227,16 +248,14 @@ class DecoderGraph:
         h = self.rms_norm(x, w.norm(i, "input_layernorm"), f"{p}.input_norm")
         qkv_w, qkv_b = w.qkv(i)
         qkv = self.linear(h, qkv_w, qkv_b, f"{p}.qkv")
-        q, k, v = g.op_n("Split", [qkv, g.ints([s.q_size, s.kv_size, s.kv_size])], f"{p}.qkv_split", 3, axis=-1)
-        q = g.op("Reshape", [q, g.ints([0, 0, s.num_heads, s.head_dim])], f"{p}.q")
-        k = g.op("Reshape", [k, g.ints([0, 0, s.num_kv_heads, s.head_dim])], f"{p}.k")
+        # q and k heads side by side get rope together, then split: fewer nodes per layer
+        qk, v = g.op_n("Split", [qkv, g.ints([s.q_size + s.kv_size, s.kv_size])], f"{p}.qkv_split", 2, axis=-1)
+        qk = g.op("Reshape", [qk, g.ints([0, 0, s.num_heads + s.num_kv_heads, s.head_dim])], f"{p}.qk")
+        qk = self.rope(qk, cos, sin, f"{p}.qk_rope")
+        q, k = g.op_n("Split", [qk, g.ints([s.num_heads, s.num_kv_heads])], f"{p}.qk_split", 2, axis=2)
         v = g.op("Reshape", [v, g.ints([0, 0, s.num_kv_heads, s.head_dim])], f"{p}.v")
-        q = self.rope(q, s.num_heads, cos, sin, f"{p}.q_rope")
-        k = self.rope(k, s.num_kv_heads, cos, sin, f"{p}.k_rope")
-        k_new = self.to_compute(k)
-        v_new = self.to_compute(v)
-        g.rename_output(k_new, f"new_key.{i}")
-        g.rename_output(v_new, f"new_value.{i}")
+        k_new = g.rename_output(self.to_compute(k), f"new_key.{i}")
+        v_new = g.rename_output(self.to_compute(v), f"new_value.{i}")
 
         attn = self.paged_attention(i, q, k_new, v_new, mask)
         o_w, o_b = w.o_proj(i)
@@ -255,27 +274,37 @@ class DecoderGraph:
         return g.op("Add", [x, m], f"{p}.mlp_residual")
 
     def paged_attention(self, i: int, q: str, k_new: str, v_new: str, mask: str) -> str:
+        """Attention of the new tokens over their past (from the pool) and themselves.
+
+        Shapes with H = kv_heads, G = query heads per KV head, P = past slots, T = new tokens:
+        the past K/V come out of the Gather as [H, B, 1, P, hd], the layout MatMul needs, and are
+        never copied. Scores are computed as K q^T ([H, B, G, P+T, T], past and new blocks joined,
+        the small side) and turned to [.., T, P+T] for the softmax; the probabilities are split
+        again and multiply past and new V separately.
+        """
         g, s = self.g, self.spec
         p = f"layers.{i}"
         kvh, hd, grp = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
-        past_shape = g.ints([0, -1, kvh, hd], "past_shape")
-        k_past = g.op("Reshape", [g.op("Gather", [f"past_key.{i}", "block_tables"], f"{p}.k_gather", axis=0),
-                                   past_shape], f"{p}.k_past")  # [B,P,kvh,hd]
-        v_past = g.op("Reshape", [g.op("Gather", [f"past_value.{i}", "block_tables"], f"{p}.v_gather", axis=0),
-                                   past_shape], f"{p}.v_past")
-        keys = g.op("Concat", [k_past, k_new], f"{p}.keys", axis=1)  # [B,S,kvh,hd]
-        values = g.op("Concat", [v_past, v_new], f"{p}.values", axis=1)
-        # GQA without copying K/V: queries grouped per KV head, K/V broadcast over the group.
+        past5 = g.ints([0, 0, 1, -1, hd], "past5_shape")
+        k_past = g.op("Reshape", [g.op("Gather", [f"past_key.{i}", "block_tables"], f"{p}.k_gather", axis=1), past5],
+                      f"{p}.k_past")  # [H,B,1,P,hd]
+        v_past = g.op("Reshape", [g.op("Gather", [f"past_value.{i}", "block_tables"], f"{p}.v_gather", axis=1), past5],
+                      f"{p}.v_past")
+        heads_first = g.ints([2], "i2")
+        k_cur = g.op("Unsqueeze", [g.op("Transpose", [k_new], f"{p}.k_t", perm=[2, 0, 1, 3]), heads_first],
+                     f"{p}.k_cur")  # [H,B,1,T,hd]
+        v_cur = g.op("Unsqueeze", [g.op("Transpose", [v_new], f"{p}.v_t", perm=[2, 0, 1, 3]), heads_first],
+                     f"{p}.v_cur")
         qg = g.op("Reshape", [self.to_compute(q), g.ints([0, 0, kvh, grp, hd], "q_group_shape")], f"{p}.q_grouped")
-        qg = g.op("Transpose", [qg], f"{p}.q_t", perm=[0, 2, 3, 1, 4])  # [B,kvh,grp,T,hd]
-        kt = g.op("Unsqueeze", [g.op("Transpose", [keys], f"{p}.k_t", perm=[0, 2, 3, 1]), g.ints([2], "i2")],
-                   f"{p}.k_t5")  # [B,kvh,1,hd,S]
-        vt = g.op("Unsqueeze", [g.op("Transpose", [values], f"{p}.v_t", perm=[0, 2, 1, 3]), g.ints([2], "i2")],
-                   f"{p}.v_t5")  # [B,kvh,1,S,hd]
-        scores = self.to_f32(g.op("MatMul", [qg, kt], f"{p}.scores"))  # [B,kvh,grp,T,S] (scale folded in W_q)
-        probs = g.op("Softmax", [g.op("Add", [scores, mask], f"{p}.masked")], f"{p}.probs", axis=-1)
-        ctx = g.op("MatMul", [self.to_compute(probs), vt], f"{p}.context")  # [B,kvh,grp,T,hd]
-        ctx = g.op("Transpose", [ctx], f"{p}.ctx_t", perm=[0, 3, 1, 2, 4])
+        q_t = g.op("Transpose", [qg], f"{p}.q_t", perm=[2, 0, 3, 4, 1])  # [H,B,G,hd,T] (scale folded in W_q)
+        scores_t = g.op("Concat", [g.op("MatMul", [k_past, q_t], f"{p}.scores_past"),
+                                   g.op("MatMul", [k_cur, q_t], f"{p}.scores_new")], f"{p}.scores_t", axis=3)
+        scores = g.op("Transpose", [self.to_f32(scores_t)], f"{p}.scores", perm=[0, 1, 2, 4, 3])  # [H,B,G,T,P+T]
+        probs = self.to_compute(g.op("Softmax", [g.op("Add", [scores, mask], f"{p}.masked")], f"{p}.probs", axis=-1))
+        p_past, p_cur = g.op_n("Split", [probs, self.key_split], f"{p}.probs_split", 2, axis=-1)
+        ctx = g.op("Add", [g.op("MatMul", [p_past, v_past], f"{p}.ctx_past"),
+                           g.op("MatMul", [p_cur, v_cur], f"{p}.ctx_new")], f"{p}.context")  # [H,B,G,T,hd]
+        ctx = g.op("Transpose", [ctx], f"{p}.ctx_t", perm=[1, 3, 0, 2, 4])  # [B,T,H,G,hd]
         return self.to_f32(g.op("Reshape", [ctx, g.ints([0, 0, s.q_size], "ctx_shape")], f"{p}.attn"))
 
     def head(self, x: str, embed: str) -> None:
@@ -288,22 +317,12 @@ class DecoderGraph:
         h = self.rms_norm(x, self.w.norm(None, "norm"), "final_norm")
         head_name = self.w.lm_head_name()
         flat = g.op("Reshape", [h, g.ints([-1, s.hidden_size], "flat_shape")], "hidden_flat")
-        quant = o.quant
-        if quant is not None and "lm_head" in quant.act_amax:
-            # INT8 head: per-row (output channel) scales of the [vocab, hidden] matrix, Gemm with transB.
+        if self.quantized("lm_head"):
+            # INT8 head: the [vocab, hidden] matrix as a [hidden, vocab] MatMul weight, per-vocab-row scales
             src = head_name or self.w.embedding_name()
             w = np.concatenate([np.asarray(self.w.rows(src, a, min(a + EMBED_CHUNK_ROWS, s.vocab_size)), np.float32)
                                 for a in range(0, s.vocab_size, EMBED_CHUNK_ROWS)])
-            wq, ws = quantize_weight_per_channel(w.T)
-            x_scale = g.const(np.float32(act_scale(quant.act_amax["lm_head"])), "lm_head.act_scale")
-            zero = g.const(np.int8(0), "zero_i8")
-            xdq = g.op("DequantizeLinear", [g.op("QuantizeLinear", [flat, x_scale, zero], "lm_head.act_q"), x_scale, zero],
-                       "lm_head.act_dq")
-            wdq = g.op("DequantizeLinear", [g.weight("lm_head.weight_i8", np.ascontiguousarray(wq.T)),
-                                            g.weight("lm_head.weight_scale", ws),
-                                            g.weight("lm_head.weight_zero", np.zeros(ws.shape, np.int8))],
-                       "lm_head.weight_dq", axis=0)
-            logits = g.op("Gemm", [xdq, wdq], "logits_flat", transB=1)
+            logits = self.linear(flat, w.T, None, "lm_head", rank=2)
         else:
             if head_name is None:
                 lm_head = embed

@@ -21,7 +21,8 @@ from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory, write_json
 from ..onnx_builder import GraphBuilder
-from .graph import OPSET, DecoderGraph, GraphOptions, io_names
+from ..paged_kv import POOL_LAYOUT
+from .graph import GRAPH_VERSION, OPSET, DecoderGraph, GraphOptions, io_names
 from .validate import default_tolerance, validate_export
 from .weights import WeightReader
 
@@ -93,10 +94,11 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
             "format": "autoglm-trt/export/1",
             "spec": spec.to_json(),
             "graph": {
-                "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, "dtype": opts.dtype,
+                "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, "version": GRAPH_VERSION,
+                "dtype": opts.dtype,
                 "precision": "fp32" if cfg.dtype == "float32" else "fp16", "max_positions": opts.max_positions,
                 "inputs": inputs, "outputs": outputs,
-                "kv_cache": {"layout": "[num_blocks, block_size, kv_heads, head_dim]", "dtype": cfg.dtype,
+                "kv_cache": {"layout": POOL_LAYOUT, "dtype": cfg.dtype,
                              "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
                 "rope_layout": "half" + ("(permuted from interleaved)" if spec.fam.rope_interleaved else ""),
             },

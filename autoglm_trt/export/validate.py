@@ -82,7 +82,7 @@ def prefill_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_dtype:
     """Logits at every position of every prompt, all prompts in one padded prefill step."""
     pools = KVPools(spec.num_layers, 1 + sum(blocks_needed(len(p), BLOCK_SIZE) for p in prompts), BLOCK_SIZE,
                     spec.num_kv_heads, spec.head_dim, kv_dtype)
-    alloc = BlockAllocator(pools.keys[0].shape[0])
+    alloc = BlockAllocator(pools.num_blocks)
     states = []
     for p in prompts:
         table = alloc.allocate(blocks_needed(len(p), BLOCK_SIZE))

@@ -5,9 +5,11 @@ scatter kernel: compiled at run time with NVRTC to PTX for this GPU, loaded with
 API, launched on the stream. Every call's status is checked. Used by ``trt_backend`` and
 tested on a GPU by ``scripts/gpu_check.py`` (no TensorRT needed for that).
 
-The scatter kernel copies rows: ``pool[dst_row[i]] = src[src_row[i]]`` for every row i, a
-row being one token's K (or V) for all KV heads, ``kv_heads * head_dim`` elements, moved as
-32-bit words (float32, or pairs of float16).
+The scatter kernel copies one token's K (or V) into its pool slot, head by head:
+``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``
+is the step's ``[tokens, kv_heads, head_dim]`` output and ``pool`` is
+``[kv_heads, num_blocks * block_size, head_dim]`` (``paged_kv.POOL_LAYOUT``); a head's
+``head_dim`` elements move as 32-bit words (float32, or pairs of float16).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from ..errors import MissingDependencyError
 
 SCATTER_SOURCE = r"""
 extern "C" __global__ void scatter_rows(const unsigned int* __restrict__ src, unsigned int* __restrict__ dst,
-                                        const long long* __restrict__ src_row, const long long* __restrict__ dst_row,
-                                        int n_rows, int row_words) {
+                                        const long long* __restrict__ src_row, const long long* __restrict__ dst_slot,
+                                        int n_rows, int kv_heads, int head_words, long long pool_slots) {
+    long long row_words = (long long)kv_heads * head_words;
     long long total = (long long)n_rows * row_words;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         long long r = i / row_words;
-        long long w = i - r * row_words;
-        dst[dst_row[r] * row_words + w] = src[src_row[r] * row_words + w];
+        long long rest = i - r * row_words;
+        long long h = rest / head_words;
+        long long w = rest - h * head_words;
+        dst[(h * pool_slots + dst_slot[r]) * head_words + w] = src[src_row[r] * row_words + rest];
     }
 }
 """
@@ -163,7 +168,7 @@ class ScatterKernel:
         self._n = 0
 
     def set_rows(self, src_rows: np.ndarray, dst_rows: np.ndarray, stream: Stream) -> None:
-        """Upload the row mapping of this step (used by every following launch)."""
+        """Upload this step's mapping, token row -> pool slot (block * block_size + offset), for every following launch."""
         n = int(len(src_rows))
         if self._idx is None or self._idx.shape[1] < n:
             if self._idx is not None:
@@ -180,17 +185,19 @@ class ScatterKernel:
         check(self._idx._rt.cudaMemcpyAsync(self._idx.ptr, self._staging.ptr, 16 * cap, kind, stream.stream))
 
     def __call__(self, src: DeviceArray, dst: DeviceArray, stream: Stream) -> None:
-        """``dst`` rows (a pool ``[blocks, block_size, heads, dim]``) <- ``src`` rows, on ``stream``."""
+        """``dst`` (a pool ``[kv_heads, num_blocks, block_size, head_dim]``) <- ``src`` token rows, on ``stream``."""
         n = self._n
         if n == 0 or self._idx is None:
             return
-        row_words = int(np.prod(dst.shape[-2:])) * dst.dtype.itemsize // 4
+        kv_heads, pool_slots = dst.shape[0], dst.shape[1] * dst.shape[2]
+        head_words = dst.shape[3] * dst.dtype.itemsize // 4
         cap = self._idx.shape[1]
         values: list[np.ndarray] = [
             np.array([src.ptr], np.uint64), np.array([dst.ptr], np.uint64), np.array([self._idx.ptr], np.uint64),
-            np.array([self._idx.ptr + 8 * cap], np.uint64), np.array([n], np.int32), np.array([row_words], np.int32)]
+            np.array([self._idx.ptr + 8 * cap], np.uint64), np.array([n], np.int32), np.array([kv_heads], np.int32),
+            np.array([head_words], np.int32), np.array([pool_slots], np.int64)]
         params = np.array([v.ctypes.data for v in values], dtype=np.uint64)
-        blocks = max(1, min(-(-n * row_words // self.THREADS), 4 * self.sm_count))
+        blocks = max(1, min(-(-n * kv_heads * head_words // self.THREADS), 4 * self.sm_count))
         check(self._drv.cuLaunchKernel(self.function, blocks, 1, 1, self.THREADS, 1, 1, 0, stream.handle,
                                        params.ctypes.data, 0))
 

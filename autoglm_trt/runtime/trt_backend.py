@@ -1,6 +1,6 @@
 """TensorRT backend of the runtime: ``execute_async_v3`` over device buffers (cuda.bindings).
 
-Device memory: one K and one V pool per layer ``[num_blocks, block_size, kv_heads, head_dim]``,
+Device memory: one K and one V pool per layer ``[kv_heads, num_blocks, block_size, head_dim]``,
 per-step input buffers sized for the engine's limits, output buffers for the logits and the
 new K/V. Small inputs go host -> device through pinned buffers; after the step the new K/V
 are scattered into the pools by a small CUDA kernel compiled with NVRTC, and the logits come
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..arch import ModelSpec
-from ..paged_kv import SlotMap
+from ..paged_kv import SlotMap, pool_shape
 from . import cuda_utils as cu
 
 
@@ -33,8 +33,8 @@ class TrtBackend:
         self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(plan_path.read_bytes())
         self.context = self.engine.create_execution_context()
         self.stream = cu.Stream()
-        pool_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.pools = {f"past_{kind}.{i}": cu.DeviceArray.zeros(pool_shape, self.kv_dtype)
+        pools = pool_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.pools = {f"past_{kind}.{i}": cu.DeviceArray.zeros(pools, self.kv_dtype)
                       for i in range(spec.num_layers) for kind in ("key", "value")}
         row = spec.num_kv_heads * spec.head_dim
         self.new_kv = {f"new_{kind}.{i}": cu.DeviceArray.empty((max_batch * max_tokens, row), self.kv_dtype)

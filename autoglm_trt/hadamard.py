@@ -1,0 +1,50 @@
+"""Block Hadamard rotations for INT8 activations with outliers (QuaRot-style). Pure numpy.
+
+For a linear ``y = x W`` (W is ``[in, out]``) and an orthogonal R, ``y = (x R) (R^T W)``.
+With R block-diagonal, each block a normalized Sylvester Hadamard matrix H (entries
+``+-1/sqrt(b)``, ``H = H^T = H^-1``), every block of b input channels of x is mixed
+evenly: a channel b times larger than its neighbours ends up spread over all b of them, so a
+per-tensor INT8 scale no longer has to cover it alone. ``R^T W`` is computed once, offline;
+``x R`` is one small ``[b, b]`` MatMul per token in the graph (a SwiGLU output cannot have R
+folded into the weight before it: silu(gate) * up is not linear).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sylvester(b: int) -> np.ndarray:
+    """The ``b x b`` Hadamard matrix of Sylvester's construction, entries +-1 (b a power of 2)."""
+    if b < 1 or b & (b - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, not {b}")
+    h = np.ones((1, 1), np.int64)
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def hadamard(b: int) -> np.ndarray:
+    """Normalized (orthonormal, symmetric) ``b x b`` Hadamard matrix, float32."""
+    return (sylvester(b) / np.sqrt(b)).astype(np.float32)
+
+
+def block_size(channels: int, max_block: int) -> int:
+    """Largest power of two that divides ``channels`` and is at most ``max_block``."""
+    b = channels & -channels
+    while b > max_block:
+        b //= 2
+    return b
+
+
+def rotate_rows(x: np.ndarray, b: int) -> np.ndarray:
+    """``x R`` over the last axis (R block-diagonal with blocks H of size b)."""
+    n = x.shape[-1]
+    return (np.asarray(x, np.float32).reshape(-1, n // b, b) @ hadamard(b)).reshape(x.shape)
+
+
+def rotate_weight(w: np.ndarray, b: int) -> np.ndarray:
+    """``R^T W`` for W ``[in, out]``: each block of b input rows multiplied by H (= H^T)."""
+    n, m = w.shape
+    blocks = np.asarray(w, np.float32).reshape(n // b, b, m)
+    return np.einsum("ij,kjm->kim", hadamard(b), blocks).reshape(n, m)

@@ -1,0 +1,38 @@
+import numpy as np
+import pytest
+
+from autoglm_trt.hadamard import block_size, hadamard, rotate_rows, rotate_weight, sylvester
+
+
+def test_sylvester_small_cases_exactly():
+    assert sylvester(1).tolist() == [[1]]
+    assert sylvester(2).tolist() == [[1, 1], [1, -1]]
+    assert sylvester(4).tolist() == [[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]
+    h = sylvester(64)
+    assert (h @ h.T == 64 * np.eye(64, dtype=np.int64)).all() and (h == h.T).all()
+    with pytest.raises(ValueError, match="power-of-two"):
+        sylvester(12)
+
+
+def test_block_sizes():
+    assert block_size(1536, 128) == 128  # 1536 = 3 * 512
+    assert block_size(1536, 1024) == 512
+    assert block_size(576, 128) == 64  # 576 = 9 * 64
+    assert block_size(4096, 128) == 128
+    assert block_size(13696, 128) == 128  # GLM-4-9B's intermediate size: 13696 = 107 * 128
+    assert block_size(1000, 128) == 8
+    assert block_size(7, 128) == 1
+
+
+def test_rotation_spreads_an_outlier_and_keeps_the_product():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[:, 5] = 1000.0  # one outlier channel
+    w = rng.standard_normal((256, 32)).astype(np.float32)
+    xr, wr = rotate_rows(x, 128), rotate_weight(w, 128)
+    np.testing.assert_allclose(xr @ wr, x @ w, rtol=1e-4, atol=1e-2)
+    # the outlier's block: every channel now carries 1000 / sqrt(128) plus noise; the other block is untouched in scale
+    assert np.abs(x[:, :128]).max() / np.abs(x[:, :128]).mean() > 50
+    assert np.abs(xr[:, :128]).max() / np.abs(xr[:, :128]).mean() < 1.5
+    np.testing.assert_allclose(np.linalg.norm(xr, axis=1), np.linalg.norm(x, axis=1), rtol=1e-5)
+    np.testing.assert_allclose(hadamard(128) @ hadamard(128), np.eye(128), atol=1e-6)
