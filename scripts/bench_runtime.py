@@ -8,8 +8,14 @@
 2. aggregate tokens/s with 16 concurrent requests vs 1 (fp32 engine);
 3. decode-step time with a 4096-block KV pool vs a 64-block pool at the same context;
 4. batch-1 decode against the memory-bandwidth bound: weight bytes read per token over the
-   copy bandwidth of this machine (numpy copies on all cores, bytes read + written).
+   copy bandwidth of this machine (numpy copies on all cores, bytes read + written), for the
+   fp32 engine (its weight file) and the int8 engine (linear weights as calib.json counts them).
 Engines are built first if missing (engines/smollm2-fp32, engines/smollm2-int8).
+
+These 2-core machines are shared and their speed drifts by 10-20% within minutes, so every
+figure is measured once per round, the rounds interleave all of them (``--rounds``, default
+5), and each ratio is the median of its per-round ratios (the two sides measured seconds
+apart); the absolute figures are medians over the rounds too.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ def ensure_engine(precision: str) -> Path:
     return out
 
 
-def hf_decode_rate(gen: int) -> float:
+def hf_decoder(gen: int):
+    """A function that measures transformers' batch-1 decode rate once (model loaded here)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,20 +61,15 @@ def hf_decode_rate(gen: int) -> float:
         return time.perf_counter() - t
 
     timed(4)
-    return (gen - 1) / (min(timed(gen) for _ in range(2)) - min(timed(1) for _ in range(2)))
+    return lambda: (gen - 1) / (timed(gen) - timed(1))
 
 
 def engine_decode_rate(engine, gen: int, prompt=None) -> float:
     from autoglm_trt.runtime import SamplingParams
 
-    params = SamplingParams(max_new_tokens=gen, ignore_eos=True)
     prompt = prompt or [{"role": "user", "content": PROMPT}]
-    engine.generate([prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))
-    best = 0.0
-    for _ in range(2):
-        r = engine.generate([prompt], params)[0]
-        best = max(best, (len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0]))
-    return best
+    r = engine.generate([prompt], SamplingParams(max_new_tokens=gen, ignore_eos=True))[0]
+    return (len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0])
 
 
 def aggregate(engine, n: int, gen: int) -> float:
@@ -75,12 +77,9 @@ def aggregate(engine, n: int, gen: int) -> float:
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, 48).tolist() for _ in range(n)]
-    best = 0.0
-    for _ in range(2):
-        t = time.perf_counter()
-        res = engine.generate(prompts, SamplingParams(max_new_tokens=gen, ignore_eos=True))
-        best = max(best, sum(len(r.token_ids) for r in res) / (time.perf_counter() - t))
-    return best
+    t = time.perf_counter()
+    res = engine.generate(prompts, SamplingParams(max_new_tokens=gen, ignore_eos=True))
+    return sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
 
 
 def copy_bandwidth(threads: int = 2) -> float:
@@ -105,35 +104,56 @@ def copy_bandwidth(threads: int = 2) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from autoglm_trt.runtime import Engine
 
     fp32, int8 = ensure_engine("fp32"), ensure_engine("int8")
-    out: dict = {}
-    out["hf_fp32_tok_s"] = hf_decode_rate(args.gen)
-    with Engine.load(fp32) as e:
-        out["fp32_tok_s"] = engine_decode_rate(e, args.gen)
-        out["fp32_batch1_aggregate_tok_s"] = aggregate(e, 1, args.gen)
-        out["fp32_16x_aggregate_tok_s"] = aggregate(e, 16, args.gen)
-    with Engine.load(int8) as e:
-        out["int8_tok_s"] = engine_decode_rate(e, args.gen)
     long_prompt = np.random.default_rng(1).integers(100, 40000, 480).tolist()
-    for blocks in (64, 4096):
-        with Engine.load(fp32, num_blocks=blocks) as e:
-            out[f"step_ms_pool_{blocks}"] = 1000 / engine_decode_rate(e, 32, long_prompt)
+    engines = {"fp32": Engine.load(fp32), "int8": Engine.load(int8),
+               "pool_64": Engine.load(fp32, num_blocks=64), "pool_4096": Engine.load(fp32, num_blocks=4096)}
+    hf = hf_decoder(args.gen)
+    for e in engines.values():  # warm up
+        engine_decode_rate(e, 4)
+    measures = {
+        "hf_fp32_tok_s": hf,
+        "fp32_tok_s": lambda: engine_decode_rate(engines["fp32"], args.gen),
+        "int8_tok_s": lambda: engine_decode_rate(engines["int8"], args.gen),
+        "fp32_batch1_aggregate_tok_s": lambda: aggregate(engines["fp32"], 1, args.gen),
+        "fp32_16x_aggregate_tok_s": lambda: aggregate(engines["fp32"], 16, args.gen),
+        "pool_64_tok_s": lambda: engine_decode_rate(engines["pool_64"], 32, long_prompt),
+        "pool_4096_tok_s": lambda: engine_decode_rate(engines["pool_4096"], 32, long_prompt),
+    }
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        rounds.append({k: f() for k, f in measures.items()})
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[-1].items()), flush=True)
+    for e in engines.values():
+        e.close()
+
+    def median(fn) -> float:
+        return float(np.median([fn(m) for m in rounds]))
+
+    out: dict = {k: median(lambda m, k=k: m[k]) for k in measures}
+    out["step_ms_pool_64"], out["step_ms_pool_4096"] = 1000 / out.pop("pool_64_tok_s"), 1000 / out.pop("pool_4096_tok_s")
+    out.update({
+        "fp32_vs_hf": median(lambda m: m["fp32_tok_s"] / m["hf_fp32_tok_s"]),
+        "int8_vs_hf": median(lambda m: m["int8_tok_s"] / m["hf_fp32_tok_s"]),
+        "concurrency16_vs_1": median(lambda m: m["fp32_16x_aggregate_tok_s"] / m["fp32_batch1_aggregate_tok_s"]),
+        "pool_4096_vs_64": median(lambda m: m["pool_64_tok_s"] / m["pool_4096_tok_s"]),  # step-time ratio
+    })
     weight_bytes = (fp32 / "model.opt.onnx.data").stat().st_size
     bw = copy_bandwidth()
     out.update({
-        "fp32_vs_hf": out["fp32_tok_s"] / out["hf_fp32_tok_s"],
-        "int8_vs_hf": out["int8_tok_s"] / out["hf_fp32_tok_s"],
-        "concurrency16_vs_1": out["fp32_16x_aggregate_tok_s"] / out["fp32_batch1_aggregate_tok_s"],
-        "pool_4096_vs_64": out["step_ms_pool_4096"] / out["step_ms_pool_64"],
         "copy_bandwidth_GBps": bw / 1e9,
         "fp32_weight_bytes": weight_bytes,
         "bandwidth_bound_tok_s": bw / weight_bytes,
         "fp32_fraction_of_bound": out["fp32_tok_s"] / (bw / weight_bytes),
     })
+    # INT8: the linears' bytes per token as calibration recorded them (INT8 1 byte, float 4)
+    int8_bytes = json.loads((int8 / "calib.json").read_text())["weight_bytes_per_token"]["this_plan_mb"] * 1e6
+    out.update({"int8_weight_bytes": int(int8_bytes), "int8_fraction_of_bound": out["int8_tok_s"] / (bw / int8_bytes)})
     for k, v in out.items():
         print(f"{k:32s} {v:12.3f}" if isinstance(v, float) else f"{k:32s} {v:12d}")
     if args.json:

@@ -6,13 +6,15 @@ logits and has written the new K/V into its pools.
 
 ONNX Runtime: the pools are numpy arrays wrapped once as ``OrtValue`` (no copy on the CPU) and
 bound with I/O binding, so a step passes only the small per-step inputs; the new K/V are
-scattered into the pools in place with numpy fancy indexing.
+scattered into the pools in place with numpy fancy indexing. Outputs go into buffers we own,
+and the binding (pools and outputs bound) is kept per step shape: a decode step at a batch
+size seen before only rebinds its six small inputs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +34,8 @@ class StepBackend(Protocol):
 
 
 class OrtBackend:
+    MAX_BINDINGS = 32  # step shapes kept bound (decode needs one per batch size)
+
     def __init__(self, model_path: Path, spec: ModelSpec, num_blocks: int, block_size: int, kv_dtype: str,
                  threads: int = 0):
         import onnxruntime as ort
@@ -41,24 +45,42 @@ class OrtBackend:
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = threads
+        self._ort = ort
         self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
-        self._outputs = [o.name for o in self.session.get_outputs()]
+        self._bindings: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray], list[Any]]] = {}
+
+    def _binding(self, batch: int, tokens: int, num_logits: int):
+        key = (batch, tokens, num_logits)
+        if key not in self._bindings:
+            if len(self._bindings) >= self.MAX_BINDINGS:
+                self._bindings.pop(next(iter(self._bindings)))
+            binding = self.session.io_binding()
+            for name, value in self._pool_values.items():
+                binding.bind_ortvalue_input(name, value)
+            s = self.spec
+            outs = {"logits": np.empty((batch, num_logits, s.vocab_size), np.float32)}
+            for i in range(s.num_layers):
+                for kind in ("key", "value"):
+                    outs[f"new_{kind}.{i}"] = np.empty((batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)
+            values = [self._ort.OrtValue.ortvalue_from_numpy(arr) for arr in outs.values()]
+            for name, value in zip(outs, values):
+                binding.bind_ortvalue_output(name, value)
+            self._bindings[key] = (binding, outs, values)
+        return self._bindings[key]
 
     def step(self, feeds: dict[str, np.ndarray], slots: SlotMap) -> np.ndarray:
-        binding = self.session.io_binding()
-        for name, value in self._pool_values.items():
-            binding.bind_ortvalue_input(name, value)
+        batch, tokens = feeds["input_ids"].shape
+        binding, outs, _ = self._binding(batch, tokens, feeds["logits_indices"].shape[1])
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, arr)
-        for name in self._outputs:
-            binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
-        out = dict(zip(self._outputs, binding.copy_outputs_to_cpu()))
-        self.pools.write(out, slots)
-        return out["logits"][:, 0]
+        self.pools.write(outs, slots)
+        return outs["logits"][:, 0].copy()  # the buffer is reused by the next step of this shape
 
     def close(self) -> None:
+        self._bindings.clear()
         self._pool_values.clear()
