@@ -11,6 +11,8 @@ folded into the weight before it: silu(gate) * up is not linear).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -24,9 +26,12 @@ def sylvester(b: int) -> np.ndarray:
     return h
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard(b: int) -> np.ndarray:
-    """Normalized (orthonormal, symmetric) ``b x b`` Hadamard matrix, float32."""
-    return (sylvester(b) / np.sqrt(b)).astype(np.float32)
+    """Normalized (orthonormal, symmetric) ``b x b`` Hadamard matrix, float32 (read only)."""
+    h = (sylvester(b) / np.sqrt(b)).astype(np.float32)
+    h.flags.writeable = False
+    return h
 
 
 def block_size(channels: int, max_block: int) -> int:
@@ -37,10 +42,16 @@ def block_size(channels: int, max_block: int) -> int:
     return b
 
 
-def rotate_rows(x: np.ndarray, b: int) -> np.ndarray:
-    """``x R`` over the last axis (R block-diagonal with blocks H of size b)."""
-    n = x.shape[-1]
-    return (np.asarray(x, np.float32).reshape(-1, n // b, b) @ hadamard(b)).reshape(x.shape)
+def rotate_rows(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``x R`` over the last axis (R block-diagonal with blocks H of size b), as one 2-D GEMM.
+
+    ``out``: a C-contiguous float32 array of x's shape to write into (no allocation).
+    """
+    x = np.ascontiguousarray(x, np.float32)
+    if out is None:
+        out = np.empty(x.shape, np.float32)
+    np.matmul(x.reshape(-1, b), hadamard(b), out=out.reshape(-1, b))
+    return out
 
 
 def rotate_weight(w: np.ndarray, b: int) -> np.ndarray:

@@ -83,6 +83,7 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
     n_batches = -(-len(windows) // batch_size)
     progress = Progress(n_batches, "calibrating") if show_progress else None
     inv: dict[str, np.ndarray] = {}
+    scratch: dict[tuple[int, ...], np.ndarray] = {}
     bound = _BoundOutputs(session, tensors, [input_channels(spec, n) for n in names], ["lm_head" in n for n in names])
     for b in range(n_batches):
         w = windows[b * batch_size : (b + 1) * batch_size]
@@ -100,11 +101,15 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
                         stats.sample[name] *= inv[name]
             for name, b in rotate.items():
                 stats.sample[name] = rotate_rows(stats.sample[name], b)
-        for name, x in zip(names, outs):
+        for name, x in zip(names, outs):  # x: our buffers, refilled by the next batch, so usable as scratch
             if name in rotate:
-                stats.hist[name].add(rotate_rows(x * inv[name] if name in inv else x, rotate[name]), in_place=True)
+                if name in inv:
+                    np.multiply(x, inv[name], out=x)
+                if x.shape not in scratch:
+                    scratch[x.shape] = np.empty(x.shape, np.float32)
+                stats.hist[name].add(rotate_rows(x, rotate[name], out=scratch[x.shape]), in_place=True)
             else:
-                stats.hist[name].add(x, inv.get(name), in_place=True)  # our buffers, refilled by the next batch
+                stats.hist[name].add(x, inv.get(name), in_place=True)
         stats.batches += 1
         stats.tokens += int(w.size)
         if progress:
