@@ -41,6 +41,8 @@ def test_outputs_and_record(calibrated, tiny_export):
     assert len(record["model_sha256"]) == 64 and len(record["data_sha256"]) == 64
     layers = json.loads((tiny_export / "export.json").read_text())["spec"]["num_layers"]
     assert len(record["amax"]) == 4 * layers + 1  # qkv, o_proj, gate_up, down of each layer, and the LM head
+    assert set(record["hadamard_block"]) == {f"layers.{i}.down" for i in range(layers)} | {"lm_head"}
+    assert all(b >= 2 and b & (b - 1) == 0 for b in record["hadamard_block"].values())
     assert all(v > 0 for v in record["amax"].values())
     header, scales = read_cache(out / "calibration.cache")
     assert header == "TRT-101300-EntropyCalibration2"

@@ -173,6 +173,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
         return smoothing_scales(spec, w_max["all"], chan_max, alpha)  # type: ignore[arg-type]
 
     rotate = {n: block_size(input_channels(spec, n), cfg.max_rotation_block) for n in inputs if kind_of(n) in cfg.rotate}
+    rotate = {n: b for n, b in rotate.items() if b > 1}  # an odd width has no Hadamard block to use
     t_collect = time.perf_counter()
     stats = collect(session, spec, inputs, windows.windows, cfg.batch_size, smoothing if alpha is not None else None,
                     rotate=rotate)
@@ -283,6 +284,8 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
             "weight_bytes_per_token": _weight_bytes(spec, set(quantized)),
             "int8_output_error": errors,
             "smoothquant": {"alpha": alpha, "linears": sorted(stats.smooth)},
+            # amax of these is that of the rotated input (x / s) R, R block-diagonal Hadamard
+            "hadamard_block": {n: b for n, b in rotate.items() if n in quantized},
             "timings": {**timings, "total_s": round(time.perf_counter() - t0, 2)},
             "gate": gate_report,
             "versions": library_versions("onnx", "onnxruntime", "numpy"),

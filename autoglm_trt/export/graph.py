@@ -290,10 +290,10 @@ class DecoderGraph:
                       f"{p}.k_past")  # [H,B,1,P,hd]
         v_past = g.op("Reshape", [g.op("Gather", [f"past_value.{i}", "block_tables"], f"{p}.v_gather", axis=1), past5],
                       f"{p}.v_past")
-        heads_first = g.ints([2], "i2")
-        k_cur = g.op("Unsqueeze", [g.op("Transpose", [k_new], f"{p}.k_t", perm=[2, 0, 1, 3]), heads_first],
+        group_axis = g.ints([2], "i2")
+        k_cur = g.op("Unsqueeze", [g.op("Transpose", [k_new], f"{p}.k_t", perm=[2, 0, 1, 3]), group_axis],
                      f"{p}.k_cur")  # [H,B,1,T,hd]
-        v_cur = g.op("Unsqueeze", [g.op("Transpose", [v_new], f"{p}.v_t", perm=[2, 0, 1, 3]), heads_first],
+        v_cur = g.op("Unsqueeze", [g.op("Transpose", [v_new], f"{p}.v_t", perm=[2, 0, 1, 3]), group_axis],
                      f"{p}.v_cur")
         qg = g.op("Reshape", [self.to_compute(q), g.ints([0, 0, kvh, grp, hd], "q_group_shape")], f"{p}.q_grouped")
         q_t = g.op("Transpose", [qg], f"{p}.q_t", perm=[2, 0, 3, 4, 1])  # [H,B,G,hd,T] (scale folded in W_q)
