@@ -217,7 +217,7 @@ class DecoderGraph:
     def attention_bias(self) -> str:
         """[1, B, 1, T, P+T] float32: 0 where a new token may attend, NEG_INF elsewhere.
 
-        Also sets ``self.key_split``: the sizes [P, T] of the past and new key blocks.
+        Also sets ``self.past_len``: P, as a 1-element int64 tensor.
         """
         g = self.g
         zero, one = g.ints([0], "i0"), g.ints([1], "i1")
@@ -225,7 +225,7 @@ class DecoderGraph:
         max_blocks = g.op("Gather", [g.op("Shape", ["block_tables"], "bt_shape"), one], "max_blocks")
         past_len = g.op("Mul", [max_blocks, block_size], "past_len")
         new_len = g.op("Gather", [g.op("Shape", ["input_ids"], "ids_shape"), one], "new_len")
-        self.key_split = g.op("Concat", [past_len, new_len], "key_split", axis=0)
+        self.past_len = past_len
         scalar = lambda t, h: g.op("Squeeze", [t, zero], h)
         zero_s, one_s = g.const(np.int64(0), "s0"), g.const(np.int64(1), "s1")
         past_idx = g.op("Range", [zero_s, scalar(past_len, "past_len_s"), one_s], "past_idx")  # [P]
@@ -301,7 +301,10 @@ class DecoderGraph:
                                    g.op("MatMul", [k_cur, q_t], f"{p}.scores_new")], f"{p}.scores_t", axis=3)
         scores = g.op("Transpose", [self.to_f32(scores_t)], f"{p}.scores", perm=[0, 1, 2, 4, 3])  # [H,B,G,T,P+T]
         probs = self.to_compute(g.op("Softmax", [g.op("Add", [scores, mask], f"{p}.masked")], f"{p}.probs", axis=-1))
-        p_past, p_cur = g.op_n("Split", [probs, self.key_split], f"{p}.probs_split", 2, axis=-1)
+        # Slice, not Split: split sizes from shape arithmetic are not accepted by every parser
+        last, end = g.ints([-1], "axis_last"), g.ints([np.iinfo(np.int64).max], "to_end")
+        p_past = g.op("Slice", [probs, g.ints([0], "i0"), self.past_len, last], f"{p}.probs_past")
+        p_cur = g.op("Slice", [probs, self.past_len, end, last], f"{p}.probs_new")
         ctx = g.op("Add", [g.op("MatMul", [p_past, v_past], f"{p}.ctx_past"),
                            g.op("MatMul", [p_cur, v_cur], f"{p}.ctx_new")], f"{p}.context")  # [H,B,G,T,hd]
         ctx = g.op("Transpose", [ctx], f"{p}.ctx_t", perm=[1, 3, 0, 2, 4])  # [B,T,H,G,hd]
