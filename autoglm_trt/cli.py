@@ -66,9 +66,9 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
               help="SmoothQuant migration strength alpha; 0 turns it off.")
 @click.option("--quantize-lm-head/--float-lm-head", default=True, show_default=True,
               help="Offer the LM head to INT8 (the accuracy gate still decides).")
-@click.option("--rotate", default="down,lm_head", show_default=True,
-              help="Linear kinds (qkv, o_proj, gate_up, down, lm_head) whose input gets a Hadamard rotation; "
-                   "'none' for none.")
+@click.option("--rotate", default="all", show_default=True,
+              help="Linear kinds (qkv, o_proj, gate_up, down, lm_head) whose input gets a Hadamard rotation, "
+                   "comma-separated; 'all' or 'none'.")
 @click.option("--keep-float", multiple=True, help="Linear to keep in float, e.g. layers.3.down (repeatable).")
 @click.option("--gate/--no-gate", default=True, show_default=True,
               help="Check accuracy against the float graph and keep the fewest linears in float until it holds.")
@@ -88,10 +88,18 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
     calibrate(CalibConfig(export_dir=export_dir, data=data, out_dir=out_dir, method=method, num_samples=num_samples,
                           seq_len=seq_len, batch_size=batch_size, percentile=percentile,
                           smoothquant_alpha=alpha or None, quantize_lm_head=quantize_lm_head,
-                          rotate=[] if rotate == "none" else [k.strip() for k in rotate.split(",") if k.strip()],
+                          rotate=_rotate_kinds(rotate),
                           keep_float=list(keep_float), gate=gate, target_ppl_ratio=target_ppl_ratio,
                           target_top1=target_top1, force=force), log=_log)
     click.echo(f"calibrated model written to {out_dir}")
+
+
+def _rotate_kinds(value: str) -> list[str]:
+    from .calib.linears import KINDS
+
+    if value == "all":
+        return list(KINDS)
+    return [] if value == "none" else [k.strip() for k in value.split(",") if k.strip()]
 
 
 @cli.command("eval")

@@ -41,7 +41,7 @@ def test_outputs_and_record(calibrated, tiny_export):
     assert len(record["model_sha256"]) == 64 and len(record["data_sha256"]) == 64
     layers = json.loads((tiny_export / "export.json").read_text())["spec"]["num_layers"]
     assert len(record["amax"]) == 4 * layers + 1  # qkv, o_proj, gate_up, down of each layer, and the LM head
-    assert set(record["hadamard_block"]) == {f"layers.{i}.down" for i in range(layers)} | {"lm_head"}
+    assert set(record["hadamard_block"]) == set(record["amax"])  # every linear's input is rotated by default
     assert all(b >= 2 and b & (b - 1) == 0 for b in record["hadamard_block"].values())
     assert all(v > 0 for v in record["amax"].values())
     header, scales = read_cache(out / "calibration.cache")
@@ -62,25 +62,22 @@ def test_qdq_placement(calibrated):
     for mm in matmuls:
         act, weight = producer[mm.input[0]], producer[mm.input[1]]
         assert act.op_type == "DequantizeLinear" and producer[act.input[0]].op_type == "QuantizeLinear"
-        # down and the LM head (the default rotations): Q <- Reshape <- MatMul by a Hadamard block <- Reshape
+        # every input is rotated by default: Q <- Reshape <- MatMul by a Hadamard block <- Reshape
         source = producer[producer[act.input[0]].input[0]]
-        if mm.output[0].endswith(("down", "lm_head")):
-            rot = producer[source.input[0]]
-            assert source.op_type == "Reshape" and rot.op_type == "MatMul"
-            h = onnx.numpy_helper.to_array(inits[rot.input[1]])
-            b = h.shape[0]
-            np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(b), rtol=1e-6)
-            np.testing.assert_allclose(h @ h.T, np.eye(b), atol=1e-6)
-            rotated += 1
-        else:
-            assert source.op_type in ("SimplifiedLayerNormalization", "Mul", "Reshape", "Transpose", "MatMul")
+        rot = producer[source.input[0]]
+        assert source.op_type == "Reshape" and rot.op_type == "MatMul"
+        h = onnx.numpy_helper.to_array(inits[rot.input[1]])
+        b = h.shape[0]
+        np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(b), rtol=1e-6)
+        np.testing.assert_allclose(h @ h.T, np.eye(b), atol=1e-6)
+        rotated += 1
         assert weight.op_type == "DequantizeLinear"
         w_int8 = inits[weight.input[0]]
         assert w_int8.data_type == onnx.TensorProto.INT8
         assert [a.i for a in weight.attribute if a.name == "axis"] == [1]  # per output channel of [in, out]
         assert list(inits[weight.input[1]].dims) == [w_int8.dims[1]]
         assert inits[weight.input[2]].data_type == onnx.TensorProto.INT8  # symmetric: zero points are int8 0
-    assert rotated == len(matmuls) // 4 + 1
+    assert rotated == len(matmuls)
     # nothing else is quantized: one QuantizeLinear per quantized MatMul, none before softmax/norms/residuals
     assert sum(n.op_type == "QuantizeLinear" for n in model.graph.node) == len(matmuls)
     for n in model.graph.node:
@@ -249,3 +246,9 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     ref = GraphRunner(export).logits(windows)
     np.testing.assert_allclose(logits(0.0), ref, rtol=1e-4, atol=1e-4)
     assert np.abs(logits(1.0) - ref).max() > 1e-3
+
+
+def test_unknown_rotation_kind_is_refused(tiny_export, tmp_path):
+    r = run_cli("calibrate", str(tiny_export), "-o", str(tmp_path / "out"), "--rotate", "down,mlp", "--no-gate")
+    assert r.returncode != 0 and "cannot rotate ['mlp']" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()

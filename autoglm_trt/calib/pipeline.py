@@ -53,7 +53,7 @@ AUTO_CANDIDATES = {
     "percentile-99.999": lambda h: percentile_amax(h, 99.999),
 }
 # What this code computes from the same settings; a cached calibration of another version is redone.
-# 2: Hadamard-rotated down and LM head inputs, LM head in the sensitivity search.
+# 2: Hadamard-rotated linear inputs, LM head in the sensitivity search.
 CALIB_VERSION = 2
 FINAL_GATE_ATTEMPTS = 4
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "calibration" / "data"
@@ -71,7 +71,8 @@ class CalibConfig:
     percentile: float = 99.99
     smoothquant_alpha: float | None = 0.8  # None: off (SmolLM2: 0.8 beats 0.5 on top-1, README)
     quantize_lm_head: bool = True
-    rotate: list[str] = field(default_factory=lambda: ["down", "lm_head"])  # linear kinds with a Hadamard-rotated input
+    # linear kinds whose input gets a Hadamard rotation (all: README, "Calibration and accuracy")
+    rotate: list[str] = field(default_factory=lambda: list(KINDS))
     max_rotation_block: int = 128
     keep_float: list[str] = field(default_factory=list)
     gate: bool = True
