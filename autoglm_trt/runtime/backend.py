@@ -6,9 +6,10 @@ logits and has written the new K/V into its pools.
 
 ONNX Runtime: the pools are numpy arrays wrapped once as ``OrtValue`` (no copy on the CPU) and
 bound with I/O binding, so a step passes only the small per-step inputs; the new K/V are
-scattered into the pools in place with numpy fancy indexing. Outputs go into buffers we own,
-and the binding (pools and outputs bound) is kept per step shape: a decode step at a batch
-size seen before only rebinds its six small inputs.
+scattered into the pools in place with numpy fancy indexing. Outputs go into buffers we own.
+For decode steps the binding (pools and output buffers bound) is kept per batch size, so a
+decode step only rebinds its six small inputs; a prefill step's outputs (new K/V of up to
+max_batch x max_input_len tokens) are bound afresh and freed after the step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class StepBackend(Protocol):
 
 
 class OrtBackend:
-    MAX_BINDINGS = 32  # step shapes kept bound (decode needs one per batch size)
+    MAX_BINDINGS = 64  # decode batch sizes kept bound
 
     def __init__(self, model_path: Path, spec: ModelSpec, num_blocks: int, block_size: int, kv_dtype: str,
                  threads: int = 0):
@@ -53,24 +54,26 @@ class OrtBackend:
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
         self._bindings: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray], list[Any]]] = {}
 
-    def _binding(self, batch: int, tokens: int, num_logits: int):
+    def _binding(self, batch: int, tokens: int, num_logits: int) -> tuple[Any, dict[str, np.ndarray], list[Any]]:
         key = (batch, tokens, num_logits)
-        if key not in self._bindings:
+        if key in self._bindings:
+            return self._bindings[key]
+        binding = self.session.io_binding()
+        for name, value in self._pool_values.items():
+            binding.bind_ortvalue_input(name, value)
+        s = self.spec
+        outs = {"logits": np.empty((batch, num_logits, s.vocab_size), np.float32)}
+        for i in range(s.num_layers):
+            for kind in ("key", "value"):
+                outs[f"new_{kind}.{i}"] = np.empty((batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)
+        values = [self._ort.OrtValue.ortvalue_from_numpy(arr) for arr in outs.values()]
+        for name, value in zip(outs, values):
+            binding.bind_ortvalue_output(name, value)
+        if tokens == 1:  # decode: small, and the same shapes recur every step
             if len(self._bindings) >= self.MAX_BINDINGS:
                 self._bindings.pop(next(iter(self._bindings)))
-            binding = self.session.io_binding()
-            for name, value in self._pool_values.items():
-                binding.bind_ortvalue_input(name, value)
-            s = self.spec
-            outs = {"logits": np.empty((batch, num_logits, s.vocab_size), np.float32)}
-            for i in range(s.num_layers):
-                for kind in ("key", "value"):
-                    outs[f"new_{kind}.{i}"] = np.empty((batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)
-            values = [self._ort.OrtValue.ortvalue_from_numpy(arr) for arr in outs.values()]
-            for name, value in zip(outs, values):
-                binding.bind_ortvalue_output(name, value)
             self._bindings[key] = (binding, outs, values)
-        return self._bindings[key]
+        return binding, outs, values
 
     def step(self, feeds: dict[str, np.ndarray], slots: SlotMap) -> np.ndarray:
         batch, tokens = feeds["input_ids"].shape
@@ -79,7 +82,7 @@ class OrtBackend:
             binding.bind_cpu_input(name, arr)
         self.session.run_with_iobinding(binding)
         self.pools.write(outs, slots)
-        return outs["logits"][:, 0].copy()  # the buffer is reused by the next step of this shape
+        return outs["logits"][:, 0].copy()  # a decode buffer is reused by the next step of its shape
 
     def close(self) -> None:
         self._bindings.clear()
