@@ -226,10 +226,11 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
         keep: list[str] = []
         if cfg.gate:
             t_gate = time.perf_counter()
+            gate_windows = _gate_windows(cfg, separator)  # tokenized once: the search and the final check
             switch_path = build([], switchable=True, name="switch.onnx")
             search = SensitivitySearch(make_session(switch_path, threads=cfg.threads), spec,
                                        QuantPlan({n: a for n, a in amax.items() if n not in cfg.keep_float}).switch_order,
-                                       _gate_windows(cfg, separator), cfg.target_ppl_ratio, cfg.target_top1)
+                                       gate_windows, cfg.target_ppl_ratio, cfg.target_top1)
             chosen = search.run(errors, log)
             if chosen is None:
                 raise AutoGLMError("no INT8 plan meets the accuracy gate even with every linear in float; "
@@ -239,7 +240,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
             # the next most sensitive linears in float too, a few times at most.
             keep = chosen
             reference = GraphRunner(cfg.export_dir, threads=cfg.threads).logits
-            final = Gate(reference, _gate_windows(cfg, separator), cfg.target_ppl_ratio, cfg.target_top1, reference)
+            final = Gate(reference, gate_windows, cfg.target_ppl_ratio, cfg.target_top1, reference)
             for attempt in range(FINAL_GATE_ATTEMPTS):
                 build(keep)
                 result = final.check(GraphRunner(tmp, threads=cfg.threads).logits)
