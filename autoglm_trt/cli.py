@@ -95,7 +95,7 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
 
 
 def _rotate_kinds(value: str) -> list[str]:
-    from .calib.linears import KINDS
+    from .graph.linears import KINDS
 
     if value == "all":
         return list(KINDS)
@@ -117,8 +117,7 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
     """Perplexity of MODEL (export, calibration or engine directory) on a text, optionally against a reference."""
     import json
 
-    from .errors import AutoGLMError
-    from .evaluate import evaluate
+    from .evaluate import evaluate, gate_failures
 
     if (max_ppl_ratio is not None or min_top1 is not None) and reference is None:
         raise AutoGLMError("--max-ppl-ratio and --min-top1 need --reference")
@@ -130,11 +129,7 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
         if reference is not None:
             click.echo(f"reference perplexity {res['ref_ppl']:.4f}, ratio {res['ppl_ratio']:.4f}, top-1 agreement "
                        f"{res['top1_agreement']:.4f}, mean KL {res['kl']:.5f} nats")
-    failures = []
-    if max_ppl_ratio is not None and res["ppl_ratio"] > max_ppl_ratio:
-        failures.append(f"perplexity ratio {res['ppl_ratio']:.4f} > {max_ppl_ratio}")
-    if min_top1 is not None and res["top1_agreement"] < min_top1:
-        failures.append(f"top-1 agreement {res['top1_agreement']:.4f} < {min_top1}")
+    failures = gate_failures(res, max_ppl_ratio, min_top1) if reference is not None else []
     if failures:
         raise AutoGLMError("accuracy gate failed: " + "; ".join(failures))
 
@@ -163,8 +158,8 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
               out_dir: Path | None, print_config: bool, force: bool, **overrides) -> None:
     """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""
-    from .build.config import dump_config, load_config
-    from .build.pipeline import BuildRequest, build_engine
+    from .builder.config import dump_config, load_config
+    from .builder.pipeline import BuildRequest, build_engine
 
     cfg = load_config(config_file, overrides)
     if print_config:
@@ -183,26 +178,27 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
     """Summarise an engine: manifest, KV layout, fusion report."""
     import json
 
-    from .build.manifest import read_manifest
-    from .build.pipeline import load_report, summary
+    from .artifacts import Manifest
+    from .builder.report import load_report, summary
 
-    manifest = read_manifest(engine_dir)
+    manifest = Manifest.read(engine_dir)
     report = load_report(engine_dir)
     if as_json:
-        click.echo(json.dumps({"manifest": manifest, "fusion_report": report}, indent=1))
+        click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report}, indent=1))
     else:
-        click.echo(summary(manifest, report))
+        click.echo(summary(manifest.data, report))
 
 
 @cli.command("doctor")
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 def doctor_cmd(engine_dir: Path) -> None:
     """Check that ENGINE_DIR is intact and can run on this machine."""
-    from .build.manifest import backend_problems, read_manifest, verify_files
-    from .errors import AutoGLMError
+    from .artifacts import Manifest
+    from .backends import backend_problems, engine_file_problems
 
-    manifest = read_manifest(engine_dir)
-    checks = [("files and hashes", verify_files(engine_dir, manifest)), ("backend", backend_problems(manifest))]
+    manifest = Manifest.read(engine_dir)
+    checks = [("files and hashes", manifest.verify_files()), ("backend", backend_problems(manifest)),
+              ("engine file", engine_file_problems(manifest))]
     bad = False
     for what, problems in checks:
         if problems:
@@ -213,7 +209,7 @@ def doctor_cmd(engine_dir: Path) -> None:
             click.echo(f"ok       {what}")
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
-    click.echo(f"{engine_dir}: {manifest['backend']} {manifest['precision']} engine is ready to run here")
+    click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")
 
 
 @cli.command("generate")
@@ -259,7 +255,6 @@ def bench_cmd(engine_dir: Path, concurrency: str, prompt_len: int, gen_len: int,
     """Time to first token, per-token latency and throughput at several concurrency levels."""
     import json
 
-    from .errors import AutoGLMError
     from .runtime import Engine
     from .runtime.bench import plot as draw
     from .runtime.bench import run_level
@@ -285,7 +280,14 @@ def bench_cmd(engine_dir: Path, concurrency: str, prompt_len: int, gen_len: int,
         _log(f"plot written to {plot}")
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C: half-written outputs are removed on the way out
+
+
 def main(argv: list[str] | None = None) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         cli.main(args=argv, prog_name="autoglm-trt", standalone_mode=False)
     except click.exceptions.Abort:

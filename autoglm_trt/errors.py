@@ -25,6 +25,10 @@ class ValidationError(AutoGLMError):
     """The exported graph does not match the reference model within tolerance."""
 
 
+class RequestError(AutoGLMError):
+    """A generation request the engine cannot serve as asked (malformed, too large, or failed)."""
+
+
 class MissingDependencyError(AutoGLMError):
     """An optional dependency needed by this command is not installed."""
 

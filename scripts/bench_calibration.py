@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def child_forward(export: Path, samples: int, seq_len: int, batch: int) -> dict:
-    from autoglm_trt.arch import spec_from_dict
-    from autoglm_trt.calib.data import token_windows
-    from autoglm_trt.graph_runner import prefill_feeds, read_model_meta
-    from autoglm_trt.ort_session import make_session
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.graph.runner import prefill_feeds
+    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.model.text import token_windows
 
-    spec = spec_from_dict(read_model_meta(export)["spec"])
+    spec = ExportRecord.read(export).spec
     windows = token_windows(ROOT / "calibration" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
     session = make_session(export / "model.onnx")
     t = time.perf_counter()

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autoglm_trt.safetensors_reader import float32_to_bf16_bits
+from autoglm_trt.model.safetensors import float32_to_bf16_bits
 
 CONFIG = {
     "architectures": ["GlmForCausalLM"], "model_type": "glm", "vocab_size": 151552, "hidden_size": 4096,

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autoglm_trt.paged_kv import KVPools, SeqState, pool_shape, step_inputs  # noqa: E402
+from autoglm_trt.graph.paged_kv import KVPools, SeqState, pool_shape, step_inputs  # noqa: E402
 from autoglm_trt.runtime import cuda_utils as cu  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16

@@ -10,10 +10,10 @@ import pytest
 from conftest import ROOT, run_cli
 
 from autoglm_trt.calib.cache import read_cache
-from autoglm_trt.calib.data import CalibrationDataError, token_windows
 from autoglm_trt.calib.pipeline import CalibConfig, CalibrationMismatchError, calibrate, check_calibration
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
-from autoglm_trt.graph_runner import GraphRunner
+from autoglm_trt.graph.runner import GraphRunner
+from autoglm_trt.model.text import CalibrationDataError, token_windows
 
 DATA = ROOT / "calibration" / "data"
 
@@ -169,7 +169,7 @@ def test_calibrating_a_float16_export_is_refused(tiny_dir, tmp_path):
 
 
 def test_eval_of_hf_reference_matches_export(tiny_export, tiny_dir):
-    from autoglm_trt.evaluate import evaluate
+    from autoglm_trt.evaluate.perplexity import evaluate
 
     res = evaluate(tiny_export, DATA / "10_json.txt", reference=Path(tiny_dir("glm")), seq_len=64, max_chunks=2)
     assert res["ppl_ratio"] == pytest.approx(1.0, abs=1e-4) and res["top1_agreement"] == 1.0
@@ -179,11 +179,11 @@ def test_eval_of_hf_reference_matches_export(tiny_export, tiny_dir):
 def test_smoothquant_folding_leaves_the_float_model_unchanged(tiny_dir, tmp_path, family):
     """Random smoothing vectors on all four linears of every layer, folded into norms, V and up:
     the float graph must compute the same logits (only the INT8 error changes)."""
-    from autoglm_trt.arch import spec_from_dict
-    from autoglm_trt.calib.exported_weights import ExportedWeights
     from autoglm_trt.calib.smooth import SmoothedWeights, expand_groups, group_shared
-    from autoglm_trt.export.graph import OPSET, DecoderGraph, GraphOptions
-    from autoglm_trt.onnx_builder import GraphBuilder
+    from autoglm_trt.graph.builder import GraphBuilder
+    from autoglm_trt.graph.decoder import OPSET, DecoderGraph, GraphOptions
+    from autoglm_trt.graph.exported_weights import ExportedWeights
+    from autoglm_trt.model.spec import spec_from_dict
 
     export = tmp_path / "export"
     export_checkpoint(ExportConfig(tiny_dir(family), export), log=lambda m: None)
@@ -214,14 +214,15 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     """Every linear's input rotated in the graph and its weight offline (switchable graph, all
     linears switched to float): the logits must equal the export's; with the linears switched to
     INT8 they must differ (the switch works)."""
-    from autoglm_trt.arch import spec_from_dict
-    from autoglm_trt.calib.exported_weights import ExportedWeights
-    from autoglm_trt.calib.linears import all_linears, input_channels
-    from autoglm_trt.export.graph import OPSET, DecoderGraph, GraphOptions, QuantPlan
-    from autoglm_trt.graph_runner import prefill_feeds
-    from autoglm_trt.hadamard import block_size
-    from autoglm_trt.onnx_builder import GraphBuilder
-    from autoglm_trt.ort_session import make_session
+    from autoglm_trt.graph.builder import GraphBuilder
+    from autoglm_trt.graph.decoder import OPSET, DecoderGraph, GraphOptions
+    from autoglm_trt.graph.exported_weights import ExportedWeights
+    from autoglm_trt.graph.hadamard import block_size
+    from autoglm_trt.graph.linears import all_linears, input_channels
+    from autoglm_trt.graph.quant import QuantPlan
+    from autoglm_trt.graph.runner import prefill_feeds
+    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.model.spec import spec_from_dict
 
     export = tmp_path / "export"
     export_checkpoint(ExportConfig(tiny_dir(family), export), log=lambda m: None)

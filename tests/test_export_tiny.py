@@ -7,12 +7,12 @@ import numpy as np
 import onnx
 import pytest
 
-from autoglm_trt import arch
-from autoglm_trt.arch import spec_from_config
 from autoglm_trt.errors import ValidationError
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
 from autoglm_trt.export.validate import paged_decode_logits, reference_logits
-from autoglm_trt.ort_session import make_session
+from autoglm_trt.graph.session import make_session
+from autoglm_trt.model import spec as arch
+from autoglm_trt.model.spec import spec_from_config
 
 FAMILIES = ["llama", "glm", "glm4"]
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from autoglm_trt.hadamard import block_size, hadamard, rotate_rows, rotate_weight, sylvester
+from autoglm_trt.graph.hadamard import block_size, hadamard, rotate_rows, rotate_weight, sylvester
 
 
 def test_sylvester_small_cases_exactly():

@@ -1,6 +1,6 @@
 import numpy as np
 
-from autoglm_trt.paged_kv import BlockAllocator, KVPools, SeqState, step_inputs
+from autoglm_trt.graph.paged_kv import BlockAllocator, KVPools, SeqState, step_inputs
 
 
 def test_allocator_hands_out_lowest_first_and_appends_freed():

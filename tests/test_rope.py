@@ -1,6 +1,6 @@
 import numpy as np
 
-from autoglm_trt.rope import RopeSpec, cos_sin_tables, interleaved_to_half_order
+from autoglm_trt.model.rope import RopeSpec, cos_sin_tables, interleaved_to_half_order
 
 
 def rope_interleaved(x, cos, sin, rot):  # GLM: pairs (2i, 2i+1)
@@ -40,7 +40,7 @@ def test_tables_at_known_positions():
 
 def test_four_node_rope_equals_split_rope_bit_for_bit():
     """x * cos_full + (x @ P) * sin_full, as the graph computes it, in float32."""
-    from autoglm_trt.rope import full_width_tables, rotate_half_matrix
+    from autoglm_trt.model.rope import full_width_tables, rotate_half_matrix
 
     rng = np.random.default_rng(1)
     for hd, rot in ((16, 16), (16, 8)):  # full rotary (Llama) and partial (GLM)

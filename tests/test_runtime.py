@@ -7,20 +7,9 @@ import threading
 import pytest
 from conftest import run_cli
 
-from autoglm_trt.build.config import BuildConfig
-from autoglm_trt.build.manifest import EngineError
-from autoglm_trt.build.pipeline import BuildRequest, build_engine
+from autoglm_trt.artifacts import EngineError
 from autoglm_trt.errors import AutoGLMError
 from autoglm_trt.runtime import Engine, RequestError, SamplingError, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eng") / "tiny-fp32"
-    cfg = BuildConfig(max_batch_size=8, max_input_len=48, max_seq_len=96, kv_num_blocks=64, kv_block_size=8)
-    build_engine(BuildRequest(tiny_dir("llama"), out, precision="fp32", backend="onnxruntime", config=cfg,
-                              cache_dir=out.parent / ".cache"), log=lambda m: None)
-    return out
 
 
 def test_load_test_small_pool_many_threads(tiny_engine):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from autoglm_trt.errors import CheckpointError
-from autoglm_trt.safetensors_reader import SafetensorsFile, bf16_bits_to_float32, float32_to_bf16_bits
+from autoglm_trt.model.safetensors import SafetensorsFile, bf16_bits_to_float32, float32_to_bf16_bits
 
 
 def write_st(path, tensors: dict[str, tuple[str, np.ndarray]]):

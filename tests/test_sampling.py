@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from autoglm_trt.runtime.sampling import SamplingError, SamplingParams, sample
+from autoglm_trt.runtime.scheduler import Sequence
 
 
 def test_greedy_is_argmax():
@@ -24,11 +25,15 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 def test_seeded_sampling_is_reproducible():
+    """A request's generator comes from its seed: the same seed draws the same tokens, another seed others."""
     logits = np.random.default_rng(1).standard_normal(100)
-    p = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
-    a = [sample(logits, p, np.random.default_rng(7)) for _ in range(5)]
-    b = [sample(logits, p, np.random.default_rng(7)) for _ in range(5)]
-    assert a == b
+
+    def draws(seed: int) -> list[int]:
+        seq = Sequence([1], SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=seed))
+        return [sample(logits, seq.params, seq.rng) for _ in range(20)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
 
 
 @pytest.mark.parametrize("kwargs, message", [

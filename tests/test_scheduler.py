@@ -1,6 +1,6 @@
 """Scheduler and block allocator: exact block ids and free-list order after each step (no model)."""
 
-from autoglm_trt.paged_kv import BlockAllocator
+from autoglm_trt.graph.paged_kv import BlockAllocator
 from autoglm_trt.runtime.sampling import SamplingParams
 from autoglm_trt.runtime.scheduler import Scheduler, Sequence, Step
 

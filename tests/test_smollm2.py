@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from autoglm_trt.arch import spec_from_config
 from autoglm_trt.export.validate import paged_decode_logits, reference_logits
-from autoglm_trt.ort_session import make_session, run
-from autoglm_trt.paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
+from autoglm_trt.graph.paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
+from autoglm_trt.graph.session import make_session, run
+from autoglm_trt.model.spec import spec_from_config
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from autoglm_trt.build.config import BuildConfig
-from autoglm_trt.build.pipeline import BuildRequest, build_engine
-from autoglm_trt.evaluate import evaluate
+from autoglm_trt.builder.config import BuildConfig
+from autoglm_trt.builder.pipeline import BuildRequest, build_engine
+from autoglm_trt.evaluate.perplexity import evaluate
 from autoglm_trt.runtime import Engine, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..arch import ModelSpec
-from ..graph_runner import prefill_feeds
-from ..hadamard import rotate_rows
+from ..graph.hadamard import rotate_rows
+from ..graph.linears import input_channels
+from ..graph.runner import prefill_feeds
+from ..graph.session import make_session
+from ..model.spec import ModelSpec
 from ..progress import Progress
 from .histogram import AbsHistogram
-from .linears import input_channels
 
 SAMPLE_ROWS = 256
 
@@ -52,18 +53,10 @@ class ActivationStats:
 
 def calibration_session(export_dir: Path, outputs: list[str], threads: int | None = None):
     """A session over the export with ``outputs`` added as graph outputs (weights read in place)."""
-    import onnxruntime as ort
-
     model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
     for name in outputs:
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.log_severity_level = 3
-    if threads:
-        so.intra_op_num_threads = threads
-    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(export_dir).resolve()))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return make_session(model.SerializeToString(), threads=threads, external_data_dir=Path(export_dir))
 
 
 def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,

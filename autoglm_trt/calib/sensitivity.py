@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..arch import ModelSpec
-from ..evaluate import log_softmax, next_token_scores
-from ..export.graph import act_scale, quantize_weight_per_channel
-from ..graph_runner import prefill_feeds
-from .linears import kind_of
+from ..graph.linears import kind_of
+from ..graph.metrics import log_softmax, next_token_scores
+from ..graph.quant import act_scale, quantize_weight_per_channel
+from ..graph.runner import prefill_feeds
+from ..model.spec import ModelSpec
 
 RANK_WINDOWS = 2
 RANK_SEQ_LEN = 128

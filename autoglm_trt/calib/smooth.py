@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arch import ModelSpec
-from ..export.weights import WeightSource
+from ..model.spec import ModelSpec
+from ..model.weights import WeightSource
 
 MIN_SCALE, MAX_SCALE = 1e-5, 1e5
 
@@ -77,9 +77,9 @@ class SmoothedWeights:
     def _s(self, i: int, linear: str) -> np.ndarray | None:
         return self.scales.get(f"layers.{i}.{linear}")
 
-    def norm(self, i: int | None, which: str) -> np.ndarray:
-        w = self.base.norm(i, which)
-        linear = {"input_layernorm": "qkv", "post_attention_layernorm": "gate_up"}.get(which)
+    def norm(self, i: int | None, role: str) -> np.ndarray:
+        w = self.base.norm(i, role)
+        linear = {"input": "qkv", "mlp": "gate_up"}.get(role)
         s = self._s(i, linear) if (i is not None and linear) else None
         return w if s is None else w / s
 

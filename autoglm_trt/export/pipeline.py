@@ -8,7 +8,6 @@ The directory appears only when everything, validation included, succeeded.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,15 +15,16 @@ from pathlib import Path
 
 import onnx
 
-from ..arch import ModelSpec, spec_from_config
-from ..checkpoint import Checkpoint
+from ..artifacts import EXPORT_RECORD, copy_tokenizer_files, tokenizer_files
 from ..errors import ExportError
 from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory, write_json
-from ..onnx_builder import GraphBuilder
-from ..paged_kv import POOL_LAYOUT
-from .graph import GRAPH_VERSION, OPSET, DecoderGraph, GraphOptions, io_names
+from ..graph.builder import GraphBuilder
+from ..graph.decoder import GRAPH_VERSION, OPSET, DecoderGraph, GraphOptions, io_names
+from ..graph.paged_kv import POOL_LAYOUT
+from ..model.checkpoint import Checkpoint
+from ..model.spec import ModelSpec, spec_from_config
+from ..model.weights import WeightReader
 from .validate import default_tolerance, validate_export
-from .weights import WeightReader
 
 DTYPES = ("float32", "float16")
 DEFAULT_MAX_SEQ_LEN = 8192
@@ -79,8 +79,7 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
         onnx.save_model(model, str(tmp / "model.onnx"))
         del model
         onnx.checker.check_model(str(tmp / "model.onnx"))
-        for f in ckpt.tokenizer_files():
-            shutil.copy2(f, tmp / f.name)
+        copy_tokenizer_files(ckpt.path, tmp)
         export_s = time.perf_counter() - t0
         log(f"graph written in {export_s:.1f} s ({builder.bytes_written / 1e9:.2f} GB of weights)")
 
@@ -89,30 +88,7 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
             tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(cfg.dtype)
             report = validate_export(tmp, ckpt.path, spec, cfg.dtype, tol, cfg.allow_pickle, log)
 
-        inputs, outputs = io_names(spec.num_layers)
-        write_json(tmp / "export.json", {
-            "format": "autoglm-trt/export/1",
-            "spec": spec.to_json(),
-            "graph": {
-                "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, "version": GRAPH_VERSION,
-                "dtype": opts.dtype,
-                "precision": "fp32" if cfg.dtype == "float32" else "fp16", "max_positions": opts.max_positions,
-                "inputs": inputs, "outputs": outputs,
-                "kv_cache": {"layout": POOL_LAYOUT, "dtype": cfg.dtype,
-                             "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
-                "rope_layout": "half" + ("(permuted from interleaved)" if spec.fam.rope_interleaved else ""),
-            },
-            "source": {
-                "checkpoint": str(ckpt.path.resolve()),
-                "sha256": sha256_files([ckpt.path / "config.json", *ckpt.weight_files, *ckpt.tokenizer_files()],
-                                       ckpt.path),
-            },
-            "outputs_sha256": {"model.onnx": sha256_file(tmp / "model.onnx"),
-                               "model.onnx.data": sha256_file(tmp / "model.onnx.data")},
-            "versions": library_versions("onnx", "onnxruntime", "numpy", "transformers", "torch"),
-            "export_seconds": round(export_s, 2),
-            "parity": report,
-        })
+        write_json(tmp / EXPORT_RECORD, _record(spec, opts, ckpt, tmp, export_s, report))
     return ExportResult(Path(cfg.out_dir), time.perf_counter() - t0, report)
 
 
@@ -127,10 +103,7 @@ def _layer_progress(log: Callable[[str], None]) -> Callable[[int, int], None]:
 
 
 def _check_reference_fits(spec: ModelSpec) -> None:
-    params = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2) + spec.num_layers * (
-        spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size
-        + 3 * spec.hidden_size * spec.intermediate_size)
-    need = params * 4 * 2  # float32 reference + the ONNX Runtime session
+    need = spec.num_parameters() * 4 * 2  # float32 reference + the ONNX Runtime session
     have = available_memory_bytes()
     if have is not None and need > have:
         raise ExportError(
@@ -138,3 +111,31 @@ def _check_reference_fits(spec: ModelSpec) -> None:
             f"{have / 1e9:.0f} GB of memory is available; pass --no-validate to export without the parity check"
         )
 
+
+def _record(spec: ModelSpec, opts: GraphOptions, ckpt: Checkpoint, tmp: Path, export_s: float,
+            report: dict | None) -> dict:
+    """``export.json``: the spec, the graph's contract, what it was made from, and the parity report."""
+    inputs, outputs = io_names(spec.num_layers)
+    return {
+        "format": "autoglm-trt/export/1",
+        "spec": spec.to_json(),
+        "graph": {
+            "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, "version": GRAPH_VERSION,
+            "dtype": opts.dtype,
+            "precision": "fp32" if opts.dtype == "float32" else "fp16", "max_positions": opts.max_positions,
+            "inputs": inputs, "outputs": outputs,
+            "kv_cache": {"layout": POOL_LAYOUT, "dtype": opts.dtype,
+                         "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+            "rope_layout": "half" + ("(permuted from interleaved)" if spec.fam.rope_interleaved else ""),
+        },
+        "source": {
+            "checkpoint": str(ckpt.path.resolve()),
+            "sha256": sha256_files([ckpt.path / "config.json", *ckpt.weight_files, *tokenizer_files(ckpt.path)],
+                                   ckpt.path),
+        },
+        "outputs_sha256": {"model.onnx": sha256_file(tmp / "model.onnx"),
+                           "model.onnx.data": sha256_file(tmp / "model.onnx.data")},
+        "versions": library_versions("onnx", "onnxruntime", "numpy", "transformers", "torch"),
+        "export_seconds": round(export_s, 2),
+        "parity": report,
+    }

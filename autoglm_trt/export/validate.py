@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..arch import ModelSpec
 from ..errors import ValidationError
-from ..ort_session import make_session, run
-from ..paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
+from ..graph.paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
+from ..graph.session import make_session, run
+from ..model.reference import hf_logits
+from ..model.spec import ModelSpec
 
 VALIDATION_TEXTS = (
     "The capital of France is",
@@ -48,8 +49,6 @@ def validation_prompts(checkpoint: Path, spec: ModelSpec, seed: int = 0) -> list
 
 def reference_logits(checkpoint: Path, prompts: list[list[int]], allow_pickle: bool = False) -> list[np.ndarray]:
     """transformers' float32 logits at every position of every prompt (each run alone)."""
-    from ..evaluate import hf_logits
-
     run_hf = hf_logits(checkpoint, allow_pickle)
     return [run_hf(np.asarray([ids], np.int64))[0] for ids in prompts]
 

@@ -10,11 +10,19 @@ requests under a lock and wait on their own events, so any number of caller thre
 share an engine. Prompts are text, chat messages (the checkpoint's chat template) or token
 ids. The engine's manifest is checked (file hashes, backend, TensorRT version and GPU) before
 anything is loaded.
+
+Liveness: a failure while running a step fails that step's requests; a failure while
+sampling or matching stop strings fails that request alone; the loop thread itself never
+dies of a request. ``close`` fails every waiting and running request with a
+``RequestError`` ("the engine was closed") and returns when the loop has ended. A request
+with a ``timeout`` ends with finish reason ``"timeout"`` (and the text so far) once its
+deadline passes, checked by the loop between steps.
 """
 
 from __future__ import annotations
 
-import queue
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -24,27 +32,26 @@ from pathlib import Path
 
 import numpy as np
 
-from ..arch import spec_from_dict
-from ..build.manifest import EngineError, check_engine
-from ..errors import AutoGLMError
-from ..paged_kv import BlockAllocator, blocks_needed, step_inputs
-from .backend import OrtBackend, StepBackend
+from ..artifacts import EngineError, Manifest
+from ..backends import StepRunner, check_engine, open_runner
+from ..errors import RequestError
+from ..fileutil import available_memory_bytes
+from ..graph.paged_kv import BlockAllocator, blocks_needed, step_inputs
+from ..graph.session import MAX_THREADS
+from .request import Prompt, PromptEncoder, Request, split_prompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, Sequence, Step
 from .tokenizer import IncrementalDecoder, TextTokenizer
 
-Prompt = str | list[dict] | list[int]
-
-
-class RequestError(AutoGLMError):
-    """A request the engine cannot serve as asked."""
+log = logging.getLogger(__name__)
+__all__ = ["Engine", "GenerationResult", "Prompt", "RequestError"]
 
 
 @dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "timeout" or "cancelled"
     prompt_tokens: int
     token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter at each token
     submitted: float = 0.0
@@ -54,30 +61,19 @@ class GenerationResult:
         return self.token_times[0] - self.submitted if self.token_times else float("nan")
 
 
-class _Request:
-    def __init__(self, seq: Sequence, decoder: IncrementalDecoder | None, stream: bool):
-        self.seq = seq
-        self.decoder = decoder
-        self.text = ""
-        self.done = threading.Event()
-        self.pieces: queue.Queue[str | None] | None = queue.Queue() if stream else None
-        self.error: BaseException | None = None
-        self.token_times: list[float] = []
-        self.submitted = time.perf_counter()
-
-
 class Engine:
-    def __init__(self, engine_dir: Path, manifest: dict, backend: StepBackend, tokenizer: TextTokenizer | None):
-        self.dir, self.manifest, self.backend, self.tokenizer = engine_dir, manifest, backend, tokenizer
-        self.spec = spec_from_dict(manifest["spec"])
-        limits = manifest["limits"]
+    def __init__(self, manifest: Manifest, backend: StepRunner, tokenizer: TextTokenizer | None):
+        self.dir, self.manifest, self.backend, self.tokenizer = manifest.dir, manifest, backend, tokenizer
+        self.spec = manifest.spec
+        limits = manifest.limits
         self.max_batch, self.max_input_len, self.max_seq_len = (limits["max_batch_size"], limits["max_input_len"],
                                                                 limits["max_seq_len"])
         self.block_size = backend.block_size
         self.allocator = BlockAllocator(backend.num_blocks)
         self.scheduler = Scheduler(self.allocator, self.block_size, self.max_batch, self.max_input_len)
+        self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_input_len)
         self.eos = set(self.spec.eos_token_ids)
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="autoglm-scheduler", daemon=True)
@@ -93,51 +89,33 @@ class Engine:
             path: the engine directory.
             verify: re-hash the engine's files against its manifest (refuses a corrupt engine).
             num_blocks / kv_memory_bytes: override the KV pool size (ONNX Runtime engines only).
-            threads: ONNX Runtime intra-op threads (0: all cores).
+            threads: ONNX Runtime intra-op threads (0: one per core; at most 256).
         """
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
+            raise EngineError(f"threads must be an integer from 0 (one per core) to {MAX_THREADS}, got {threads!r}")
         path = Path(path)
         manifest = check_engine(path, verify_hashes=verify)
-        spec = spec_from_dict(manifest["spec"])
-        kv = manifest["kv_cache"]
+        kv = manifest.kv
         blocks = kv["num_blocks"]
         if num_blocks is not None or kv_memory_bytes is not None:
-            if manifest["backend"] != "onnxruntime":
+            if manifest.backend != "onnxruntime":
                 raise EngineError("the KV pool of a TensorRT engine is fixed at build time; rebuild to change it")
             per_block = kv["bytes"] // kv["num_blocks"]
             blocks = num_blocks if num_blocks is not None else max(1, int(kv_memory_bytes or 0) // per_block)
-        backend: StepBackend
-        if manifest["backend"] == "onnxruntime":
-            backend = OrtBackend(path / manifest["engine_file"], spec, blocks, kv["block_size"], kv["dtype"], threads)
-        else:
-            from .trt_backend import TrtBackend
-
-            backend = TrtBackend(path / manifest["engine_file"], spec, blocks, kv["block_size"], kv["dtype"],
-                                 manifest["limits"]["max_batch_size"], manifest["limits"]["max_input_len"])
+        if manifest.backend == "onnxruntime":
+            pool = blocks * (kv["bytes"] // kv["num_blocks"])
+            have = available_memory_bytes()
+            if have is not None and pool > have:
+                raise EngineError(f"the KV pool of {blocks} blocks would take {pool / 2**30:.1f} GiB but this machine "
+                                  f"has {have / 2**30:.1f} GiB available; load with fewer blocks (num_blocks=...)")
+        backend = open_runner(manifest, blocks, threads)
         tokenizer = TextTokenizer(path) if (path / "tokenizer.json").is_file() else None
-        return cls(path, manifest, backend, tokenizer)
+        return cls(manifest, backend, tokenizer)
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self._tok().encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._tok().apply_chat_template(prompt)  # type: ignore[arg-type]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int | np.integer) for t in prompt):
-            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-            if bad:
-                raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
-        else:
-            raise RequestError("a prompt is a string, a non-empty list of chat messages ({'role', 'content'}) "
-                               "or a non-empty list of token ids")
-        if not ids:
-            raise RequestError("the prompt is empty after tokenization")
-        return ids
-
-    def _tok(self) -> TextTokenizer:
-        if self.tokenizer is None:
-            raise RequestError(f"{self.dir} has no tokenizer; pass token ids")
-        return self.tokenizer
+        """Token ids of a prompt (``RequestError`` if it is malformed or cannot fit)."""
+        return self.prompts.encode(prompt)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if len(ids) > self.max_input_len:
@@ -149,54 +127,63 @@ class Engine:
         if blocks_needed(len(ids) + params.max_new_tokens, self.block_size) > self.allocator.num_blocks:
             raise RequestError(f"this request needs more KV blocks than the whole pool ({self.allocator.num_blocks})")
 
-    def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> _Request:
+    def _submit(self, prompt: object, params: object, stream: bool, timeout: float | None) -> Request:
         if self._closed:
             raise RequestError("the engine is closed")
-        ids = self.encode(prompt)
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if timeout is not None:
+            params = dataclasses.replace(params, timeout=timeout)
+        ids = self.encode(prompt)  # type: ignore[arg-type]
         self._check(ids, params)
-        seq = Sequence(ids, params)
         if (stream or params.stop) and self.tokenizer is None:
             raise RequestError(f"{self.dir} has no tokenizer: streaming text and stop strings need one")
-        req = _Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer else None, stream)
+        seq = Sequence(ids, params)
+        req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer else None, stream, params.timeout)
         with self._cv:
-            self._requests[seq.seq_id] = req
+            if self._closed:
+                raise RequestError("the engine is closed")
             self.scheduler.add(seq)
+            self._requests[seq.seq_id] = req
             self._cv.notify()
         return req
 
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None) -> list[GenerationResult]:
-        """Generate for each prompt (a single prompt is a list of one); results in prompt order."""
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
+                 timeout: float | None = None) -> list[GenerationResult]:
+        """Generate for each prompt (a single prompt is a list of one); results in prompt order.
+
+        ``timeout`` (seconds, per request) overrides ``params.timeout``.
+        """
         params = params or SamplingParams()
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
-                                              and not isinstance(prompts[0], str | list))
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
-        reqs = [self._submit(p, params, stream=False) for p in batch]
+        reqs = [self._submit(p, params, False, timeout) for p in split_prompts(prompts)]
         return [self._result(r) for r in reqs]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text pieces as tokens are produced."""
-        req = self._submit(prompt, params or SamplingParams(), stream=True)
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               timeout: float | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are produced; closing the iterator cancels the request."""
+        req = self._submit(prompt, params or SamplingParams(), True, timeout)
         assert req.pieces is not None
         try:
-            while True:
-                piece = req.pieces.get()
-                if piece is None:
-                    break
+            while (piece := req.pieces.get()) is not None:
                 yield piece
         finally:
-            if not req.done.is_set():
-                with self._cv:
-                    self.scheduler.cancel(req.seq)
-                    self._finish_request(req)
+            self._cancel(req)
         self._result(req)
 
-    def _result(self, req: _Request) -> GenerationResult:
+    def _cancel(self, req: Request) -> None:
+        with self._cv:
+            if not req.done.is_set():
+                self.scheduler.cancel(req.seq)
+                self._finish_request(req)
+
+    def _result(self, req: Request) -> GenerationResult:
         req.done.wait()
         if req.error is not None:
+            if isinstance(req.error, RequestError):
+                raise req.error
             raise RequestError(f"generation failed: {req.error}") from req.error
         seq = req.seq
-        text = req.text
-        return GenerationResult(text, list(seq.output_ids), seq.finish_reason or "cancelled", len(seq.prompt_ids),
+        return GenerationResult(req.text, list(seq.output_ids), seq.finish_reason or "cancelled", len(seq.prompt_ids),
                                 req.token_times, req.submitted)
 
     # -- the loop ------------------------------------------------------------------
@@ -207,20 +194,19 @@ class Engine:
                     self._cv.wait()
                 if self._closed:
                     return
+                self._expire(time.perf_counter())
                 step = self.scheduler.schedule()
-            if step is None:  # nothing can run now (should not happen: a lone sequence always fits)
-                time.sleep(0.001)
-                continue
+                if step is None:
+                    if self.scheduler.has_work():  # a scheduler bug: fail the stuck requests, keep serving
+                        self._fail_all(RequestError("internal error: the scheduler found no step to run"))
+                    continue
             try:
                 logits = self._run(step)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                log.exception("engine step failed")
                 with self._cv:
                     for seq in step.seqs:
-                        self.scheduler.finish(seq, "error")
-                        req = self._requests.get(seq.seq_id)
-                        if req:
-                            req.error = exc
-                            self._finish_request(req)
+                        self._fail(seq, exc)
                 continue
             with self._cv:
                 self._after_step(step, logits)
@@ -232,46 +218,55 @@ class Engine:
     def _after_step(self, step: Step, logits: np.ndarray) -> None:
         now = time.perf_counter()
         for i, seq in enumerate(step.seqs):
+            if seq.finish_reason is not None or seq.seq_id not in self._requests:
+                continue  # cancelled, closed or failed while the step ran
             complete = step.completes(i)
             seq.cache.num_computed_tokens += len(step.new_tokens[i])
-            if not complete or seq.finish_reason is not None:
+            if not complete:
                 continue
-            req = self._requests[seq.seq_id]
-            token = sample(logits[i], seq.params, seq.rng)
-            reason = None
-            if token in self.eos and not seq.params.ignore_eos:
-                reason = "stop"
-            else:
-                seq.output_ids.append(token)
-                req.token_times.append(now)
-                if req.decoder is not None:
-                    piece = req.decoder.add(token)
-                    reason = self._emit(req, piece)
-            if reason is None and (len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_seq_len):
-                reason = "length"
-            if reason is not None:
-                if req.decoder is not None and reason != "stop":
-                    reason = self._emit(req, req.decoder.flush()) or reason
-                self.scheduler.finish(seq, reason)
-                self._finish_request(req)
+            try:
+                self._advance(self._requests[seq.seq_id], logits[i], now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+                self._fail(seq, exc)
 
-    def _emit(self, req: _Request, piece: str) -> str | None:
-        """Append a text piece, cut at a stop string; return "stop" when one was hit."""
-        text = req.text + piece
-        for s in req.seq.params.stop:
-            k = text.find(s)
-            if k >= 0:
-                piece = text[len(req.text):k] if k >= len(req.text) else ""
-                req.text = text[:k]
-                if req.pieces is not None and piece:
-                    req.pieces.put(piece)
-                return "stop"
-        req.text = text
-        if req.pieces is not None and piece:
-            req.pieces.put(piece)
-        return None
+    def _advance(self, req: Request, logits: np.ndarray, now: float) -> None:
+        """Sample one token for a request and end it if it is done."""
+        seq = req.seq
+        token = sample(logits, seq.params, seq.rng)
+        reason = None
+        if token in self.eos and not seq.params.ignore_eos:
+            reason = "stop"
+        else:
+            seq.output_ids.append(token)
+            req.token_times.append(now)
+            if req.decoder is not None:
+                reason = req.add_text(req.decoder.add(token))
+        if reason is None and (len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_seq_len):
+            reason = "length"
+        if reason is not None:
+            self._end(req, reason)
 
-    def _finish_request(self, req: _Request) -> None:
+    def _end(self, req: Request, reason: str) -> None:
+        reason = req.finish_text(reason)
+        self.scheduler.finish(req.seq, reason)
+        self._finish_request(req)
+
+    def _expire(self, now: float) -> None:
+        for req in [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]:
+            self._end(req, "timeout")
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        self.scheduler.finish(seq, "error")
+        req = self._requests.get(seq.seq_id)
+        if req is not None:
+            req.error = exc
+            self._finish_request(req)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for req in list(self._requests.values()):
+            self._fail(req.seq, exc)
+
+    def _finish_request(self, req: Request) -> None:
         self._requests.pop(req.seq.seq_id, None)
         if req.pieces is not None:
             req.pieces.put(None)
@@ -284,11 +279,20 @@ class Engine:
                     "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                     "preemptions": self.scheduler.preemptions}
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread is serving (false once closed)."""
+        return self._thread.is_alive() and not self._closed
+
     def close(self) -> None:
+        """Fail every waiting and running request, stop the loop, free the backend."""
         with self._cv:
+            if self._closed:
+                return
             self._closed = True
+            self._fail_all(RequestError("the engine was closed while this request was waiting or running"))
             self._cv.notify_all()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=60)
         self.backend.close()
 
     def __enter__(self) -> Engine:

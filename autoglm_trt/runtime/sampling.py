@@ -5,23 +5,68 @@ the temperature, keep the ``top_k`` largest (0: all), then the smallest set of t
 likely tokens whose probability reaches ``top_p`` (always at least one), renormalise, and
 draw with the request's own generator (seeded: the same seed gives the same tokens whatever
 else is in the batch).
+
+``SamplingParams`` checks the type and range of every field when it is made, so a request
+that reaches the engine's loop cannot fail there for its parameters; ``sample`` still refuses
+logits that are not finite (a broken engine) with a ``SamplingError`` for that request alone.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import numpy as np
 
 from ..errors import AutoGLMError
 
+MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflow float64 for ordinary logits
+MAX_TEMPERATURE = 1e3
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+
+
+_NOT_FINITE = "the engine produced logits that are not finite (NaN or infinity); cannot sample"
+
 
 class SamplingError(AutoGLMError):
-    """Invalid sampling parameters."""
+    """Invalid sampling parameters, or logits that cannot be sampled."""
+
+
+def _int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+        raise SamplingError(f"{name} must be an integer >= {low}, got {_show(value)}")
+    return int(value)
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise SamplingError(f"{name} must be a finite number, got {_show(value)}")
+    return float(value)
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to generate for one request.
+
+    Args:
+        max_new_tokens: tokens to generate at most (>= 1).
+        temperature: 0 for greedy, else in [1e-3, 1e3].
+        top_k: keep the k most likely tokens (0: all).
+        top_p: nucleus mass in (0, 1].
+        seed: a non-negative integer for reproducible sampling, or None.
+        stop: strings that end generation (not included in the text); at most 16.
+        ignore_eos: keep generating past the end-of-sequence token (benchmarks).
+        timeout: seconds from submission after which the request ends with finish reason
+            ``"timeout"`` and the text generated so far (None: no deadline).
+    """
+
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -29,33 +74,65 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # for benchmarks: always generate max_new_tokens
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise SamplingError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0 (0 keeps all tokens), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if any(not s for s in self.stop):
-            raise SamplingError("stop strings must not be empty")
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 1))
+        t = _real("temperature", self.temperature)
+        if t != 0.0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            raise SamplingError(f"temperature must be >= 0: 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                                f"got {t!r}")
+        set_("temperature", t)
+        set_("top_k", _int("top_k", self.top_k, 0))
+        p = _real("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {p!r}")
+        set_("top_p", p)
+        if self.seed is not None:
+            set_("seed", _int("seed", self.seed, 0))
+        set_("stop", self._stop_strings(self.stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
+        if self.timeout is not None:
+            timeout = _real("timeout", self.timeout)
+            if timeout <= 0:
+                raise SamplingError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            set_("timeout", timeout)
+
+    @staticmethod
+    def _stop_strings(stop: object) -> tuple[str, ...]:
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, list | tuple):
+            raise SamplingError(f"stop must be a string or a list of strings, got {_show(stop)}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise SamplingError(f"stop strings must be strings, got {_show(s)}")
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise SamplingError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+        return tuple(stop)
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One token id from one row of logits."""
     if params.temperature == 0.0:
-        return int(np.argmax(logits))
+        best = int(np.argmax(logits))  # the first NaN, if there is one
+        if not math.isfinite(float(logits[best])):
+            raise SamplingError(_NOT_FINITE)
+        return best
     x = logits.astype(np.float64) / params.temperature
     if 0 < params.top_k < x.size:
         cut = np.partition(x, -params.top_k)[-params.top_k]
         x = np.where(x >= cut, x, -np.inf)
     order = np.argsort(-x, kind="stable")
     p = np.exp(x[order] - x[order[0]])
-    p /= p.sum()
+    total = p.sum()
+    if not math.isfinite(total) or total <= 0:
+        raise SamplingError(_NOT_FINITE)
+    p /= total
     if params.top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(p), params.top_p, side="left")) + 1
         p = p[:keep] / p[:keep].sum()

@@ -12,6 +12,13 @@ Each step is one of:
   padded-token budget allow;
 * decode: every running sequence with exactly its last sampled token to compute.
 Prefill goes first, so a new request waits at most one step to start.
+
+Admission takes the blocks of a sequence's whole prompt at once (its chunks then need no
+more), so only decode growth can run out of blocks. Progress: whenever a running sequence
+needs a block that is not free, the newest running sequence is preempted (which may be
+itself) until the block is found. The oldest running
+sequence therefore always gets its blocks (a request larger than the whole pool is refused
+before it is queued), so while there is work, ``schedule`` returns a step.
 """
 
 from __future__ import annotations
@@ -22,17 +29,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..paged_kv import BlockAllocator, SeqState, blocks_needed
+from ..graph.paged_kv import BlockAllocator, SeqState, blocks_needed
 from .sampling import SamplingParams
-
-_ids = itertools.count()
 
 
 @dataclass
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
-    seq_id: int = field(default_factory=lambda: next(_ids))
+    seq_id: int = -1  # given by the scheduler that admits it (its arrival order)
     output_ids: list[int] = field(default_factory=list)
     cache: SeqState = field(default_factory=SeqState)
     finish_reason: str | None = None
@@ -76,8 +81,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self._ids = itertools.count()
 
     def add(self, seq: Sequence) -> None:
+        seq.seq_id = next(self._ids)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -94,6 +101,18 @@ class Scheduler:
         seq.cache.block_table += got
         return True
 
+    def _reserve(self, seq: Sequence, num_new: int, planned: dict[int, tuple[Sequence, list[int]]]) -> bool:
+        """Blocks for ``num_new`` more tokens of a running sequence, preempting the newest running
+        sequences (perhaps ``seq`` itself) until they are found; False if ``seq`` was preempted.
+        A preempted sequence leaves this step's plan too."""
+        while not self._grow(seq, num_new):
+            victim = max(self.running, key=lambda s: s.seq_id)
+            self._preempt(victim)
+            planned.pop(victim.seq_id, None)
+            if victim is seq:
+                return False
+        return True
+
     def free(self, seq: Sequence) -> None:
         self.allocator.release(seq.cache.block_table)
         seq.cache = SeqState()
@@ -107,60 +126,62 @@ class Scheduler:
 
     # -- steps -----------------------------------------------------------------
     def schedule(self) -> Step | None:
+        """The next step, or None when there is no work."""
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> Step | None:
-        seqs: list[Sequence] = []
-        chunks: list[list[int]] = []
-        longest = 0
+        planned: dict[int, tuple[Sequence, list[int]]] = {}
 
         def fits(n: int) -> bool:
-            return len(seqs) < self.max_batch and max(longest, n) * (len(seqs) + 1) <= self.max_prefill_tokens
+            longest = max((len(c) for _, c in planned.values()), default=0)
+            return len(planned) < self.max_batch and max(longest, n) * (len(planned) + 1) <= self.max_prefill_tokens
 
-        for seq in [s for s in self.running if s.num_pending > 1]:  # continuing chunked prefills
+        continuing = sorted((s for s in self.running if s.num_pending > 1), key=lambda s: s.seq_id)
+        for seq in continuing:  # chunked prefills under way, oldest first
+            if seq not in self.running:  # preempted for an older one in this loop
+                continue
             n = min(seq.num_pending, self.max_input_len)
-            if not fits(n) or not self._grow(seq, n):
+            if not fits(n):
                 break
-            seqs.append(seq)
-            chunks.append(seq.pending_ids(n))
-            longest = max(longest, n)
+            if self._reserve(seq, n, planned):
+                planned[seq.seq_id] = (seq, seq.pending_ids(n))
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             n = min(seq.num_pending, self.max_input_len)
-            need = blocks_needed(n, self.block_size)
-            # keep one free block per running sequence so that admitting does not force a preemption
+            # blocks for the whole prompt (all its chunks), and one free block kept per running
+            # sequence, so that a sequence admitted is not preempted again by its own prefill
+            need = blocks_needed(seq.num_pending, self.block_size)
             if not fits(n) or need > self.allocator.num_free - len(self.running):
                 break
             self.waiting.popleft()
-            assert self._grow(seq, n)
+            grown = self._grow(seq, seq.num_pending)
+            if not grown:  # cannot happen: need <= num_free was checked above
+                raise RuntimeError("block allocator refused blocks it reported free")
             self.running.append(seq)
-            seqs.append(seq)
-            chunks.append(seq.pending_ids(n))
-            longest = max(longest, n)
-        return Step(seqs, chunks, prefill=True) if seqs else None
+            planned[seq.seq_id] = (seq, seq.pending_ids(n))
+        if not planned:
+            return None
+        return Step([s for s, _ in planned.values()], [c for _, c in planned.values()], prefill=True)
 
     def _schedule_decode(self) -> Step | None:
-        batch = [s for s in self.running if s.num_pending == 1]
-        ready: list[Sequence] = []
-        for seq in sorted(batch, key=lambda s: s.seq_id):  # the oldest keep their blocks
-            while seq in self.running and not self._grow(seq, 1):
-                victim = max(self.running, key=lambda s: s.seq_id)  # the newest gives way (maybe seq itself)
-                self._preempt(victim)
-                if victim in ready:
-                    ready.remove(victim)
-            if seq in self.running:
-                ready.append(seq)
-        if not ready:
+        planned: dict[int, tuple[Sequence, list[int]]] = {}
+        for seq in sorted((s for s in self.running if s.num_pending == 1), key=lambda s: s.seq_id):
+            if seq in self.running and self._reserve(seq, 1, planned):  # the oldest keep their blocks
+                planned[seq.seq_id] = (seq, seq.pending_ids(1))
+        if not planned:
             return None
-        return Step(ready, [s.pending_ids(1) for s in ready], prefill=False)
+        return Step([s for s, _ in planned.values()], [c for _, c in planned.values()], prefill=False)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (waiting or running) and free its blocks; a second call does nothing."""
+        if seq.finish_reason is not None and seq not in self.running and seq not in self.waiting:
+            return
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         self.free(seq)
 
     def cancel(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
         self.finish(seq, "cancelled")

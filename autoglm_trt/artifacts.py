@@ -1,0 +1,288 @@
+"""The artifacts the stages exchange, each read and checked in one place.
+
+Stages talk only through directories: an export (``export.json``, the ONNX graph, the
+tokenizer files), a calibration (the same plus ``calib.json`` and ``calibration.cache``) and
+an engine (the same plus ``manifest.json`` and the engine file). This module is their one
+reader: ``ExportRecord.read``, ``CalibRecord.read`` and ``Manifest.read`` parse the JSON, check
+the keys and types every later stage relies on, parse the model spec once, and resolve every
+file a record names *inside* its directory (``inside``): an absolute path, a ``..`` or a
+symbolic link that leads out is refused with a clear error. ``TOKENIZER_FILES`` is the one
+list of tokenizer files that travels with a model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import AutoGLMError
+from .fileutil import sha256_file
+from .model.spec import ModelSpec, spec_from_dict
+
+EXPORT_RECORD = "export.json"
+CALIB_RECORD = "calib.json"
+MANIFEST = "manifest.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+KV_DTYPES = ("float32", "float16")
+BACKENDS = ("onnxruntime", "tensorrt")
+MAX_RECORD_BYTES = 64 * 1024 * 1024  # a record is a few kB to a few MB; refuse to parse anything absurd
+
+
+class ArtifactError(AutoGLMError):
+    """An artifact directory is missing, incomplete, corrupt or names files outside itself."""
+
+
+class EngineError(ArtifactError):
+    """The engine directory is missing, corrupt, or built for another machine."""
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """``repr`` of a value cut to ``limit`` characters, for error messages about untrusted input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def inside(root: Path, name: object, what: str, error: type[ArtifactError] = ArtifactError) -> Path:
+    """``root / name``, refusing a name that is not a plain relative path that stays inside ``root``."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise error(f"{what} must be a file name inside {root}, got {brief(name)}")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise error(f"{what} names {brief(name)}, which is not inside {root}; an artifact may only name its own files")
+    path = Path(root) / rel
+    if not path.resolve().is_relative_to(Path(root).resolve()):
+        raise error(f"{what} names {brief(name)}, which leads out of {root} (a symbolic link?); "
+                    "an artifact may only name its own files")
+    return path
+
+
+def read_json_object(path: Path, what: str, error: type[ArtifactError] = ArtifactError) -> dict:
+    """A JSON object from ``path``, or ``error`` saying what is wrong with the file."""
+    if not path.is_file():
+        raise error(f"{path.parent} has no {path.name}; {what}")
+    if path.stat().st_size > MAX_RECORD_BYTES:
+        raise error(f"{path} is {path.stat().st_size} bytes, too large for a record made by autoglm-trt")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise error(f"{path} is corrupt ({str(exc)[:200]}); make it again") from exc
+    if not isinstance(data, dict):
+        raise error(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _field(data: dict, key: str, kind: type | tuple[type, ...], where: Path, error: type[ArtifactError]) -> object:
+    if key not in data:
+        raise error(f"{where} lacks the key '{key}'; it was not made by this version of autoglm-trt, or was edited")
+    value = data[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise error(f"{where}: '{key}' must be {getattr(kind, '__name__', kind)}, got {brief(value)}")
+    return value
+
+
+def _positive_int(data: dict, key: str, where: Path, error: type[ArtifactError]) -> int:
+    value = _field(data, key, int, where, error)
+    assert isinstance(value, int)
+    if value < 1:
+        raise error(f"{where}: '{key}' must be an integer >= 1, got {value}")
+    return value
+
+
+def _spec(data: dict, where: Path, error: type[ArtifactError]) -> ModelSpec:
+    raw = _field(data, "spec", dict, where, error)
+    try:
+        return spec_from_dict(raw)  # type: ignore[arg-type]
+    except (TypeError, KeyError, ValueError) as exc:
+        raise error(f"{where}: the model spec is invalid ({str(exc)[:200]})") from exc
+
+
+def tokenizer_files(model_dir: Path) -> list[Path]:
+    """The tokenizer files present in a checkpoint or model directory."""
+    return [Path(model_dir) / n for n in TOKENIZER_FILES if (Path(model_dir) / n).is_file()]
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    import shutil
+
+    for f in tokenizer_files(src):
+        shutil.copy2(f, Path(dst) / f.name)
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """``export.json`` of an export, calibration or engine directory."""
+
+    dir: Path
+    data: dict
+    spec: ModelSpec
+
+    @classmethod
+    def read(cls, model_dir: Path | str) -> ExportRecord:
+        model_dir = Path(model_dir)
+        path = model_dir / EXPORT_RECORD
+        data = read_json_object(path, "expected an export, calibration or engine directory made by autoglm-trt")
+        graph = _field(data, "graph", dict, path, ArtifactError)
+        assert isinstance(graph, dict)
+        inside(model_dir, graph.get("file"), f"{path} graph.file")
+        if graph.get("dtype") not in KV_DTYPES:
+            raise ArtifactError(f"{path}: graph.dtype must be one of {', '.join(KV_DTYPES)}, "
+                                f"got {brief(graph.get('dtype'))}")
+        _positive_int(graph, "max_positions", path, ArtifactError)
+        return cls(model_dir, data, _spec(data, path, ArtifactError))
+
+    @property
+    def graph(self) -> dict:
+        return self.data["graph"]
+
+    @property
+    def graph_file(self) -> Path:
+        return inside(self.dir, self.graph["file"], f"{self.dir / EXPORT_RECORD} graph.file")
+
+    @property
+    def dtype(self) -> str:
+        return str(self.graph["dtype"])
+
+    @property
+    def precision(self) -> str:
+        return str(self.graph.get("precision", "fp32" if self.dtype == "float32" else "fp16"))
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.graph["max_positions"])
+
+    @property
+    def graph_version(self) -> int | None:
+        return self.graph.get("version")
+
+    @property
+    def source_sha256(self) -> dict:
+        return dict(self.data.get("source", {}).get("sha256", {}))
+
+    def identity(self) -> str:
+        """SHA-256 of ``export.json``, which records the hashes of the files it describes."""
+        return sha256_file(self.dir / EXPORT_RECORD)
+
+    def derived(self, **graph: object) -> dict:
+        """A copy of the record for a model made from this one (its ``graph`` keys replaced)."""
+        out = json.loads(json.dumps(self.data))
+        out["graph"].update(graph)
+        return out
+
+
+@dataclass(frozen=True)
+class CalibRecord:
+    """``calib.json`` of a calibration directory."""
+
+    dir: Path
+    data: dict
+
+    @classmethod
+    def read(cls, calib_dir: Path | str) -> CalibRecord:
+        calib_dir = Path(calib_dir)
+        path = calib_dir / CALIB_RECORD
+        data = read_json_object(path, "it is not a calibration result")
+        for key in ("model_sha256", "data_sha256"):
+            _field(data, key, str, path, ArtifactError)
+        _field(data, "amax", dict, path, ArtifactError)
+        return cls(calib_dir, data)
+
+    @property
+    def model_sha256(self) -> str:
+        return str(self.data["model_sha256"])
+
+    @property
+    def data_sha256(self) -> str:
+        return str(self.data["data_sha256"])
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest.json`` of an engine directory: what it was built from, with, and for."""
+
+    dir: Path
+    data: dict
+    spec: ModelSpec
+
+    @classmethod
+    def read(cls, engine_dir: Path | str) -> Manifest:
+        engine_dir = Path(engine_dir)
+        if not engine_dir.is_dir():
+            raise EngineError(f"engine directory {engine_dir} does not exist; build one with `autoglm-trt build`")
+        path = engine_dir / MANIFEST
+        data = read_json_object(path, "it is not an engine directory made by `autoglm-trt build`", EngineError)
+        backend = _field(data, "backend", str, path, EngineError)
+        if backend not in BACKENDS:
+            raise EngineError(f"{path}: backend must be one of {', '.join(BACKENDS)}, got {brief(backend)}")
+        _field(data, "precision", str, path, EngineError)
+        files = _field(data, "files", dict, path, EngineError)
+        assert isinstance(files, dict)
+        for name, digest in files.items():
+            inside(engine_dir, name, f"{path} files", EngineError)
+            if not isinstance(digest, str) or len(digest) != 64:
+                raise EngineError(f"{path}: files[{brief(name)}] must be a SHA-256 hex digest, got {brief(digest)}")
+        engine_file = _field(data, "engine_file", str, path, EngineError)
+        inside(engine_dir, engine_file, f"{path} engine_file", EngineError)
+        if engine_file not in files:
+            raise EngineError(f"{path}: engine_file {brief(engine_file)} is not one of the engine's hashed files")
+        limits = _field(data, "limits", dict, path, EngineError)
+        kv = _field(data, "kv_cache", dict, path, EngineError)
+        assert isinstance(limits, dict) and isinstance(kv, dict)
+        for key in ("max_batch_size", "max_input_len", "max_seq_len"):
+            _positive_int(limits, key, path, EngineError)
+        for key in ("block_size", "num_blocks", "bytes"):
+            _positive_int(kv, key, path, EngineError)
+        if kv.get("dtype") not in KV_DTYPES:
+            raise EngineError(f"{path}: kv_cache.dtype must be one of {', '.join(KV_DTYPES)}, got {brief(kv.get('dtype'))}")
+        if backend == "tensorrt":
+            trt = _field(data, "tensorrt", dict, path, EngineError)
+            assert isinstance(trt, dict)
+            _field(trt, "version", str, path, EngineError)
+            _field(trt, "gpu", dict, path, EngineError)
+        return cls(engine_dir, data, _spec(data, path, EngineError))
+
+    @property
+    def backend(self) -> str:
+        return str(self.data["backend"])
+
+    @property
+    def precision(self) -> str:
+        return str(self.data["precision"])
+
+    @property
+    def engine_path(self) -> Path:
+        return self.dir / self.data["engine_file"]
+
+    @property
+    def limits(self) -> dict:
+        return self.data["limits"]
+
+    @property
+    def kv(self) -> dict:
+        return self.data["kv_cache"]
+
+    def verify_files(self) -> list[str]:
+        """Problems with the engine's files (missing, or a SHA-256 that differs from the manifest)."""
+        problems = []
+        for name, digest in self.data["files"].items():
+            p = self.dir / name
+            if not p.is_file():
+                problems.append(f"{name} is missing")
+            elif sha256_file(p) != digest:
+                problems.append(f"{name} is corrupt or was modified (SHA-256 differs from the manifest)")
+        return problems
+
+
+def hash_dir(engine_dir: Path) -> dict[str, str]:
+    """SHA-256 of every file of a directory but the manifest."""
+    return {p.name: sha256_file(p) for p in sorted(Path(engine_dir).iterdir()) if p.is_file() and p.name != MANIFEST}

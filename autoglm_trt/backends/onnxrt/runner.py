@@ -1,0 +1,70 @@
+"""The ONNX Runtime runner: one step of the engine contract on the CPU (``base.StepRunner``).
+
+The pools are numpy arrays wrapped once as ``OrtValue`` (no copy on the CPU) and
+bound with I/O binding, so a step passes only the small per-step inputs; the new K/V are
+scattered into the pools in place with numpy fancy indexing. Outputs go into buffers we own.
+For decode steps the binding (pools and output buffers bound) is kept per batch size, so a
+decode step only rebinds its six small inputs; a prefill step's outputs (new K/V of up to
+max_batch x max_input_len tokens) are bound afresh and freed after the step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...graph.paged_kv import KVPools, SlotMap
+from ...graph.session import make_session
+from ...model.spec import ModelSpec
+
+
+class OrtRunner:
+    MAX_BINDINGS = 64  # decode batch sizes kept bound
+
+    def __init__(self, model_path: Path, spec: ModelSpec, num_blocks: int, block_size: int, kv_dtype: str,
+                 threads: int = 0):
+        import onnxruntime as ort
+
+        self._ort = ort
+        self.session = make_session(model_path, threads=threads)
+        self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
+        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
+        self._bindings: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray], list[Any]]] = {}
+
+    def _binding(self, batch: int, tokens: int, num_logits: int) -> tuple[Any, dict[str, np.ndarray], list[Any]]:
+        key = (batch, tokens, num_logits)
+        if key in self._bindings:
+            return self._bindings[key]
+        binding = self.session.io_binding()
+        for name, value in self._pool_values.items():
+            binding.bind_ortvalue_input(name, value)
+        s = self.spec
+        outs = {"logits": np.empty((batch, num_logits, s.vocab_size), np.float32)}
+        for i in range(s.num_layers):
+            for kind in ("key", "value"):
+                outs[f"new_{kind}.{i}"] = np.empty((batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)
+        values = [self._ort.OrtValue.ortvalue_from_numpy(arr) for arr in outs.values()]
+        for name, value in zip(outs, values):
+            binding.bind_ortvalue_output(name, value)
+        if tokens == 1:  # decode: small, and the same shapes recur every step
+            if len(self._bindings) >= self.MAX_BINDINGS:
+                self._bindings.pop(next(iter(self._bindings)))
+            self._bindings[key] = (binding, outs, values)
+        return binding, outs, values
+
+    def step(self, feeds: dict[str, np.ndarray], slots: SlotMap) -> np.ndarray:
+        batch, tokens = feeds["input_ids"].shape
+        binding, outs, _ = self._binding(batch, tokens, feeds["logits_indices"].shape[1])
+        for name, arr in feeds.items():
+            binding.bind_cpu_input(name, arr)
+        self.session.run_with_iobinding(binding)
+        self.pools.write(outs, slots)
+        return outs["logits"][:, 0].copy()  # a decode buffer is reused by the next step of its shape
+
+    def close(self) -> None:
+        self._bindings.clear()
+        self._pool_values.clear()

@@ -1,0 +1,208 @@
+"""The CUDA side of the TensorRT runtime, on ``cuda.bindings`` (cuda-python) alone.
+
+Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and the KV
+scatter kernel: compiled at run time with NVRTC to PTX for this GPU, loaded with the driver
+API, launched on the stream. Every call's status is checked. Used by ``trt_backend`` and
+tested on a GPU by ``scripts/gpu_check.py`` (no TensorRT needed for that).
+
+The scatter kernel copies one token's K (or V) into its pool slot, head by head:
+``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``
+is the step's ``[tokens, kv_heads, head_dim]`` output and ``pool`` is
+``[kv_heads, num_blocks * block_size, head_dim]`` (``paged_kv.POOL_LAYOUT``); a head's
+``head_dim`` elements move as 32-bit words (float32, or pairs of float16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import MissingDependencyError
+
+SCATTER_SOURCE = r"""
+extern "C" __global__ void scatter_rows(const unsigned int* __restrict__ src, unsigned int* __restrict__ dst,
+                                        const long long* __restrict__ src_row, const long long* __restrict__ dst_slot,
+                                        int n_rows, int kv_heads, int head_words, long long pool_slots) {
+    long long row_words = (long long)kv_heads * head_words;
+    long long total = (long long)n_rows * row_words;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / row_words;
+        long long rest = i - r * row_words;
+        long long h = rest / head_words;
+        long long w = rest - h * head_words;
+        dst[(h * pool_slots + dst_slot[r]) * head_words + w] = src[src_row[r] * row_words + rest];
+    }
+}
+"""
+
+
+def _modules():
+    try:
+        from cuda.bindings import driver, nvrtc, runtime
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"the CUDA runtime needs cuda-python ('cuda.bindings'): {exc}; pip install 'cuda-python>=12.6'") from exc
+    return runtime, driver, nvrtc
+
+
+def check(result):
+    """Raise on a failed cuda-python call; return the call's value(s) after the status."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA call failed: {err!r}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+class Stream:
+    def __init__(self) -> None:
+        rt, _, _ = _modules()
+        self._rt = rt
+        self.stream = check(rt.cudaStreamCreate())
+
+    @property
+    def handle(self) -> int:
+        return int(self.stream)
+
+    def synchronize(self) -> None:
+        check(self._rt.cudaStreamSynchronize(self.stream))
+
+
+class DeviceArray:
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        rt, _, _ = _modules()
+        self._rt = rt
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.ptr = int(check(rt.cudaMalloc(max(self.nbytes, 1))))
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
+        return cls(shape, dtype)
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
+        arr = cls(shape, dtype)
+        check(arr._rt.cudaMemset(arr.ptr, 0, arr.nbytes))
+        return arr
+
+    def copy_from_host(self, host: np.ndarray, stream: Stream | None = None) -> None:
+        assert host.nbytes <= self.nbytes and host.flags.c_contiguous
+        kind = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        if stream is None:
+            check(self._rt.cudaMemcpy(self.ptr, host.ctypes.data, host.nbytes, kind))
+        else:
+            check(self._rt.cudaMemcpyAsync(self.ptr, host.ctypes.data, host.nbytes, kind, stream.stream))
+
+    def copy_to_host(self, host: PinnedArray | np.ndarray, rows: int | None = None,
+                     stream: Stream | None = None) -> None:
+        arr = host.array if isinstance(host, PinnedArray) else host
+        nbytes = arr.nbytes if rows is None else rows * (arr.nbytes // arr.shape[0])
+        kind = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        if stream is None:
+            check(self._rt.cudaMemcpy(arr.ctypes.data, self.ptr, nbytes, kind))
+        else:
+            check(self._rt.cudaMemcpyAsync(arr.ctypes.data, self.ptr, nbytes, kind, stream.stream))
+
+    def to_numpy(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        self.copy_to_host(out)
+        return out
+
+    def free(self) -> None:
+        if self.ptr:
+            check(self._rt.cudaFree(self.ptr))
+            self.ptr = 0
+
+
+class PinnedArray:
+    """Page-locked host memory, viewed as a numpy array (fast, truly asynchronous copies)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        import ctypes
+
+        rt, _, _ = _modules()
+        self._rt = rt
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        self.ptr = int(check(rt.cudaMallocHost(max(nbytes, 1))))
+        buf = (ctypes.c_byte * nbytes).from_address(self.ptr)
+        self.array = np.frombuffer(memoryview(buf).cast("B"), dtype=dtype).reshape(shape)
+
+    def free(self) -> None:
+        if self.ptr:
+            self.array = np.empty(0)
+            check(self._rt.cudaFreeHost(self.ptr))
+            self.ptr = 0
+
+
+class ScatterKernel:
+    """``scatter_rows`` compiled with NVRTC for the current GPU."""
+
+    THREADS = 256
+
+    def __init__(self) -> None:
+        rt, drv, nvrtc = _modules()
+        self._drv = drv
+        check(rt.cudaFree(0))  # make the runtime's primary context current for the driver API
+        props = check(rt.cudaGetDeviceProperties(0))
+        arch = f"--gpu-architecture=compute_{props.major}{props.minor}".encode()
+        prog = check(nvrtc.nvrtcCreateProgram(SCATTER_SOURCE.encode(), b"scatter_rows.cu", 0, [], []))
+        try:
+            status = nvrtc.nvrtcCompileProgram(prog, 2, [arch, b"--std=c++17"])
+            if int(status[0]) != 0:
+                size = check(nvrtc.nvrtcGetProgramLogSize(prog))
+                log = b" " * size
+                check(nvrtc.nvrtcGetProgramLog(prog, log))
+                raise RuntimeError(f"NVRTC failed to compile the scatter kernel: {log.decode(errors='replace')}")
+            size = check(nvrtc.nvrtcGetPTXSize(prog))
+            ptx = b" " * size
+            check(nvrtc.nvrtcGetPTX(prog, ptx))
+        finally:
+            check(nvrtc.nvrtcDestroyProgram(prog))
+        self.module = check(drv.cuModuleLoadData(ptx))
+        self.function = check(drv.cuModuleGetFunction(self.module, b"scatter_rows"))
+        self.sm_count = int(props.multiProcessorCount)
+        self._idx: DeviceArray | None = None
+        self._staging: PinnedArray
+        self._n = 0
+
+    def set_rows(self, src_rows: np.ndarray, dst_rows: np.ndarray, stream: Stream) -> None:
+        """Upload this step's mapping, token row -> pool slot (block * block_size + offset), for every following launch."""
+        n = int(len(src_rows))
+        if self._idx is None or self._idx.shape[1] < n:
+            if self._idx is not None:
+                self._idx.free()
+                self._staging.free()
+            cap = max(n, 256)
+            self._idx = DeviceArray.empty((2, cap), np.dtype(np.int64))
+            self._staging = PinnedArray((2, cap), np.dtype(np.int64))
+        self._staging.array[0, :n] = src_rows
+        self._staging.array[1, :n] = dst_rows
+        self._n = n
+        cap = self._idx.shape[1]
+        kind = self._idx._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        check(self._idx._rt.cudaMemcpyAsync(self._idx.ptr, self._staging.ptr, 16 * cap, kind, stream.stream))
+
+    def __call__(self, src: DeviceArray, dst: DeviceArray, stream: Stream) -> None:
+        """``dst`` (a pool ``[kv_heads, num_blocks, block_size, head_dim]``) <- ``src`` token rows, on ``stream``."""
+        n = self._n
+        if n == 0 or self._idx is None:
+            return
+        kv_heads, pool_slots = dst.shape[0], dst.shape[1] * dst.shape[2]
+        head_words = dst.shape[3] * dst.dtype.itemsize // 4
+        cap = self._idx.shape[1]
+        values: list[np.ndarray] = [
+            np.array([src.ptr], np.uint64), np.array([dst.ptr], np.uint64), np.array([self._idx.ptr], np.uint64),
+            np.array([self._idx.ptr + 8 * cap], np.uint64), np.array([n], np.int32), np.array([kv_heads], np.int32),
+            np.array([head_words], np.int32), np.array([pool_slots], np.int64)]
+        params = np.array([v.ctypes.data for v in values], dtype=np.uint64)
+        blocks = max(1, min(-(-n * kv_heads * head_words // self.THREADS), 4 * self.sm_count))
+        check(self._drv.cuLaunchKernel(self.function, blocks, 1, 1, self.THREADS, 1, 1, 0, stream.handle,
+                                       params.ctypes.data, 0))
+
+    def free(self) -> None:
+        if self._idx is not None:
+            self._idx.free()
+            self._staging.free()
+            self._idx = None

@@ -1,0 +1,124 @@
+"""Build configuration: YAML file + command-line overrides -> a checked ``BuildConfig``.
+
+Unknown keys and wrong types are errors that name the key, what was expected and what came.
+The KV pool is sized by ``kv_num_blocks`` or, if that is not given, by ``kv_memory_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..artifacts import brief
+from ..errors import AutoGLMError
+from ..model.spec import ModelSpec
+
+
+class BuildConfigError(AutoGLMError):
+    """The build configuration is invalid."""
+
+
+@dataclass
+class BuildConfig:
+    max_batch_size: int = 16
+    max_input_len: int = 1024  # longest prompt (prefill tokens of one sequence in one step)
+    max_seq_len: int = 2048  # prompt + generated tokens
+    kv_block_size: int = 16
+    kv_num_blocks: int | None = None  # pool size; default from kv_memory_bytes
+    kv_memory_bytes: int = 512 * 1024 * 1024
+    prefill_opt_batch: int = 1
+    prefill_opt_tokens: int = 128
+    decode_opt_batch: int = 8
+    workspace_bytes: int = 4 * 1024**3
+    timing_cache: str | None = None  # path; default engines/.cache/timing.cache
+    builder_optimization_level: int = 3
+    threads: int = 0  # ONNX Runtime intra-op threads (0: one per core)
+
+    def check(self) -> None:
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size", "kv_memory_bytes",
+                     "prefill_opt_batch", "prefill_opt_tokens", "decode_opt_batch", "workspace_bytes"):
+            if getattr(self, name) < 1:
+                raise BuildConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_input_len > self.max_seq_len:
+            raise BuildConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})")
+        if not 0 <= self.builder_optimization_level <= 5:
+            raise BuildConfigError(f"builder_optimization_level must be 0..5, got {self.builder_optimization_level}")
+        if self.kv_num_blocks is not None and self.kv_num_blocks < self.blocks_per_seq:
+            raise BuildConfigError(
+                f"kv_num_blocks ({self.kv_num_blocks}) cannot hold even one sequence of max_seq_len "
+                f"{self.max_seq_len} ({self.blocks_per_seq} blocks of {self.kv_block_size})")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.kv_block_size)
+
+    def block_bytes(self, spec: ModelSpec, kv_bytes_per_elem: int) -> int:
+        """Bytes of one KV block: K and V of every layer."""
+        return 2 * spec.num_layers * self.kv_block_size * spec.num_kv_heads * spec.head_dim * kv_bytes_per_elem
+
+    def num_blocks(self, spec: ModelSpec, kv_bytes_per_elem: int) -> int:
+        """Pool size: ``kv_num_blocks`` or as many blocks as ``kv_memory_bytes`` holds (K and V, all layers)."""
+        if self.kv_num_blocks is not None:
+            return self.kv_num_blocks
+        per_block = self.block_bytes(spec, kv_bytes_per_elem)
+        n = self.kv_memory_bytes // per_block
+        if n < self.blocks_per_seq:
+            raise BuildConfigError(
+                f"kv_memory_bytes {self.kv_memory_bytes} holds {n} blocks of {per_block} bytes, fewer than one "
+                f"sequence of max_seq_len {self.max_seq_len} needs ({self.blocks_per_seq}); raise it")
+        return int(n)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(BuildConfig)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    default = getattr(BuildConfig(), key)
+    allowed: tuple[type, ...]
+    if key in ("kv_num_blocks",):
+        allowed = (int, type(None))
+    elif key == "timing_cache":
+        allowed = (str, type(None))
+    else:
+        allowed = (type(default),)
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        raise BuildConfigError(f"build config key '{key}' must be {names}, got {type(value).__name__} {brief(value)}")
+    return value
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> BuildConfig:
+    """Read YAML (if given), apply non-None overrides, check."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except OSError as exc:
+            raise BuildConfigError(f"cannot read build config {path}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise BuildConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise BuildConfigError(f"{path} is not valid YAML: {str(exc)[:300]}") from exc
+        if not isinstance(data, dict):
+            raise BuildConfigError(f"{path} must hold a mapping of keys to values, got {type(data).__name__}")
+        for key, value in data.items():
+            if key not in _FIELDS:
+                raise BuildConfigError(f"{path}: unknown key {brief(key)}; known keys: {', '.join(_FIELDS)}")
+            values[key] = _coerce(key, value)
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = _coerce(key, value)
+    if "max_input_len" not in values and "max_seq_len" in values:
+        values["max_input_len"] = min(BuildConfig().max_input_len, values["max_seq_len"])
+    cfg = BuildConfig(**values)
+    cfg.check()
+    return cfg
+
+
+def dump_config(cfg: BuildConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+

@@ -1,0 +1,207 @@
+"""``build``: checkpoint (or export) -> ready engine directory, reusing earlier stages.
+
+Input: a Hugging Face checkpoint or an export directory, a precision, a backend and a build
+config. Intermediate results live in ``<engines>/.cache/<checkpoint>-<hash>/``: the float32
+(or float16) export and the INT8 calibration. Each is reused when the hashes it recorded
+still match (checkpoint files; export + calibration data + settings), and redone otherwise.
+The engine directory is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..artifacts import EXPORT_RECORD, MANIFEST, ExportRecord, copy_tokenizer_files, hash_dir, tokenizer_files
+from ..errors import AutoGLMError
+from ..fileutil import available_memory_bytes, library_versions, sha256_files, staged_directory, write_json
+from ..graph.decoder import GRAPH_VERSION
+from ..graph.paged_kv import POOL_LAYOUT
+from ..model.checkpoint import Checkpoint
+from .config import BuildConfig
+from .profiles import profile_shapes
+
+PRECISIONS = ("fp32", "fp16", "int8")
+BACKENDS = ("auto", "tensorrt", "onnxruntime")
+
+
+@dataclass
+class BuildRequest:
+    source: Path
+    out_dir: Path
+    precision: str = "int8"
+    calib: Path | None = None
+    backend: str = "auto"
+    config: BuildConfig | None = None
+    cache_dir: Path | None = None  # default: <out_dir parent>/.cache
+    force: bool = False
+
+
+def resolve_backend(requested: str, log: Callable[[str], None]) -> str:
+    from ..backends.trt.probe import require_tensorrt, tensorrt_available
+
+    if requested not in BACKENDS:
+        raise AutoGLMError(f"backend '{requested}' is not one of {', '.join(BACKENDS)}")
+    if requested == "tensorrt":
+        require_tensorrt()
+        return "tensorrt"
+    if requested == "onnxruntime":
+        return "onnxruntime"
+    ok, reason = tensorrt_available()
+    log(f"backend auto: {'tensorrt' if ok else 'onnxruntime'} ({reason})")
+    return "tensorrt" if ok else "onnxruntime"
+
+
+def _checkpoint_export(source: Path, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
+    """Export ``source`` into the cache, or reuse an export whose recorded input hashes still match."""
+    from ..export.pipeline import ExportConfig, export_checkpoint
+
+    out = cache / f"export-{dtype}"
+    if (out / EXPORT_RECORD).is_file():
+        ckpt = Checkpoint.open(source)
+        current = sha256_files([ckpt.path / "config.json", *ckpt.weight_files, *tokenizer_files(ckpt.path)], ckpt.path)
+        record = ExportRecord.read(out)
+        if record.graph_version != GRAPH_VERSION:
+            log(f"{out} was exported by another version of the graph code: exporting again")
+        elif record.source_sha256 == current:
+            log(f"reusing export {out} (checkpoint hashes match)")
+            return out
+        else:
+            log(f"checkpoint changed since {out} was exported: exporting again")
+    export_checkpoint(ExportConfig(source, out, dtype=dtype, force=True), log=log)
+    return out
+
+
+def _cache_dir(req: BuildRequest) -> Path:
+    base = req.cache_dir or Path(req.out_dir).parent / ".cache"
+    key = hashlib.sha256(str(Path(req.source).resolve()).encode()).hexdigest()[:12]
+    return base / f"{Path(req.source).name}-{key}"
+
+
+def _model_dir(req: BuildRequest, cache: Path, log: Callable[[str], None]) -> Path:
+    """The float export to build from: the source itself, or the checkpoint's export in the cache."""
+    source = Path(req.source)
+    dtype = "float16" if req.precision == "fp16" else "float32"
+    if (source / EXPORT_RECORD).is_file():
+        have = ExportRecord.read(source).dtype
+        if have != dtype:
+            raise AutoGLMError(f"{source} is a {have} export; precision {req.precision} needs a {dtype} export "
+                               f"(autoglm-trt export CHECKPOINT -o DIR --dtype {dtype}) or the checkpoint itself")
+        return source
+    if (source / "config.json").is_file():
+        return _checkpoint_export(source, dtype, cache, log)
+    raise AutoGLMError(f"{source} is neither a Hugging Face checkpoint (config.json) nor an export (export.json)")
+
+
+def _calibrated(req: BuildRequest, model_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
+    """The INT8 calibration of ``model_dir`` in the cache (made or reused)."""
+    from ..calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
+
+    data = req.calib
+    if data is None:
+        data = DEFAULT_DATA
+        log(f"no --calib given: calibrating with the default set {data}")
+    calib_dir = cache / "calib-int8"
+    calibrate(CalibConfig(model_dir, data, calib_dir, replace_mismatch=True), log=log)
+    return calib_dir
+
+
+def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
+                   req: BuildRequest) -> tuple[str, dict]:
+    """Optimize (ONNX Runtime) or build (TensorRT) the graph into ``tmp``: (engine file, report)."""
+    if backend == "onnxruntime":
+        from ..backends.onnxrt.loader import optimize
+
+        return "model.opt.onnx", optimize(graph_file, tmp, cfg.threads)
+    from ..backends.trt.loader import build_plan
+
+    timing = Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
+    return "engine.plan", build_plan(graph_file, tmp, profiles, cfg.workspace_bytes, cfg.builder_optimization_level,
+                                     timing)
+
+
+def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
+    """Build the engine directory; returns its manifest."""
+    if req.precision not in PRECISIONS:
+        raise AutoGLMError(f"precision '{req.precision}' is not supported; choose one of {', '.join(PRECISIONS)}")
+    cfg = req.config or BuildConfig()
+    cfg.check()
+    out_dir = Path(req.out_dir)
+    if out_dir.exists() and not req.force:
+        raise AutoGLMError(f"engine directory {out_dir} already exists; pass --force to rebuild it")
+    backend = resolve_backend(req.backend, log)
+    t0 = time.perf_counter()
+    cache = _cache_dir(req)
+    model_dir = _model_dir(req, cache, log)
+    if req.precision == "int8":
+        model_dir = _calibrated(req, model_dir, cache, log)
+
+    record = ExportRecord.read(model_dir)
+    if cfg.max_seq_len > record.max_positions:
+        raise AutoGLMError(f"max_seq_len {cfg.max_seq_len} exceeds what the export allows "
+                           f"({record.max_positions}); export with a larger --max-seq-len")
+    num_blocks = cfg.num_blocks(record.spec, kv_bytes_per_elem(record.dtype))
+    if backend == "onnxruntime":
+        check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(record.dtype)), AutoGLMError)
+    profiles = profile_shapes(cfg, record.spec, num_blocks)
+
+    with staged_directory(out_dir, req.force) as tmp:
+        log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
+        engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req)
+        copy_tokenizer_files(model_dir, tmp)
+        write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file))
+        write_json(tmp / "fusion_report.json", report)
+        if req.precision == "int8":
+            shutil.copy2(model_dir / "calib.json", tmp / "calib.json")
+            shutil.copy2(model_dir / "calibration.cache", tmp / "calibration.cache")
+        manifest = _manifest(req, backend, engine_file, record, cfg, num_blocks, profiles, report)
+        manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
+        manifest["files"] = hash_dir(tmp)
+        write_json(tmp / MANIFEST, manifest)
+    log(f"engine ready: {out_dir} ({backend}, {req.precision}, {time.perf_counter() - t0:.1f} s)")
+    return manifest
+
+
+def check_pool_fits(pool_bytes: int, error: type[AutoGLMError]) -> None:
+    """Refuse a KV pool larger than this machine's available memory (ONNX Runtime keeps it in RAM)."""
+    have = available_memory_bytes()
+    if have is not None and pool_bytes > have:
+        raise error(f"the KV pool would take {pool_bytes / 2**30:.1f} GiB but this machine has {have / 2**30:.1f} GiB "
+                    "available; lower kv_memory_bytes or kv_num_blocks")
+
+
+def kv_bytes_per_elem(dtype: str) -> int:
+    return 2 if dtype == "float16" else 4
+
+
+def _manifest(req: BuildRequest, backend: str, engine_file: str, record: ExportRecord, cfg: BuildConfig,
+              num_blocks: int, profiles: dict, report: dict) -> dict:
+    spec = record.spec
+    manifest = {
+        "format": "autoglm-trt/engine/1",
+        "backend": backend,
+        "precision": req.precision,
+        "engine_file": engine_file,
+        "source": {"path": str(Path(req.source).resolve()), "model_dir": str(record.dir.resolve()),
+                   "checkpoint_sha256": record.source_sha256},
+        "spec": record.data["spec"],
+        "limits": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
+                   "max_seq_len": cfg.max_seq_len},
+        "kv_cache": {"block_size": cfg.kv_block_size, "num_blocks": num_blocks, "dtype": record.dtype,
+                     "layout": f"{POOL_LAYOUT} per layer, K and V",
+                     "bytes": num_blocks * cfg.block_bytes(spec, kv_bytes_per_elem(record.dtype))},
+        "build_config": asdict(cfg),
+        "profiles": {k: {n: [list(s) for s in v] for n, v in p.items() if not n.startswith("past_")}
+                     for k, p in profiles.items()},
+        "versions": library_versions("onnx", "onnxruntime", "numpy", "tensorrt"),
+        "fusions": report.get("fusions", report.get("fused_count")),
+    }
+    if backend == "tensorrt":
+        from ..backends.trt.probe import cuda_device
+
+        manifest["tensorrt"] = {"version": report["tensorrt_version"], "gpu": cuda_device()}
+    return manifest

@@ -1,0 +1,70 @@
+"""Calibration step 4: the accuracy gate, and the fewest linears to keep in float to pass it.
+
+The search runs on a "switchable" graph (every planned linear's Q/DQ can be turned off by a
+``quant_mask`` input), so a plan is tried in one forward pass (``sensitivity``). Its answer
+is then checked on the real INT8 graph, whose integer kernels round differently from the
+float Q/DQ path: when that misses the target, the next most sensitive linears go back to
+float too, a few times at most.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AutoGLMError
+from ..graph.quant import QuantPlan
+from ..graph.runner import GraphRunner
+from ..graph.session import make_session
+from ..model.spec import ModelSpec
+from ..model.weights import WeightSource
+from .int8_graph import write_int8_graph
+from .sensitivity import Gate, SensitivitySearch
+
+FINAL_GATE_ATTEMPTS = 4
+
+
+@dataclass
+class GateSettings:
+    target_ppl_ratio: float
+    target_top1: float
+    threads: int | None
+
+
+def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: WeightSource, plan: QuantPlan,
+                     max_positions: int, windows: np.ndarray, errors: dict[str, float], gs: GateSettings,
+                     log: Callable[[str], None]) -> tuple[list[str], dict]:
+    """Linears to keep in float and the gate's report; leaves ``model.int8.onnx`` of that plan in ``tmp``."""
+    t0 = time.perf_counter()
+    switch_plan = QuantPlan(plan.act_amax, True, plan.rotate)
+    switch_path = write_int8_graph(tmp, "switch.onnx", spec, weights, switch_plan, max_positions)
+    search = SensitivitySearch(make_session(switch_path, threads=gs.threads), spec, switch_plan.switch_order,
+                               windows, gs.target_ppl_ratio, gs.target_top1)
+    keep = search.run(errors, log)
+    if keep is None:
+        raise AutoGLMError("no INT8 plan meets the accuracy gate even with every linear in float; check the export")
+    reference = GraphRunner(export_dir, threads=gs.threads).logits
+    final = Gate(reference, windows, gs.target_ppl_ratio, gs.target_top1, reference)
+    for attempt in range(FINAL_GATE_ATTEMPTS):
+        write_int8_graph(tmp, "model.int8.onnx", spec, weights, plan.without(keep), max_positions)
+        result = final.check(GraphRunner(tmp, threads=gs.threads).logits)
+        log(f"gate on the INT8 graph with {len(keep)} linears in float: ppl ratio {result['ppl_ratio']:.4f}, "
+            f"top-1 {result['top1_agreement']:.3f}")
+        if result["passed"] or attempt == FINAL_GATE_ATTEMPTS - 1:
+            break
+        keep = search.ranked(errors, log)[: len(keep) + max(1, len(keep) // 2)]
+    if not result["passed"]:
+        raise AutoGLMError(
+            f"the INT8 graph misses the accuracy gate (ppl ratio {result['ppl_ratio']:.4f} > {gs.target_ppl_ratio} "
+            f"or top-1 {result['top1_agreement']:.3f} < {gs.target_top1}) with {len(keep)} linears in float; keep "
+            "more in float (--keep-float) or lower the targets")
+    report = {"enabled": True, "target_ppl_ratio": gs.target_ppl_ratio, "target_top1": gs.target_top1,
+              "sensitivity": search.report, "result": result, "seconds": round(time.perf_counter() - t0, 1)}
+    del search  # its session reads the switchable graph's weights
+    switch_path.unlink()
+    (tmp / "switch.onnx.data").unlink()
+    return keep, report

@@ -1,0 +1,84 @@
+"""INT8 in the graph: the quantization plan and TensorRT's explicit Q/DQ placement.
+
+Input: a plan (activation amax per linear, optional Hadamard rotation per linear). Output, for
+each planned linear: a QuantizeLinear/DequantizeLinear pair on the activation input of the
+MatMul (per-tensor symmetric scale ``amax / 127``) and a DequantizeLinear on its INT8 weight
+(per-output-channel scales), the form TensorRT's explicit quantization and ONNX Runtime's
+integer kernels both take. A rotated linear gets ``x R`` in the graph (blocks of ``b``, one
+MatMul by a normalized Hadamard matrix) and ``R^T W`` offline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .builder import GraphBuilder
+from .hadamard import hadamard, rotate_weight
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """INT8 plan: activation amax (absolute max after calibration) per linear, by name.
+
+    With ``switchable`` (calibration's sensitivity search only), each planned linear computes
+    both paths and a graph input ``quant_mask`` (float [len(switch_order)], 1 = INT8) picks
+    one per linear, so many plans can be tried with one session.
+    """
+
+    act_amax: dict[str, float]
+    switchable: bool = False
+    # linear name -> Hadamard block size: its input is rotated in the graph and its weight
+    # offline (see ``hadamard``); the amax is then that of the rotated input
+    rotate: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def switch_order(self) -> list[str]:
+        return sorted(self.act_amax)
+
+    def without(self, keep_float: list[str]) -> QuantPlan:
+        """The same plan with the named linears left in float."""
+        return QuantPlan({n: a for n, a in self.act_amax.items() if n not in keep_float}, self.switchable, self.rotate)
+
+
+def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3) -> str:
+    """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias)."""
+    if name in plan.rotate:
+        x, w = rotate_input(g, x, plan.rotate[name], name, rank), rotate_weight(w, plan.rotate[name])
+    x_scale = g.const(np.float32(act_scale(plan.act_amax[name])), f"{name}.act_scale")
+    zero = g.const(np.int8(0), "zero_i8")
+    xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
+    xdq = g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")
+    wq, ws = quantize_weight_per_channel(w)
+    wdq = g.op("DequantizeLinear", [g.weight(f"{name}.weight_i8", wq), g.weight(f"{name}.weight_scale", ws),
+                                    g.weight(f"{name}.weight_zero", np.zeros(ws.shape, np.int8))],
+               f"{name}.weight_dq", axis=1)
+    if plan.switchable:
+        idx = g.const(np.int64(plan.switch_order.index(name)), f"{name}.switch_idx")
+        on = g.op("Gather", ["quant_mask", idx], f"{name}.switch")
+        xdq = g.op("Add", [x, g.op("Mul", [on, g.op("Sub", [xdq, x])])], f"{name}.switch_x")
+        wdq = g.op("Where", [g.op("Greater", [on, g.const(np.float32(0.5), "half")]), wdq,
+                             g.weight(f"{name}.weight", w.astype(np.float32))], f"{name}.switch_w")
+    return g.op("MatMul", [xdq, wdq], name)
+
+
+def rotate_input(g: GraphBuilder, x: str, b: int, name: str, rank: int = 3) -> str:
+    """``x R`` over the last axis of x [..., n] (``rank`` dims): blocks of b, one MatMul by H."""
+    keep = [0] * (rank - 1)
+    blocks = g.op("Reshape", [x, g.ints([*keep, -1, b], f"blocks_{b}_{rank}")], f"{name}.rot_blocks")
+    rotated = g.op("MatMul", [blocks, g.const(hadamard(b), f"hadamard_{b}")], f"{name}.rot")
+    return g.op("Reshape", [rotated, g.ints([*keep, -1], f"unblocks_{rank}")], f"{name}.rotated")
+
+
+def act_scale(amax: float) -> float:
+    """Symmetric INT8 scale of an activation whose calibrated absolute max is ``amax``."""
+    return max(float(amax), 1e-8) / 127.0
+
+
+def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel INT8 of a ``[in, out]`` matrix: (int8 weights, float32 scales)."""
+    amax = np.max(np.abs(w), axis=0).astype(np.float32)
+    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale

@@ -1,0 +1,51 @@
+"""Run a model directory's graph for whole-sequence logits.
+
+Input: a model directory with ``export.json`` (its ``graph.file`` names the ONNX file) and
+token windows. Output: logits at every position, from a prefill with an empty paged cache.
+Used by ``eval`` and by calibration's accuracy gate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..artifacts import ExportRecord, inside
+from ..errors import AutoGLMError
+from ..model.spec import ModelSpec
+from .paged_kv import KVPools, SeqState, step_inputs
+from .session import make_session, run
+
+
+def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str,
+                  all_logits: bool = False) -> dict[str, np.ndarray]:
+    """Graph inputs for a prefill of equal-length windows with nothing cached.
+
+    One pool block (masked out by ``context_lens`` 0) suffices, and the new K/V outputs are not
+    written back.
+    """
+    batch, seq_len = windows.shape
+    block = 16
+    pools = KVPools(spec.num_layers, 1, block, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
+    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits)
+    return {**feeds, **pools.feeds()}
+
+
+class GraphRunner:
+    """One ONNX Runtime session over a model directory's graph."""
+
+    def __init__(self, model_dir: Path, onnx_file: str | None = None, threads: int | None = None):
+        self.record = ExportRecord.read(model_dir)
+        self.dir = self.record.dir
+        self.spec: ModelSpec = self.record.spec
+        self.kv_dtype = self.record.dtype
+        path = inside(self.dir, onnx_file, "the ONNX file") if onnx_file else self.record.graph_file
+        if not path.is_file():
+            raise AutoGLMError(f"{path} is missing")
+        self.session = make_session(path, threads=threads)
+
+    def logits(self, windows: np.ndarray) -> np.ndarray:
+        """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""
+        return run(self.session, prefill_feeds(self.spec, windows, self.kv_dtype, all_logits=True))["logits"]

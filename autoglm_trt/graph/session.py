@@ -1,0 +1,58 @@
+"""The one place ONNX Runtime sessions are made (CPU execution provider).
+
+Every session of this project (validation, calibration statistics, the accuracy gate, eval,
+the ONNX Runtime backend's build and its runner) comes from ``make_session``, so options such
+as threads, optimization level and logging are set the same way everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+MAX_THREADS = 256
+
+
+def session_options(threads: int | None = None, optimize: bool = True, external_data_dir: Path | None = None,
+                    save_optimized: Path | None = None):
+    """``SessionOptions``: threads (0 or None: ONNX Runtime's default, one per core), all graph
+    optimizations or none, where external weights lie (for a model passed as bytes), and where
+    to save the optimized model (its weights in ``<name>.data``)."""
+    import onnxruntime as ort
+
+    from ..errors import AutoGLMError
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    so.log_severity_level = 3
+    if threads:
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 0 < threads <= MAX_THREADS:
+            raise AutoGLMError(f"threads must be an integer from 0 (one per core) to {MAX_THREADS}, got {threads!r}")
+        so.intra_op_num_threads = threads
+    if external_data_dir is not None:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                    str(Path(external_data_dir).resolve()))
+    if save_optimized is not None:
+        so.optimized_model_filepath = str(save_optimized)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                    f"{Path(save_optimized).name}.data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    return so
+
+
+def make_session(model: Path | bytes, threads: int | None = None, optimize: bool = True,
+                 external_data_dir: Path | None = None, save_optimized: Path | None = None):
+    """An ``InferenceSession`` on the CPU over a model file or serialized model bytes."""
+    import onnxruntime as ort
+
+    so = session_options(threads, optimize, external_data_dir, save_optimized)
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+
+
+def run(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """All outputs of one run, by name."""
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))

@@ -1,0 +1,234 @@
+"""Architecture families and the model spec read from ``config.json``.
+
+Input: a checkpoint's ``config.json`` (a dict). Output: a ``ModelSpec``: the sizes, the rope
+parameters, and the family (a few lines of data that say where the family differs, and the
+Hugging Face names of its tensors). Export, calibration and build only read the spec; model
+knowledge lives here alone.
+
+Adding a family is adding a ``Family`` entry to ``FAMILIES`` (and, if its checkpoint names
+tensors differently, a ``TensorNames``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..errors import UnsupportedModelError
+from .rope import SUPPORTED_ROPE_TYPES, RopeSpec
+
+# The graph's names for the norms of a layer (``layers.<i>.<role>_norm``) and the final one.
+NORM_ROLES = ("input", "post_attn", "mlp", "post_mlp")
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """Where a family's checkpoint keeps each tensor (``{p}``: ``model.`` or nothing, ``{i}``: layer)."""
+
+    embedding: str = "{p}embed_tokens.weight"
+    final_norm: str = "{p}norm.weight"
+    lm_head: str = "lm_head.weight"
+    norms: tuple[tuple[str, str], ...] = (("input", "input_layernorm"), ("post_attn", "post_self_attn_layernorm"),
+                                          ("mlp", "post_attention_layernorm"), ("post_mlp", "post_mlp_layernorm"))
+    attention: str = "{p}layers.{i}.self_attn.{proj}"  # proj: q_proj, k_proj, v_proj, o_proj
+    gate_up: str = "{p}layers.{i}.mlp.gate_up_proj.weight"  # fused families
+    gate: str = "{p}layers.{i}.mlp.gate_proj.weight"
+    up: str = "{p}layers.{i}.mlp.up_proj.weight"
+    down: str = "{p}layers.{i}.mlp.down_proj.weight"
+    prefixes: tuple[str, ...] = ("model.", "")  # tried in order: the first with an embedding wins
+
+    def norm(self, prefix: str, i: int | None, role: str) -> str:
+        if i is None:
+            return self.final_norm.format(p=prefix)
+        return f"{prefix}layers.{i}.{dict(self.norms)[role]}.weight"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one architecture family lays out its weights and blocks."""
+
+    name: str
+    architectures: tuple[str, ...]
+    rope_interleaved: bool  # rotates pairs (2i, 2i+1) instead of (i, i + d/2)
+    gate_up_fused: bool  # the checkpoint stores mlp.gate_up_proj (gate rows first, then up)
+    sandwich_norms: bool  # extra RMSNorm after attention and after the MLP (GLM-4-0414)
+    default_partial_rotary: float = 1.0
+    names: TensorNames = field(default_factory=TensorNames)
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", ("LlamaForCausalLM",), rope_interleaved=False, gate_up_fused=False,
+                    sandwich_norms=False),
+    "glm": Family("glm", ("GlmForCausalLM",), rope_interleaved=True, gate_up_fused=True,
+                  sandwich_norms=False, default_partial_rotary=0.5),
+    "glm4": Family("glm4", ("Glm4ForCausalLM",), rope_interleaved=True, gate_up_fused=True,
+                   sandwich_norms=True, default_partial_rotary=0.5),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything about a model that the graph needs, read from its config."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def fam(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_dims(self, kind: str) -> tuple[int, int]:
+        """(input, output) channels of one linear of a kind: qkv, o_proj, gate_up, down, lm_head."""
+        return {"qkv": (self.hidden_size, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, self.hidden_size),
+                "gate_up": (self.hidden_size, 2 * self.intermediate_size),
+                "down": (self.intermediate_size, self.hidden_size),
+                "lm_head": (self.hidden_size, self.vocab_size)}[kind]
+
+    def num_parameters(self) -> int:
+        """Parameters of the linears and embeddings (norms and biases left out)."""
+        per_layer = sum(a * b for a, b in map(self.linear_dims, ("qkv", "o_proj", "gate_up", "down")))
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * per_layer
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["rope"] = asdict(self.rope)
+        return d
+
+
+def supported_model_types() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def spec_from_config(config: dict) -> ModelSpec:
+    """Read a ``ModelSpec`` from a Hugging Face ``config.json`` dict.
+
+    Raises:
+        UnsupportedModelError: unknown ``model_type`` (the message lists the supported ones), or
+            an option this exporter does not implement.
+    """
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {_brief(model_type)} (architectures: {_brief(config.get('architectures'))}) is not supported; "
+            f"supported model types: {', '.join(supported_model_types())}"
+        )
+    fam = FAMILIES[model_type]
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {_brief(act)} is not supported; only 'silu' is")
+    if config.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    c = _Fields(config, model_type)
+    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+    head_dim = c.int("head_dim", hidden // heads if hidden % heads == 0 else None)
+    kv_heads = c.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    eos = config.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(_is_int(e) and e >= 0 for e in eos_ids):
+        raise UnsupportedModelError(f"config.json eos_token_id must be a token id or a list of them, got {_brief(eos)}")
+    bos = config.get("bos_token_id")
+    if bos is not None and not (_is_int(bos) and bos >= 0):
+        raise UnsupportedModelError(f"config.json bos_token_id must be a token id or null, got {_brief(bos)}")
+    return ModelSpec(
+        family=model_type, vocab_size=c.int("vocab_size"), hidden_size=hidden,
+        intermediate_size=c.int("intermediate_size"), num_layers=c.int("num_hidden_layers"), num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=c.float("rms_norm_eps", 1e-6),
+        rope=_rope_from_config(config, fam, head_dim),
+        max_position_embeddings=c.int("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=bos, eos_token_ids=tuple(int(e) for e in eos_ids),
+    )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _brief(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+class _Fields:
+    """Typed, range-checked reads of config.json fields (a wrong one is an ``UnsupportedModelError``)."""
+
+    def __init__(self, config: dict, model_type: str):
+        self.config, self.model_type = config, model_type
+
+    def _get(self, key: str, default: object) -> object:
+        value = self.config.get(key)
+        if value is None:
+            if default is None:
+                raise UnsupportedModelError(f"config.json lacks the field '{key}', which a {self.model_type} model needs")
+            return default
+        return value
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self._get(key, default)
+        if not _is_int(value) or value < 1:  # type: ignore[operator]
+            raise UnsupportedModelError(f"config.json field '{key}' must be an integer >= 1, got {_brief(value)}")
+        return value  # type: ignore[return-value]
+
+    def float(self, key: str, default: float) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+            raise UnsupportedModelError(f"config.json field '{key}' must be a number in (0, 1), got {_brief(value)}")
+        return float(value)
+
+
+def _rope_from_config(config: dict, fam: Family, head_dim: int) -> RopeSpec:
+    # transformers >= 5 writes "rope_parameters"; older configs have rope_theta,
+    # partial_rotary_factor and rope_scaling at the top level.
+    params, scaling = config.get("rope_parameters") or {}, config.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise UnsupportedModelError(f"config.json field '{key}' must be an object, got {_brief(value)}")
+    params, scaling = dict(params), dict(scaling)
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", fam.default_partial_rotary))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {_brief(rope_type)} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    for name, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e12:
+            raise UnsupportedModelError(f"config.json {name} must be a positive number, got {_brief(value)}")
+    if partial > 1:
+        raise UnsupportedModelError(f"config.json partial_rotary_factor must be at most 1, got {partial}")
+    merged = {**scaling, **params}
+    extra = {k: v for k, v in merged.items() if k not in ("rope_theta", "partial_rotary_factor", "rope_type", "type")}
+    rotary_dim = int(head_dim * float(partial))
+    if rotary_dim % 2:
+        raise UnsupportedModelError(f"rotary dimension {rotary_dim} is odd")
+    return RopeSpec(theta=float(theta), rotary_dim=rotary_dim, rope_type=rope_type, scaling=extra)
+
+
+def spec_from_dict(d: dict) -> ModelSpec:
+    """Inverse of ``ModelSpec.to_json``."""
+    d = dict(d)
+    d["rope"] = RopeSpec(**d["rope"])
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    return ModelSpec(**d)

@@ -1,0 +1,165 @@
+"""One request in the engine: its prompt checked and encoded, and its text as it is produced.
+
+``PromptEncoder`` turns a prompt (text, chat messages or token ids) into token ids, refusing
+anything malformed with a ``RequestError`` before any expensive work: a text longer than the
+longest prompt the engine allows could possibly be (``max_prompt_tokens`` x the tokenizer's
+longest token, twice over) is refused before it is tokenized.
+
+``Request`` holds a sequence's text. Stop strings are matched on the text as it grows; a
+streamed piece that might be the beginning of a stop string is held back until it cannot
+be, so ``stream`` yields exactly the text ``generate`` returns.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from ..errors import RequestError
+from .scheduler import Sequence
+from .tokenizer import IncrementalDecoder, TextTokenizer
+
+Prompt = str | list[dict] | list[int]
+PROMPT_HELP = ("a prompt is a string, a non-empty list of chat messages ({'role': str, 'content': str}) or a "
+               "non-empty list of token ids")
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: TextTokenizer | None, vocab_size: int, max_prompt_tokens: int):
+        self.tokenizer, self.vocab_size, self.max_prompt_tokens = tokenizer, vocab_size, max_prompt_tokens
+        chars = tokenizer.max_token_chars if tokenizer is not None else 1
+        self.max_chars = 2 * max_prompt_tokens * chars + 1024
+
+    def encode(self, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self._tok().encode(self._text(prompt, "the prompt"))
+        elif isinstance(prompt, dict):
+            raise RequestError("a single chat message was passed as the prompt; pass a list of messages "
+                               "([{'role': 'user', 'content': ...}])")
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self._tok().apply_chat_template(self._messages(prompt))
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise RequestError(f"{PROMPT_HELP}; got {_describe(prompt)}")
+        if not ids:
+            raise RequestError("the prompt is empty after tokenization")
+        return ids
+
+    def _tok(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer; pass token ids")
+        return self.tokenizer
+
+    def _text(self, text: str, what: str) -> str:
+        if len(text) > self.max_chars:
+            raise RequestError(f"{what} has {len(text)} characters; this engine takes at most {self.max_prompt_tokens} "
+                               f"prompt tokens, which no text of more than {self.max_chars} characters fits in")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"{what} is not valid Unicode text ({exc.reason} at position {exc.start})") from exc
+        return text
+
+    def _messages(self, messages: list[dict]) -> list[dict]:
+        total = 0
+        for k, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str) or not role:
+                raise RequestError(f"message {k} needs a 'role' string, got {_describe(role)}")
+            if not isinstance(content, str):
+                raise RequestError(f"message {k} needs a 'content' string, got {_describe(content)}")
+            self._text(content, f"message {k}")
+            total += len(content)
+        if total > self.max_chars:
+            raise RequestError(f"the messages have {total} characters; this engine takes at most "
+                               f"{self.max_prompt_tokens} prompt tokens")
+        return messages
+
+
+def _is_int(t: object) -> bool:
+    return isinstance(t, int | np.integer) and not isinstance(t, bool)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(kinds)}" if value else "an empty list"
+    return f"{type(value).__name__} {repr(value)[:40]}"
+
+
+def split_prompts(prompts: object) -> list[object]:
+    """``generate``'s argument as a list of prompts: one prompt, or a list of them."""
+    if isinstance(prompts, str | dict) or prompts is None or not isinstance(prompts, Seq):
+        return [prompts]
+    items = list(prompts)
+    if items and not isinstance(items[0], str | list):  # token ids or chat messages: one prompt
+        return [items]
+    return items
+
+
+class Request:
+    """A sequence, its decoder and text, and how its caller waits for it."""
+
+    def __init__(self, seq: Sequence, decoder: IncrementalDecoder | None, stream: bool, timeout: float | None):
+        self.seq = seq
+        self.decoder = decoder
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already streamed
+        self.done = threading.Event()
+        self.pieces: queue.Queue[str | None] | None = queue.Queue() if stream else None
+        self.error: BaseException | None = None
+        self.token_times: list[float] = []
+        self.submitted = time.perf_counter()
+        self.deadline = None if timeout is None else self.submitted + timeout
+
+    def add_text(self, piece: str) -> str | None:
+        """Append decoded text; return "stop" when a stop string was reached (the text is cut before it)."""
+        stops = self.seq.params.stop
+        longest = max((len(s) for s in stops), default=0)
+        start = max(0, len(self.text) - longest + 1)
+        self.text += piece
+        if not stops:
+            self._send(len(self.text))
+            return None
+        hits = [k for k in (self.text.find(s, start) for s in stops) if k >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self._send(len(self.text))
+            return "stop"
+        self._send(len(self.text) - _held(self.text, stops))
+        return None
+
+    def finish_text(self, reason: str) -> str:
+        """The generation ends for ``reason``: decode what the decoder still holds (unless it stopped),
+        send what was held back, and return the final reason (a flushed stop string makes it "stop")."""
+        if self.decoder is not None and reason != "stop":
+            rest = self.decoder.flush()
+            if rest and self.add_text(rest) == "stop":
+                reason = "stop"
+        self._send(len(self.text))
+        return reason
+
+    def _send(self, upto: int) -> None:
+        if upto > self.sent:
+            if self.pieces is not None:
+                self.pieces.put(self.text[self.sent : upto])
+            self.sent = upto
+
+
+def _held(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
