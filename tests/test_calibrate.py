@@ -10,9 +10,12 @@ import pytest
 from conftest import ROOT, run_cli
 
 from autoglm_trt.calib.cache import read_cache
+from autoglm_trt.calib.histogram import AbsHistogram, entropy_amax
 from autoglm_trt.calib.pipeline import CalibConfig, CalibrationMismatchError, calibrate, check_calibration
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
-from autoglm_trt.graph.runner import GraphRunner
+from autoglm_trt.graph.runner import GraphRunner, prefill_feeds
+from autoglm_trt.graph.session import make_session
+from autoglm_trt.model.spec import spec_from_dict
 from autoglm_trt.model.text import CalibrationDataError, token_windows
 
 DATA = ROOT / "calibration" / "data"
@@ -44,10 +47,32 @@ def test_outputs_and_record(calibrated, tiny_export):
     assert set(record["hadamard_block"]) == set(record["amax"])  # every linear's input is rotated by default
     assert all(b >= 2 and b & (b - 1) == 0 for b in record["hadamard_block"].values())
     assert all(v > 0 for v in record["amax"].values())
+
+def test_trt_cache_names_float_graph_tensors_with_their_own_thresholds(calibrated, tiny_export):
+    """Every name in calibration.cache is a tensor of the export's float model.onnx (a linear's
+    input), and its scale is the entropy threshold of that tensor's raw activations / 127,
+    recomputed here from a one-shot histogram of all calibration windows."""
+    out, record = calibrated
     header, scales = read_cache(out / "calibration.cache")
-    assert header == "TRT-101300-EntropyCalibration2"
-    for name, amax in record["amax"].items():
-        assert scales[f"{name}.act_q_input"] == np.float32(amax / 127.0)
+    assert header == "TRT-101300-EntropyCalibration2" == record["tensorrt_cache"]["header"]
+    assert "assumed" in record["tensorrt_cache"]["tensorrt"]
+    model = onnx.load(str(tiny_export / "model.onnx"), load_external_data=False)
+    tensors = {t for n in model.graph.node for t in (*n.input, *n.output)}
+    assert set(scales) <= tensors and len(scales) == len(record["amax"])
+    assert set(scales) == {record["activation_tensors"][n] for n in record["amax"]}
+    for name in scales:
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    session = make_session(model.SerializeToString(), external_data_dir=tiny_export)
+    spec = spec_from_dict(json.loads((tiny_export / "export.json").read_text())["spec"])
+    windows = token_windows(DATA, tiny_export, 16, 64, spec.eos_token_ids[0] if spec.eos_token_ids else None).windows
+    names = list(scales)
+    ratios = []
+    outs = session.run(names, prefill_feeds(spec, windows, "float32"))
+    for name, x in zip(names, outs):
+        h = AbsHistogram()
+        h.add(x)
+        ratios.append(scales[name] / (entropy_amax(h) / 127.0))
+    assert max(abs(r - 1) for r in ratios) < 0.02  # streamed (two batches) against one-shot histograms
 
 
 def test_qdq_placement(calibrated):

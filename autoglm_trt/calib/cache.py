@@ -13,9 +13,22 @@ from pathlib import Path
 
 from ..errors import AutoGLMError
 
-# TensorRT version written in the header: 10.13.0 -> 101300 (MAJOR*10000 + MINOR*100 + PATCH)
+# TensorRT version written in the header: 10.13.0 -> 101300 (MAJOR*10000 + MINOR*100 + PATCH);
+# assumed when TensorRT is not installed here (the tensorrt-stubs this project type-checks against)
 DEFAULT_TRT_VERSION = 101300
 ALGORITHMS = {"entropy": "EntropyCalibration2", "max": "MinMaxCalibration", "percentile": "LegacyCalibration"}
+
+
+def trt_version() -> tuple[int, str]:
+    """(header version, where it came from): the installed TensorRT's, else the assumed 10.13.0."""
+    try:
+        import tensorrt
+
+        parts = [int(p) for p in str(tensorrt.__version__).split(".")[:3]]
+        major, minor, patch = (parts + [0, 0, 0])[:3]
+        return major * 10000 + minor * 100 + patch, f"TensorRT {tensorrt.__version__} installed here"
+    except (ImportError, AttributeError, ValueError):
+        return DEFAULT_TRT_VERSION, "assumed 10.13.0: TensorRT is not installed here"
 
 
 def scale_to_hex(scale: float) -> str:

@@ -4,7 +4,8 @@ Input: an export directory and token windows. Output, per quantizable linear (th
 the QKV, o_proj, gate/up, down MatMuls of every layer and of the LM head's Gemm): a 2048-bin
 histogram of |x| (after SmoothQuant scaling when enabled); from the first batch, the
 per-channel max |x| (for the SmoothQuant vectors) and a few hundred rows of x (for the
-sensitivity ranking). The graph runs
+sensitivity ranking); and a histogram of the raw |x| as the float graph has it, for the
+TensorRT calibration cache, whose tensors are those of the float graph. The graph runs
 batch by batch in ONNX Runtime with those tensors as extra outputs; nothing grows with the
 number of batches.
 """
@@ -44,6 +45,7 @@ def linear_inputs(model: onnx.ModelProto) -> dict[str, str]:
 @dataclass
 class ActivationStats:
     hist: dict[str, AbsHistogram] = field(default_factory=dict)
+    raw_hist: dict[str, AbsHistogram] = field(default_factory=dict)  # |x| as the float graph has it (TensorRT cache)
     chan_max: dict[str, np.ndarray] = field(default_factory=dict)  # first batch
     sample: dict[str, np.ndarray] = field(default_factory=dict)  # first-batch rows, already smoothed
     smooth: dict[str, np.ndarray] = field(default_factory=dict)
@@ -72,7 +74,7 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
     rotate = rotate or {}
     names = list(inputs)
     tensors = [inputs[n] for n in names]
-    stats = ActivationStats(hist={n: AbsHistogram() for n in names})
+    stats = ActivationStats(hist={n: AbsHistogram() for n in names}, raw_hist={n: AbsHistogram() for n in names})
     n_batches = -(-len(windows) // batch_size)
     progress = Progress(n_batches, "calibrating") if show_progress else None
     inv: dict[str, np.ndarray] = {}
@@ -95,6 +97,7 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
             for name, b in rotate.items():
                 stats.sample[name] = rotate_rows(stats.sample[name], b)
         for name, x in zip(names, outs):  # x: our buffers, refilled by the next batch, so usable as scratch
+            stats.raw_hist[name].add(x)  # before smoothing and rotation change x in place
             if name in rotate:
                 if name in inv:
                     np.multiply(x, inv[name], out=x)

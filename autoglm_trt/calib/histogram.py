@@ -1,9 +1,11 @@
 """Streamed histograms of |x| and the threshold searches (entropy, max, percentile). Pure numpy.
 
-``AbsHistogram`` keeps 2048 bins over ``[0, range)``. Batches are merged as they come; when a
-batch exceeds the range, the bin width grows by an integer factor k and old bins are summed
-k at a time, which is exact (old bin i lies wholly inside new bin i // k). Memory is one
-2048-bin array per tensor, whatever the number of samples.
+``AbsHistogram`` keeps 2048 bins over ``[0, range)``, made from 16 x 2048 fine bins. Batches
+are merged as they come; when a batch exceeds the fine range, the fine bin width grows by an
+integer factor k and old bins are summed k at a time, which is exact (old bin i lies wholly
+inside new bin i // k). The 2048 search bins are whole groups of fine bins over the smallest
+range that holds the max (at most 1/8 wider than the max), so a range that grew keeps its
+resolution. Memory is one 32,768-bin array per tensor, whatever the number of samples.
 
 Entropy search (TensorRT's "entropy calibration", as described by Migacz, "8-bit Inference
 with TensorRT", GTC 2017), defined here precisely so that it can be tested:
@@ -17,9 +19,22 @@ with TensorRT", GTC 2017), defined here precisely so that it can be tested:
         KL(P/sum P || Q/sum Q)
     threshold = i* x bin_width for the i* of least KL (the smallest i on ties)
 
-The one-count rule is ours: without it (as in the plain description, and in
-pytorch-quantization) every candidate whose last bin is empty has infinite divergence, so a
-single far outlier forces the threshold to the maximum, which is the case calibration is for.
+How this differs from TensorRT's published algorithm (Migacz 2017, slide "Entropy
+Calibration - pseudocode": ``for i in range(128, 2048)``, threshold ``(m + 0.5) * width``,
+``m = argmin``), each on purpose:
+
+* Candidate i = 2048 (keep every bin) is included; the published loop stops at 2047. Effect:
+  a distribution best left unclipped (e.g. uniform) gets its max, not 2047.5/2048 of the
+  range; elsewhere nothing changes.
+* The threshold is the upper edge of the last kept bin, ``i * width``; the published one is
+  half a bin higher, ``(m + 0.5) * width``. Effect: ours is lower by half a bin, at most
+  0.4% of the threshold (i >= 128).
+* Ties go to the smallest i, as ``argmin`` does; divergences within 1e-9 (relative) count as
+  ties, so that rounding in the vectorised sums cannot pick a larger i. Same result.
+* The one-count rule for a last level with no mass of its own is ours: without it (as in the
+  plain description, and in pytorch-quantization) every candidate whose last bin is empty
+  has infinite divergence, so a single far outlier forces the threshold to the maximum,
+  which is the case calibration is for.
 
 With prefix sums of h, of (h > 0) and of h*log(h), each level's contribution is O(1), so all
 1921 candidates x 128 levels are evaluated as one [1921, 128] array: no Python loop over bins.
@@ -37,13 +52,25 @@ FIRST_CANDIDATE = 128
 
 
 class AbsHistogram:
-    """Histogram of |x| over all batches added, with an exact running max."""
+    """Histogram of |x| over all batches added, with an exact running max.
+
+    ``counts``/``width`` are the ``num_bins`` bins the threshold searches read. Underneath,
+    ``FINE`` times as many fine bins are accumulated: when a batch exceeds their range they
+    merge by an integer factor (exact), and the search bins are then made of whole fine bins
+    over the smallest range that holds the max, so they span at most ``1 + 2 / FINE`` times
+    the max, however the range grew (the growth of a plain 2048-bin histogram can leave half
+    of its bins empty).
+    """
+
+    FINE = 16
 
     def __init__(self, num_bins: int = NUM_BINS):
         self.num_bins = num_bins
-        self.counts = np.zeros(num_bins, np.int64)
+        self.counts = np.zeros(num_bins, np.float64)
         self.width = 0.0  # 0 until the first non-zero value
         self.amax = 0.0
+        self._fine = np.zeros(num_bins * self.FINE, np.int64)
+        self._fine_width = 0.0
 
     @property
     def range(self) -> float:
@@ -67,30 +94,48 @@ class AbsHistogram:
         if not math.isfinite(m):
             raise ValueError("activation contains inf or NaN; the float model itself is broken")
         self.amax = max(self.amax, m)
+        fine = self._fine.size
         if m == 0.0:
-            self.counts[0] += a.size
-            return
-        if self.width == 0.0:
-            self.width = m / self.num_bins
-            total_zero = int(self.counts[0])
-            self.counts[:] = 0
-            self.counts[0] = total_zero
-        elif m >= self.range:
-            self._grow(math.floor(m / self.range) + 1)
-        np.multiply(a, np.float32(1.0 / self.width), out=a)
-        # values at the very top of the range land in bin num_bins (or, by rounding, a little
-        # above): count them there and fold them into the last bin, instead of a clipping pass
-        counts = np.bincount(a.astype(np.int32).ravel())
-        self.counts += counts[: self.num_bins] if counts.size >= self.num_bins else np.pad(
-            counts, (0, self.num_bins - counts.size))
-        if counts.size > self.num_bins:
-            self.counts[-1] += counts[self.num_bins :].sum()
+            self._fine[0] += a.size
+        else:
+            if self._fine_width == 0.0:
+                self._fine_width = m / fine
+            elif m >= self._fine_width * fine:
+                self._grow(math.floor(m / (self._fine_width * fine)) + 1)
+            np.multiply(a, np.float32(1.0 / self._fine_width), out=a)
+            # values at the very top of the range land in bin ``fine`` (or, by rounding, a little
+            # above): count them there and fold them into the last bin, instead of a clipping pass
+            counts = np.bincount(a.astype(np.int32).ravel(), minlength=fine)
+            self._fine += counts[:fine]
+            if counts.size > fine:
+                self._fine[-1] += counts[fine:].sum()
+        self._resolve()
 
     def _grow(self, k: int) -> None:
-        merged = np.add.reduceat(self.counts, np.arange(0, self.num_bins, k))
-        self.counts = np.zeros(self.num_bins, np.int64)
-        self.counts[: merged.size] = merged
-        self.width *= k
+        merged = np.add.reduceat(self._fine, np.arange(0, self._fine.size, k))
+        self._fine = np.zeros(self._fine.size, np.int64)
+        self._fine[: merged.size] = merged
+        self._fine_width *= k
+
+    def _resolve(self) -> None:
+        """``counts``/``width``: ``num_bins`` bins over ``[0, amax]``, from the fine bins.
+
+        Where a search bin's edge falls inside a fine bin, that fine bin's count is shared in
+        proportion to the overlap (values are taken as spread evenly within a fine bin, which
+        is 1/16 of a search bin), so counts may be fractional.
+        """
+        if self._fine_width == 0.0:
+            self.counts = np.zeros(self.num_bins, np.float64)
+            self.counts[0] = self._fine[0]
+            return
+        cum = np.concatenate([[0.0], np.cumsum(self._fine, dtype=np.float64)])
+        self.width = self.amax / self.num_bins
+        edges = np.arange(self.num_bins + 1) * (self.width / self._fine_width)  # in fine bins
+        edges[-1] = self._fine.size  # the last search bin takes everything up to the top
+        below = np.minimum(np.floor(edges).astype(np.int64), self._fine.size - 1)
+        frac = edges - below
+        at = cum[below] + frac * (cum[below + 1] - cum[below])
+        self.counts = np.diff(at)
 
 
 def entropy_divergences(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,8 @@
 Input: an export directory (float32) and a directory of calibration text. Output directory::
 
     model.int8.onnx, model.int8.onnx.data   Q/DQ graph (same contract as the export)
-    calibration.cache                       TensorRT text format, amax/127 per quantized input
+    calibration.cache                       TensorRT <= 10 text format: amax/127 per linear input
+                                            of the export's float model.onnx (entropy)
     calib.json                              amax per tensor, method, smoothing, float layers,
                                             SHA-256 of model and data, timings, gate results
     export.json                             the export's record, pointing at model.int8.onnx
@@ -33,8 +34,8 @@ from ..graph.linears import KINDS
 from ..graph.quant import QuantPlan
 from ..model.text import TokenWindows, token_windows
 from .accuracy import GateSettings, search_and_check
-from .cache import write_cache
-from .histogram import METHODS
+from .cache import ALGORITHMS, trt_version, write_cache
+from .histogram import METHODS, entropy_amax
 from .int8_graph import write_int8_graph
 from .record import float_fraction, float_reasons, versions, weight_bytes
 from .statistics import Statistics, gather, quantizable_inputs, rotation_blocks
@@ -42,7 +43,8 @@ from .thresholds import choose_amax, int8_errors
 
 # What this code computes from the same settings; a cached calibration of another version is redone.
 # 2: Hadamard-rotated linear inputs, LM head in the sensitivity search.
-CALIB_VERSION = 2
+# 3: histograms keep full resolution when the range grows; the TensorRT cache names float-graph tensors.
+CALIB_VERSION = 3
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "calibration" / "data"
 
 
@@ -201,8 +203,7 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
     else:
         write_int8_graph(tmp, "model.int8.onnx", spec, st.weights, plan, export.max_positions)
     quantized = plan.without(keep).act_amax
-    write_cache(tmp / "calibration.cache", {f"{n}.act_q_input": a for n, a in quantized.items()},
-                "entropy" if cfg.method == "auto" else cfg.method)
+    cache = write_trt_cache(tmp, st, quantized)
     return {
         "format": "autoglm-trt/calib/1",
         "method": cfg.method,
@@ -217,8 +218,25 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         # amax of these is that of the rotated input (x / s) R, R block-diagonal Hadamard
         "hadamard_block": {n: b for n, b in st.rotate.items() if n in quantized},
         "gate": gate_report,
+        "tensorrt_cache": cache,
         "versions": versions(),
     }
+
+
+def write_trt_cache(tmp: Path, st: Statistics, quantized: dict[str, float]) -> dict:
+    """``calibration.cache`` for TensorRT <= 10's implicit INT8 on the float ``model.onnx`` of the export.
+
+    Its tensors are the float graph's inputs of the quantized linears (not smoothed, not
+    rotated: those exist only inside the Q/DQ graph), thresholds from the entropy search on
+    their own histograms, whatever method chose the Q/DQ graph's. TensorRT 11 has no
+    implicit INT8 and reads no cache: it builds the Q/DQ graph.
+    """
+    version, source = trt_version()
+    amax = {st.inputs[n]: entropy_amax(st.stats.raw_hist[n]) for n in quantized}
+    write_cache(tmp / "calibration.cache", amax, "entropy", version)
+    return {"file": "calibration.cache", "header": f"TRT-{version}-{ALGORITHMS['entropy']}", "tensorrt": source,
+            "model": "model.onnx of the float32 export (its tensor names)", "tensors": len(amax),
+            "method": "entropy, on the float graph's linear inputs"}
 
 
 def _data_info(cfg: CalibConfig, windows: TokenWindows) -> dict:
@@ -228,7 +246,7 @@ def _data_info(cfg: CalibConfig, windows: TokenWindows) -> dict:
 
 _KEY_ORDER = ("format", "method", "model_sha256", "data_sha256", "settings", "data", "amax", "amax_method",
               "activation_tensors", "float_linears", "float_weight_fraction", "weight_bytes_per_token",
-              "int8_output_error", "smoothquant", "hadamard_block", "timings", "gate", "versions")
+              "int8_output_error", "smoothquant", "hadamard_block", "timings", "gate", "tensorrt_cache", "versions")
 
 
 def _ordered(record: dict) -> dict:
