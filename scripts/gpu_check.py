@@ -11,7 +11,8 @@ Checks, each with fresh random data (never zeros; outputs poisoned first):
   3. the NVRTC scatter kernel: new K/V of a mixed step (prefill + decode rows, arbitrary block
      ids and offsets) written into the pool, compared element for element with the same
      scatter done by numpy (``paged_kv.KVPools.write``), untouched slots checked unchanged;
-  4. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers).
+  4. the TensorRT runner's input path: step inputs staged through pinned buffers;
+  5. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers).
 Prints a table and exits non-zero on any mismatch.
 """
 
@@ -26,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from autoglm_trt.backends.trt import cuda as cu  # noqa: E402
 from autoglm_trt.graph.paged_kv import KVPools, SeqState, pool_shape, step_inputs  # noqa: E402
-from autoglm_trt.runtime import cuda_utils as cu  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 
@@ -58,6 +59,27 @@ def check_pinned(rng: np.random.Generator) -> dict:
         a.free()
     dev.free()
     return {"check": "pinned round trip 16 MiB", "ok": ok, "GB/s": round(2 * n * 4 / secs / 1e9, 2)}
+
+
+def check_staged_inputs(rng: np.random.Generator) -> dict:
+    """The TensorRT runner's input path: a step's smaller input copied through the front of a
+    pinned buffer sized for the engine's limits, asynchronously, then read back."""
+    stream = cu.Stream()
+    host = cu.PinnedArray((16, 1024), np.dtype(np.int64))
+    dev = cu.DeviceArray.empty((16, 1024), np.dtype(np.int64))
+    ok = True
+    for shape in ((3, 37), (16, 1), (1, 1024)):
+        arr = rng.integers(0, 49152, shape)
+        flat = host.array.reshape(-1)[: arr.size]
+        flat[:] = arr.reshape(-1)
+        dev.copy_from_host(flat, stream)
+        stream.synchronize()
+        back = np.empty(arr.size, np.int64)
+        dev.copy_to_host(back)
+        ok = ok and bool(np.array_equal(back, arr.reshape(-1)))
+    host.free()
+    dev.free()
+    return {"check": "pinned staging of step inputs", "ok": ok, "shapes": 3}
 
 
 def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> dict:
@@ -125,6 +147,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = [check_pools(np.dtype(np.float16), 4096), check_pools(np.dtype(np.float32), 4096), check_pinned(rng),
+            check_staged_inputs(rng),
             scatter_case(rng, np.dtype(np.float16), 64), scatter_case(rng, np.dtype(np.float32), 64),
             time_scatter(rng, 4096)]
     for r in rows:

@@ -2,7 +2,7 @@
 
 Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and the KV
 scatter kernel: compiled at run time with NVRTC to PTX for this GPU, loaded with the driver
-API, launched on the stream. Every call's status is checked. Used by ``trt_backend`` and
+API, launched on the stream. Every call's status is checked. Used by ``runner`` and
 tested on a GPU by ``scripts/gpu_check.py`` (no TensorRT needed for that).
 
 The scatter kernel copies one token's K (or V) into its pool slot, head by head:
@@ -160,7 +160,9 @@ class ScatterKernel:
             check(nvrtc.nvrtcGetPTX(prog, ptx))
         finally:
             check(nvrtc.nvrtcDestroyProgram(prog))
-        self.module = check(drv.cuModuleLoadData(ptx))
+        image = np.frombuffer(ptx, dtype=np.uint8)  # NUL-terminated PTX text, passed by address
+        self.module = check(drv.cuModuleLoadData(image.ctypes.data))
+        self._image = image
         self.function = check(drv.cuModuleGetFunction(self.module, b"scatter_rows"))
         self.sm_count = int(props.multiProcessorCount)
         self._idx: DeviceArray | None = None

@@ -42,12 +42,14 @@ def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], wor
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     cache_bytes = timing_cache.read_bytes() if timing_cache.is_file() else b""
     cache = config.create_timing_cache(cache_bytes)
-    config.set_timing_cache(cache, ignore_mismatch=False)
+    if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
+        raise AutoGLMError(f"TensorRT refused the timing cache {timing_cache}; delete it and build again")
     for name in ("prefill", "decode"):
         profile = builder.create_optimization_profile()
         for tensor, (lo, opt, hi) in profiles[name].items():
             profile.set_shape(tensor, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
-        config.add_optimization_profile(profile)
+        if config.add_optimization_profile(profile) < 0:
+            raise AutoGLMError(f"TensorRT refused the {name} optimization profile {profiles[name]}")
 
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -56,7 +58,11 @@ def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], wor
     tmp.write_bytes(memoryview(plan))
     tmp.replace(out_dir / "engine.plan")
     timing_cache.parent.mkdir(parents=True, exist_ok=True)
-    timing_cache.write_bytes(memoryview(config.get_timing_cache().serialize()))
+    serialized = config.get_timing_cache().serialize()
+    if serialized is not None:
+        tmp_cache = timing_cache.with_name(timing_cache.name + ".tmp")
+        tmp_cache.write_bytes(memoryview(serialized))
+        tmp_cache.replace(timing_cache)
 
     runtime = trt.Runtime(logger)
     engine = runtime.deserialize_cuda_engine(memoryview(plan))
