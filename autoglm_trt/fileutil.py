@@ -85,3 +85,16 @@ def available_memory_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (benchmarks print it: ratios move between CPU kinds)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"

@@ -52,10 +52,9 @@ def child_calibrate(export: Path, samples: int, seq_len: int, batch: int, out: P
 
 
 def run_child(*args: str) -> dict:
+    """One measurement in a fresh process; its peak RSS is its own (read by the child itself)."""
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
-    return res
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -73,6 +72,7 @@ def main() -> None:
             res = child_forward(export, samples, args.seq_len, args.batch)
         else:
             res = child_calibrate(export, samples, args.seq_len, args.batch, Path(args.child[3]))
+        res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
         print(json.dumps(res))
         return
     if not (args.export / "model.onnx").is_file():
@@ -81,7 +81,6 @@ def main() -> None:
     model_gb = (args.export / "model.onnx.data").stat().st_size / 1e9
     rows = []
     for n in (int(x) for x in args.samples.split(",")):
-        # getrusage(RUSAGE_CHILDREN) is a max over all children so far: run the small case first
         # interleaved repeats, best of each: these shared machines drift by 10-20% between runs
         fwds, cals = [], []
         for _ in range(args.repeats):
@@ -96,7 +95,9 @@ def main() -> None:
                      "peak_rss_gb": round(cal["peak_rss_gb"], 2),
                      "peak_rss_over_model_gb": round(cal["peak_rss_gb"] - model_gb, 2)})
         print(json.dumps(rows[-1]), flush=True)
-    print(f"model weights: {model_gb:.2f} GB")
+    from autoglm_trt.fileutil import cpu_model
+
+    print(f"model weights: {model_gb:.2f} GB; CPU: {cpu_model()}")
 
 
 if __name__ == "__main__":

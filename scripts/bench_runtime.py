@@ -154,8 +154,11 @@ def main() -> None:
     # INT8: the linears' bytes per token as calibration recorded them (INT8 1 byte, float 4)
     int8_bytes = json.loads((int8 / "calib.json").read_text())["weight_bytes_per_token"]["this_plan_mb"] * 1e6
     out.update({"int8_weight_bytes": int(int8_bytes), "int8_fraction_of_bound": out["int8_tok_s"] / (bw / int8_bytes)})
+    from autoglm_trt.fileutil import cpu_model
+
+    out["cpu"] = cpu_model()
     for k, v in out.items():
-        print(f"{k:32s} {v:12.3f}" if isinstance(v, float) else f"{k:32s} {v:12d}")
+        print(f"{k:32s} {v:12.3f}" if isinstance(v, float) else f"{k:32s} {v:>12}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -64,3 +64,36 @@ def build_tiny_engine(tiny_dir, out: Path, **config) -> Path:
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_dir, tmp_path_factory):
     return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("eng") / "tiny-fp32")
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_engine(tiny_dir, tmp_path_factory):
+    """The tiny Llama with a chat template, built like ``tiny_engine``."""
+    import shutil
+
+    ckpt = tmp_path_factory.mktemp("chat") / "ckpt"
+    shutil.copytree(tiny_dir("llama"), ckpt)
+    (ckpt / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return build_tiny_engine(lambda family: ckpt, tmp_path_factory.mktemp("chat-eng") / "tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def slow_engine(tmp_path_factory):
+    """A larger random Llama (6 layers, hidden 256) with room for 1,500-token generations, one
+    sequence at a time: slow enough (milliseconds per token) that a test can act mid-request."""
+    ckpt = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("slow") / "ckpt", hidden_size=256,
+                                intermediate_size=512, num_hidden_layers=6, max_position_embeddings=2048)
+    return build_tiny_engine(lambda family: ckpt, tmp_path_factory.mktemp("slow-eng") / "slow",
+                             max_batch_size=1, max_input_len=64, max_seq_len=2048, kv_num_blocks=300, kv_block_size=8)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

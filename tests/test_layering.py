@@ -1,6 +1,6 @@
 """The package's layering, checked on the source: nothing imports upward or across stages.
 
-    cli ─► builder ─► export, calib (stage entry points)
+    cli ─► serve ─► runtime;  cli ─► builder ─► export, calib (stage entry points)
            runtime, export, calib, evaluate ─► backends ─► graph ─► artifacts ─► model ─► errors, fileutil, progress
 
 Every import of an ``autoglm_trt`` module (absolute or relative, at any depth in a function)
@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "evaluate": STAGE,
     "runtime": STAGE | {"backends"},
     "builder": STAGE | {"backends", "export", "calib"},
-    "cli": STAGE | {"backends", "export", "calib", "evaluate", "runtime", "builder"},
+    "serve": STAGE | {"runtime"},
+    "cli": STAGE | {"backends", "export", "calib", "evaluate", "runtime", "builder", "serve"},
     "__main__": {"cli"},
     "__init__": set(),
 }

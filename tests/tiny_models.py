@@ -20,12 +20,13 @@ FAMILIES = {
 }
 
 
-def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
+def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random checkpoint of a family (``overrides`` change the config, e.g. a larger model)."""
     import torch
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # random norms, so that a missed or misplaced norm is visible

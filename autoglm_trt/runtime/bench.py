@@ -1,15 +1,18 @@
-"""``bench``: latency and throughput of an engine at several concurrency levels.
+"""``bench``: latency and throughput of an engine (or a server) at several concurrency levels.
 
 For each level c, c client threads each send requests (random token prompts of
 ``prompt_len``, ``gen_len`` new tokens, EOS ignored) until ``requests`` have completed; we
 record time to first token, the gaps between tokens (per-token latency), and aggregate
-generated tokens per second over the level's wall time.
+generated tokens per second over the level's wall time. The requests go to an ``Engine`` in
+this process or, through ``serve.client``, to a server's ``/v1/completions`` stream (there a
+token's time is that of the SSE chunk that carried it).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +20,23 @@ import numpy as np
 from .engine import Engine
 from .sampling import SamplingParams
 
+# one request: prompt ids, new tokens -> (the time of each token, submission time, tokens generated)
+Call = Callable[[list[int], int], tuple[list[float], float, int]]
 
-def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, requests: int, seed: int = 0) -> dict:
+
+def engine_call(engine: Engine) -> Call:
+    def call(prompt: list[int], gen_len: int) -> tuple[list[float], float, int]:
+        [res] = engine.generate([prompt], SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
+        return res.token_times, res.submitted, len(res.token_ids)
+
+    return call
+
+
+def run_level(call: Call, vocab_size: int, concurrency: int, prompt_len: int, gen_len: int, requests: int,
+              seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(100, engine.spec.vocab_size - 1, prompt_len).tolist() for _ in range(requests)]
-    params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True)
-    results: list = []
+    prompts = [rng.integers(100, vocab_size - 1, prompt_len).tolist() for _ in range(requests)]
+    results: list[tuple[list[float], float, int]] = []
     lock = threading.Lock()
     next_i = [0]
 
@@ -33,7 +47,7 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, r
                 next_i[0] += 1
             if i >= requests:
                 return
-            [res] = engine.generate([prompts[i]], params)
+            res = call(prompts[i], gen_len)
             with lock:
                 results.append(res)
 
@@ -44,9 +58,9 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, r
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    ttft = np.array([r.ttft for r in results]) * 1000
-    gaps = np.concatenate([np.diff(r.token_times) for r in results if len(r.token_times) > 1]) * 1000
-    tokens = sum(len(r.token_ids) for r in results)
+    ttft = np.array([times[0] - submitted for times, submitted, _ in results if times]) * 1000
+    gaps = np.concatenate([np.diff(times) for times, _, _ in results if len(times) > 1] or [np.zeros(1)]) * 1000
+    tokens = sum(n for _, _, n in results)
     return {"concurrency": concurrency, "requests": requests, "prompt_len": prompt_len, "gen_len": gen_len,
             "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p90": float(np.percentile(ttft, 90)),
             "token_ms_p50": float(np.percentile(gaps, 50)), "token_ms_p90": float(np.percentile(gaps, 90)),

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,27 +38,13 @@ from ..errors import RequestError
 from ..fileutil import available_memory_bytes
 from ..graph.paged_kv import BlockAllocator, blocks_needed, step_inputs
 from ..graph.session import MAX_THREADS
-from .request import Prompt, PromptEncoder, Request, split_prompts
+from .request import GenerationResult, Prompt, PromptEncoder, Request, Sink, split_prompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, Sequence, Step
 from .tokenizer import IncrementalDecoder, TextTokenizer
 
 log = logging.getLogger(__name__)
 __all__ = ["Engine", "GenerationResult", "Prompt", "RequestError"]
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string), "length", "timeout" or "cancelled"
-    prompt_tokens: int
-    token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter at each token
-    submitted: float = 0.0
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.submitted if self.token_times else float("nan")
 
 
 class Engine:
@@ -127,7 +113,25 @@ class Engine:
         if blocks_needed(len(ids) + params.max_new_tokens, self.block_size) > self.allocator.num_blocks:
             raise RequestError(f"this request needs more KV blocks than the whole pool ({self.allocator.num_blocks})")
 
-    def _submit(self, prompt: object, params: object, stream: bool, timeout: float | None) -> Request:
+    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink | None = None,
+               timeout: float | None = None) -> Request:
+        """Queue one request without waiting: its pieces go to ``sink`` (if given) as they are made.
+
+        For callers that wait their own way (an event loop): ``outcome(request)`` once
+        ``request.done`` is set, ``cancel(request)`` to stop it. ``RequestError`` if the request
+        is malformed or cannot fit.
+        """
+        return self._submit(prompt, params, sink if sink is not None else False, timeout)
+
+    def outcome(self, req: Request) -> GenerationResult:
+        """The result of a finished request (waits for it), or its ``RequestError``."""
+        return self._result(req)
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request and free its blocks now; its outcome is finish reason "cancelled"."""
+        self._cancel(req)
+
+    def _submit(self, prompt: object, params: object, stream: bool | Sink, timeout: float | None) -> Request:
         if self._closed:
             raise RequestError("the engine is closed")
         if not isinstance(params, SamplingParams):
@@ -136,7 +140,7 @@ class Engine:
             params = dataclasses.replace(params, timeout=timeout)
         ids = self.encode(prompt)  # type: ignore[arg-type]
         self._check(ids, params)
-        if (stream or params.stop) and self.tokenizer is None:
+        if (stream is not False or params.stop) and self.tokenizer is None:
             raise RequestError(f"{self.dir} has no tokenizer: streaming text and stop strings need one")
         seq = Sequence(ids, params)
         req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer else None, stream, params.timeout)
@@ -162,7 +166,7 @@ class Engine:
                timeout: float | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are produced; closing the iterator cancels the request."""
         req = self._submit(prompt, params or SamplingParams(), True, timeout)
-        assert req.pieces is not None
+        assert isinstance(req.pieces, queue.Queue)
         try:
             while (piece := req.pieces.get()) is not None:
                 yield piece

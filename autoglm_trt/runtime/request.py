@@ -16,6 +16,8 @@ import queue
 import threading
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -105,16 +107,38 @@ def split_prompts(prompts: object) -> list[object]:
     return items
 
 
-class Request:
-    """A sequence, its decoder and text, and how its caller waits for it."""
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "timeout" or "cancelled"
+    prompt_tokens: int
+    token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter at each token
+    submitted: float = 0.0
 
-    def __init__(self, seq: Sequence, decoder: IncrementalDecoder | None, stream: bool, timeout: float | None):
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.submitted if self.token_times else float("nan")
+
+
+class Sink(Protocol):
+    """Where a streamed request's pieces go: ``put(piece)``, then ``put(None)`` when it ends.
+    Called from the engine's loop thread under its lock, so it must not block."""
+
+    def put(self, item: str | None) -> None: ...
+
+
+class Request:
+    """A sequence, its decoder and text, and how its caller waits for it (``done``, ``pieces``)."""
+
+    def __init__(self, seq: Sequence, decoder: IncrementalDecoder | None, stream: bool | Sink,
+                 timeout: float | None):
         self.seq = seq
         self.decoder = decoder
         self.text = ""
         self.sent = 0  # characters of ``text`` already streamed
         self.done = threading.Event()
-        self.pieces: queue.Queue[str | None] | None = queue.Queue() if stream else None
+        self.pieces: Sink | None = (queue.Queue() if stream is True else None) if isinstance(stream, bool) else stream
         self.error: BaseException | None = None
         self.token_times: list[float] = []
         self.submitted = time.perf_counter()

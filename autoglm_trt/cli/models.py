@@ -1,27 +1,13 @@
-"""The ``autoglm-trt`` command line: a thin click group over the library functions.
-
-Every ``AutoGLMError`` becomes a one-line ``Error: ...`` and exit code 1, in one place
-(``main``); anything else is a bug and keeps its traceback.
-"""
+"""Commands that make and inspect models: export, calibrate, eval, build, inspect, doctor."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from .errors import AutoGLMError
-
-
-def _log(msg: str) -> None:
-    click.echo(msg, err=True)
-
-
-@click.group()
-@click.version_option(package_name="autoglm-trt")
-def cli() -> None:
-    """Export GLM/Llama checkpoints to ONNX, calibrate, build engines and generate."""
+from ..errors import AutoGLMError
+from . import _log, cli
 
 
 @cli.command("export")
@@ -41,7 +27,7 @@ def cli() -> None:
 def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | None, validate: bool,
                tolerance: float | None, allow_pickle: bool, force: bool) -> None:
     """Export a Hugging Face CHECKPOINT directory to a paged-KV ONNX graph."""
-    from .export.pipeline import ExportConfig, export_checkpoint
+    from ..export.pipeline import ExportConfig, export_checkpoint
 
     result = export_checkpoint(
         ExportConfig(checkpoint=checkpoint, out_dir=out_dir, dtype=dtype, max_seq_len=max_seq_len,
@@ -80,7 +66,7 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
                   keep_float: tuple[str, ...],
                   gate: bool, target_ppl_ratio: float, target_top1: float, force: bool) -> None:
     """INT8-calibrate a float32 EXPORT_DIR: Q/DQ ONNX, TensorRT calibration cache, calib.json."""
-    from .calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
+    from ..calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
 
     if data is None:
         data = DEFAULT_DATA
@@ -95,7 +81,7 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
 
 
 def _rotate_kinds(value: str) -> list[str]:
-    from .graph.linears import KINDS
+    from ..graph.linears import KINDS
 
     if value == "all":
         return list(KINDS)
@@ -117,7 +103,7 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
     """Perplexity of MODEL (export, calibration or engine directory) on a text, optionally against a reference."""
     import json
 
-    from .evaluate import evaluate, gate_failures
+    from ..evaluate import evaluate, gate_failures
 
     if (max_ppl_ratio is not None or min_top1 is not None) and reference is None:
         raise AutoGLMError("--max-ppl-ratio and --min-top1 need --reference")
@@ -158,8 +144,8 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
               out_dir: Path | None, print_config: bool, force: bool, **overrides) -> None:
     """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""
-    from .builder.config import dump_config, load_config
-    from .builder.pipeline import BuildRequest, build_engine
+    from ..builder.config import dump_config, load_config
+    from ..builder.pipeline import BuildRequest, build_engine
 
     cfg = load_config(config_file, overrides)
     if print_config:
@@ -178,8 +164,8 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
     """Summarise an engine: manifest, KV layout, fusion report."""
     import json
 
-    from .artifacts import Manifest
-    from .builder.report import load_report, summary
+    from ..artifacts import Manifest
+    from ..builder.report import load_report, summary
 
     manifest = Manifest.read(engine_dir)
     report = load_report(engine_dir)
@@ -193,8 +179,8 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 def doctor_cmd(engine_dir: Path) -> None:
     """Check that ENGINE_DIR is intact and can run on this machine."""
-    from .artifacts import Manifest
-    from .backends import backend_problems, engine_file_problems
+    from ..artifacts import Manifest
+    from ..backends import backend_problems, engine_file_problems
 
     manifest = Manifest.read(engine_dir)
     checks = [("files and hashes", manifest.verify_files()), ("backend", backend_problems(manifest)),
@@ -210,99 +196,3 @@ def doctor_cmd(engine_dir: Path) -> None:
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")
-
-
-@cli.command("generate")
-@click.argument("engine_dir", type=click.Path(path_type=Path))
-@click.argument("prompt")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
-@click.option("--stream", is_flag=True, help="Print text as it is generated.")
-def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                 seed: int | None, stop: tuple[str, ...], chat: bool, stream: bool) -> None:
-    """Generate a continuation of PROMPT with the engine in ENGINE_DIR."""
-    from .runtime import Engine, SamplingParams
-
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=stop)
-    message = [{"role": "user", "content": prompt}] if chat else prompt
-    with Engine.load(engine_dir) as engine:
-        if stream:
-            for piece in engine.stream(message, params):
-                click.echo(piece, nl=False)
-            click.echo()
-        else:
-            [res] = engine.generate([message], params)
-            click.echo(res.text)
-            _log(f"[{len(res.token_ids)} tokens, finish reason: {res.finish_reason}]")
-
-
-@cli.command("bench")
-@click.argument("engine_dir", type=click.Path(path_type=Path))
-@click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated concurrency levels.")
-@click.option("--prompt-len", type=int, default=64, show_default=True)
-@click.option("--gen-len", type=int, default=64, show_default=True)
-@click.option("--requests", type=int, default=None, help="Requests per level [default: 2 x concurrency].")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per level.")
-@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of latency and throughput.")
-def bench_cmd(engine_dir: Path, concurrency: str, prompt_len: int, gen_len: int, requests: int | None, as_json: bool,
-              plot: Path | None) -> None:
-    """Time to first token, per-token latency and throughput at several concurrency levels."""
-    import json
-
-    from .runtime import Engine
-    from .runtime.bench import plot as draw
-    from .runtime.bench import run_level
-
-    try:
-        levels = [int(c) for c in concurrency.split(",")]
-    except ValueError as exc:
-        raise AutoGLMError(f"--concurrency takes comma-separated integers, got {concurrency!r}") from exc
-    rows = []
-    with Engine.load(engine_dir) as engine:
-        run_level(engine, 1, prompt_len, 4, 1)  # warm-up
-        for c in levels:
-            row = run_level(engine, c, prompt_len, gen_len, requests or 2 * c)
-            rows.append(row)
-            if as_json:
-                click.echo(json.dumps(row))
-            else:
-                click.echo(f"concurrency {c:3d}: TTFT P50 {row['ttft_ms_p50']:7.1f} ms | per token P50 "
-                           f"{row['token_ms_p50']:6.1f} P90 {row['token_ms_p90']:6.1f} P99 {row['token_ms_p99']:6.1f} ms"
-                           f" | {row['tokens_per_s']:7.1f} tokens/s")
-    if plot:
-        draw(rows, plot)
-        _log(f"plot written to {plot}")
-
-
-def _terminated(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds like Ctrl-C: half-written outputs are removed on the way out
-
-
-def main(argv: list[str] | None = None) -> None:
-    import signal
-
-    signal.signal(signal.SIGTERM, _terminated)
-    try:
-        cli.main(args=argv, prog_name="autoglm-trt", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except AutoGLMError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        click.echo("Interrupted; nothing was left half-written.", err=True)
-        sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,120 @@
+"""Commands that run engines: generate, bench, serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import AutoGLMError
+from . import _log, cli
+
+
+@cli.command("generate")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                 seed: int | None, stop: tuple[str, ...], chat: bool, stream: bool) -> None:
+    """Generate a continuation of PROMPT with the engine in ENGINE_DIR."""
+    from ..runtime import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, stop=stop)
+    message = [{"role": "user", "content": prompt}] if chat else prompt
+    with Engine.load(engine_dir) as engine:
+        if stream:
+            for piece in engine.stream(message, params):
+                click.echo(piece, nl=False)
+            click.echo()
+        else:
+            [res] = engine.generate([message], params)
+            click.echo(res.text)
+            _log(f"[{len(res.token_ids)} tokens, finish reason: {res.finish_reason}]")
+
+
+@cli.command("bench")
+@click.argument("engine_dir", type=click.Path(path_type=Path), required=False)
+@click.option("--url", default=None, help="Measure a running server (http://HOST:PORT) instead of an engine directory.")
+@click.option("--api-key", envvar="AUTOGLM_API_KEY", default=None, help="The server's API key, if it has one.")
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated concurrency levels.")
+@click.option("--prompt-len", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--gen-len", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--requests", type=click.IntRange(1), default=None, help="Requests per level [default: 2 x concurrency].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per level.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of latency and throughput.")
+def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, concurrency: str, prompt_len: int,
+              gen_len: int, requests: int | None, as_json: bool, plot: Path | None) -> None:
+    """Time to first token, per-token latency and throughput at several concurrency levels,
+    of ENGINE_DIR in this process or of a server at --url."""
+    import contextlib
+    import json
+
+    from ..runtime import Engine
+    from ..runtime.bench import engine_call, run_level
+    from ..runtime.bench import plot as draw
+
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+    except ValueError as exc:
+        raise AutoGLMError(f"--concurrency takes comma-separated integers, got {concurrency!r}") from exc
+    if (engine_dir is None) == (url is None):
+        raise AutoGLMError("give an ENGINE_DIR or --url, not both or neither")
+    rows = []
+    with contextlib.ExitStack() as stack:
+        if url is not None:
+            from ..serve.client import url_call
+
+            call, vocab = url_call(url, api_key), 256  # token ids below 256 exist in every vocabulary
+        else:
+            assert engine_dir is not None
+            engine = stack.enter_context(Engine.load(engine_dir))
+            call, vocab = engine_call(engine), engine.spec.vocab_size
+        run_level(call, vocab, 1, prompt_len, 4, 1)  # warm-up
+        for c in levels:
+            row = run_level(call, vocab, c, prompt_len, gen_len, requests or 2 * c)
+            rows.append(row)
+            if as_json:
+                click.echo(json.dumps(row))
+            else:
+                click.echo(f"concurrency {c:3d}: TTFT P50 {row['ttft_ms_p50']:7.1f} ms | per token P50 "
+                           f"{row['token_ms_p50']:6.1f} P90 {row['token_ms_p90']:6.1f} P99 {row['token_ms_p99']:6.1f} ms"
+                           f" | {row['tokens_per_s']:7.1f} tokens/s")
+    if plot:
+        draw(rows, plot)
+        _log(f"plot written to {plot}")
+
+
+@cli.command("serve")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--api-key", envvar="AUTOGLM_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (or set AUTOGLM_API_KEY); /health stays open.")
+@click.option("--served-model-name", default=None, help="Model name clients send [default: the engine directory's name].")
+@click.option("--max-waiting", type=click.IntRange(0), default=256, show_default=True,
+              help="Queued requests beyond which new ones get 429.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds a request may run; it then ends with the text so far and finish_reason 'length'.")
+@click.option("--drain-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM, how long running requests may take to finish.")
+@click.option("--threads", type=click.IntRange(0, 256), default=0, help="ONNX Runtime intra-op threads (0: all cores).")
+def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
+              max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int) -> None:
+    """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
+    from ..errors import require
+
+    require("fastapi", "autoglm-trt[serve]", "autoglm-trt serve")
+    from ..serve.app import ServeConfig
+    from ..serve.server import serve
+
+    cfg = ServeConfig(served_model_name or Path(engine_dir).resolve().name, api_key or None, max_waiting,
+                      request_timeout, drain_seconds)
+    serve(engine_dir, host, port, cfg, threads, log=_log)

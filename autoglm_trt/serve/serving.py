@@ -1,0 +1,156 @@
+"""Serving: one OpenAI request -> engine calls; engine output -> a response or SSE chunks.
+
+The engine's loop thread stays the only owner of sequences. A request is encoded in a worker
+thread (tokenization and chat templates are bounded, but not free), submitted with a sink
+that hands each text piece to the event loop (``call_soon_threadsafe``), and awaited there.
+A client that disconnects cancels its request at once (its KV blocks are freed): a stream by
+the cancellation of its generator, a plain request by a watch on the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..errors import AutoGLMError
+from ..runtime import Engine
+from ..runtime.request import Prompt
+from ..runtime.request import Request as EngineRequest
+from .metrics import ServerMetrics
+from .protocol import (
+    _Sampling,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    usage,
+    usage_chunk,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.25
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param, self.headers = (
+            status, message, type_, code, param, headers)
+
+
+class _LoopSink:
+    """Pieces from the engine thread into an asyncio queue (never blocks the engine)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue[str | None]()
+
+    def put(self, item: str | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Serving:
+    def __init__(self, engine: Engine, model: str, metrics: ServerMetrics, max_waiting: int,
+                 request_timeout: float | None):
+        self.engine, self.model, self.metrics = engine, model, metrics
+        self.max_waiting, self.request_timeout = max_waiting, request_timeout
+        self.draining = False
+        self.inflight = 0
+
+    async def complete(self, request: Request, body: _Sampling, prompt: Prompt, chat: bool) -> Response:
+        if body.model != self.model:
+            raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{self.model}'",
+                           "invalid_request_error", "model_not_found", "model")
+        if self.engine.stats()["waiting"] >= self.max_waiting:
+            raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry shortly",
+                           "rate_limit_error", "queue_full", headers={"Retry-After": "1"})
+        ids = await run_in_threadpool(self.engine.encode, prompt)  # RequestError -> 400
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is None:
+            room = max(1, self.engine.max_seq_len - len(ids))  # a prompt too long is refused by submit
+            max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, room) if not chat else room
+        params = body.sampling(max_tokens, self.request_timeout)
+        sink = _LoopSink(asyncio.get_running_loop())
+        req = self.engine.submit(ids, params, sink)
+        self.inflight += 1
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return StreamingResponse(self._events(req, sink, rid, chat, body.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            return await self._whole(request, req, sink, rid, chat)
+        finally:
+            self.inflight -= 1
+
+    async def _whole(self, request: Request, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool) -> Response:
+        while True:
+            try:
+                item = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self._cancel(req)
+                    return Response(status_code=499)
+                continue
+            if item is None:
+                break
+        try:
+            res = self._finished(req)
+        except AutoGLMError as exc:  # the engine failed or closed under this request: not the client's fault
+            raise ApiError(503 if not self.engine.alive else 500, str(exc), "server_error", "generation_failed") from exc
+        use = usage(res.prompt_tokens, len(res.token_ids))
+        build = chat_response if chat else completion_response
+        return JSONResponse(build(rid, self.model, res.text, res.finish_reason, use))
+
+    async def _events(self, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        def chunk(text: str, finish: str | None) -> dict:
+            if chat:
+                return chat_chunk(rid, self.model, {"content": text} if text else {}, finish)
+            return completion_chunk(rid, self.model, text, finish)
+
+        try:
+            if chat:
+                yield _sse(chat_chunk(rid, self.model, {"role": "assistant", "content": ""}, None))
+            while (piece := await sink.queue.get()) is not None:
+                yield _sse(chunk(piece, None))
+            try:
+                res = self._finished(req)
+            except AutoGLMError as exc:
+                yield _sse(error_body(str(exc), "server_error", "generation_failed"))
+            else:
+                yield _sse(chunk("", res.finish_reason))
+                if include_usage:
+                    obj = "chat.completion.chunk" if chat else "text_completion"
+                    yield _sse(usage_chunk(rid, self.model, obj, usage(res.prompt_tokens, len(res.token_ids))))
+            yield _sse("[DONE]")
+        finally:  # a client that went away cancels its request
+            self._cancel(req)
+            self.inflight -= 1
+
+    def _cancel(self, req: EngineRequest) -> None:
+        if not req.done.is_set():
+            self.engine.cancel(req)
+            self.metrics.finished.labels("cancelled").inc()
+
+    def _finished(self, req: EngineRequest):
+        res = self.engine.outcome(req)
+        self.metrics.observe(res.finish_reason, res.prompt_tokens, res.token_times, res.submitted,
+                             time.perf_counter())
+        return res
