@@ -4,11 +4,13 @@ import json
 import random
 import threading
 
+import numpy as np
 import pytest
 from conftest import run_cli
 
 from autoglm_trt.artifacts import EngineError
 from autoglm_trt.errors import AutoGLMError
+from autoglm_trt.graph.runner import GraphRunner
 from autoglm_trt.runtime import Engine, RequestError, SamplingError, SamplingParams
 
 
@@ -75,7 +77,7 @@ def test_stop_string_truncates(tiny_engine):
 
 def test_bad_requests(tiny_engine):
     with Engine.load(tiny_engine) as engine:
-        with pytest.raises(RequestError, match="at most 48"):
+        with pytest.raises(RequestError, match="at most 32 prompt tokens"):  # 96 - 64 new tokens
             engine.generate([list(range(3, 60))])
         with pytest.raises(RequestError, match="max_seq_len 96"):
             engine.generate(["hi"], SamplingParams(max_new_tokens=95))
@@ -113,7 +115,7 @@ def test_generate_cli(tiny_engine):
     r = run_cli("generate", str(tiny_engine), "Once upon", "--max-new-tokens", "5", "--stream")
     assert r.returncode == 0, r.stderr
     r = run_cli("generate", str(tiny_engine), "x" * 200)
-    assert r.returncode == 1 and "at most 48" in r.stderr
+    assert r.returncode == 1 and "at most 32 prompt tokens" in r.stderr
 
 
 def test_bench_cli_json_and_plot(tiny_engine, tmp_path):
@@ -124,3 +126,16 @@ def test_bench_cli_json_and_plot(tiny_engine, tmp_path):
     assert [x["concurrency"] for x in rows] == [1, 2]
     assert all(x["tokens_per_s"] > 0 and x["token_ms_p50"] <= x["token_ms_p99"] for x in rows)
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompts_longer_than_one_prefill_chunk(tiny_engine):
+    """max_input_len (48 here) bounds a prefill chunk, not a prompt: 80 tokens go in two chunks,
+    and the first token sampled is the argmax of a one-shot prefill of all 80 on the same graph."""
+    prompt = [(7 * i) % 250 + 3 for i in range(80)]
+    with Engine.load(tiny_engine, prefix_caching=False) as engine:
+        [res] = engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert len(res.token_ids) == 8 and res.prompt_tokens == 80
+        one_shot = GraphRunner(tiny_engine).logits(np.asarray([prompt], np.int64))[0, -1]
+        assert res.token_ids[0] == int(np.argmax(one_shot))
+        with pytest.raises(RequestError, match="at most 88 prompt tokens"):
+            engine.generate([prompt + [5] * 9], SamplingParams(max_new_tokens=8))

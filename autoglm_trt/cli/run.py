@@ -21,15 +21,17 @@ from . import _log, cli
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Share the KV blocks of prompts' common prefixes (agent loops resend the same history).")
 def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                 seed: int | None, stop: tuple[str, ...], chat: bool, stream: bool) -> None:
+                 seed: int | None, stop: tuple[str, ...], chat: bool, stream: bool, prefix_caching: bool) -> None:
     """Generate a continuation of PROMPT with the engine in ENGINE_DIR."""
     from ..runtime import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=stop)
     message = [{"role": "user", "content": prompt}] if chat else prompt
-    with Engine.load(engine_dir) as engine:
+    with Engine.load(engine_dir, prefix_caching=prefix_caching) as engine:
         if stream:
             for piece in engine.stream(message, params):
                 click.echo(piece, nl=False)
@@ -50,8 +52,10 @@ def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature
 @click.option("--requests", type=click.IntRange(1), default=None, help="Requests per level [default: 2 x concurrency].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per level.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of latency and throughput.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Share the KV blocks of prompts' common prefixes (agent loops resend the same history).")
 def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, concurrency: str, prompt_len: int,
-              gen_len: int, requests: int | None, as_json: bool, plot: Path | None) -> None:
+              gen_len: int, requests: int | None, as_json: bool, plot: Path | None, prefix_caching: bool) -> None:
     """Time to first token, per-token latency and throughput at several concurrency levels,
     of ENGINE_DIR in this process or of a server at --url."""
     import contextlib
@@ -75,7 +79,7 @@ def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, con
             call, vocab = url_call(url, api_key), 256  # token ids below 256 exist in every vocabulary
         else:
             assert engine_dir is not None
-            engine = stack.enter_context(Engine.load(engine_dir))
+            engine = stack.enter_context(Engine.load(engine_dir, prefix_caching=prefix_caching))
             call, vocab = engine_call(engine), engine.spec.vocab_size
         run_level(call, vocab, 1, prompt_len, 4, 1)  # warm-up
         for c in levels:
@@ -106,8 +110,11 @@ def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, con
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, how long running requests may take to finish.")
 @click.option("--threads", type=click.IntRange(0, 256), default=0, help="ONNX Runtime intra-op threads (0: all cores).")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Share the KV blocks of prompts' common prefixes (agent loops resend the same history).")
 def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
-              max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int) -> None:
+              max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
+              prefix_caching: bool) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require
 
@@ -116,5 +123,5 @@ def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, serve
     from ..serve.server import serve
 
     cfg = ServeConfig(served_model_name or Path(engine_dir).resolve().name, api_key or None, max_waiting,
-                      request_timeout, drain_seconds)
+                      request_timeout, drain_seconds, prefix_caching)
     serve(engine_dir, host, port, cfg, threads, log=_log)

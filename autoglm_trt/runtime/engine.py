@@ -36,8 +36,9 @@ from ..artifacts import EngineError, Manifest
 from ..backends import StepRunner, check_engine, open_runner
 from ..errors import RequestError
 from ..fileutil import available_memory_bytes
-from ..graph.paged_kv import BlockAllocator, blocks_needed, step_inputs
+from ..graph.paged_kv import blocks_needed, step_inputs
 from ..graph.session import MAX_THREADS
+from .block_pool import BlockPool
 from .request import GenerationResult, Prompt, PromptEncoder, Request, Sink, split_prompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, Sequence, Step
@@ -48,16 +49,17 @@ __all__ = ["Engine", "GenerationResult", "Prompt", "RequestError"]
 
 
 class Engine:
-    def __init__(self, manifest: Manifest, backend: StepRunner, tokenizer: TextTokenizer | None):
+    def __init__(self, manifest: Manifest, backend: StepRunner, tokenizer: TextTokenizer | None,
+                 prefix_caching: bool = True):
         self.dir, self.manifest, self.backend, self.tokenizer = manifest.dir, manifest, backend, tokenizer
         self.spec = manifest.spec
         limits = manifest.limits
         self.max_batch, self.max_input_len, self.max_seq_len = (limits["max_batch_size"], limits["max_input_len"],
                                                                 limits["max_seq_len"])
         self.block_size = backend.block_size
-        self.allocator = BlockAllocator(backend.num_blocks)
+        self.allocator = BlockPool(backend.num_blocks, caching=prefix_caching)
         self.scheduler = Scheduler(self.allocator, self.block_size, self.max_batch, self.max_input_len)
-        self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_input_len)
+        self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1)
         self.eos = set(self.spec.eos_token_ids)
         self._requests: dict[int, Request] = {}
         self._cv = threading.Condition()
@@ -68,7 +70,7 @@ class Engine:
     # -- loading -----------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, verify: bool = True, num_blocks: int | None = None,
-             kv_memory_bytes: int | None = None, threads: int = 0) -> Engine:
+             kv_memory_bytes: int | None = None, threads: int = 0, prefix_caching: bool = True) -> Engine:
         """Load an engine directory made by ``autoglm-trt build``.
 
         Args:
@@ -76,6 +78,7 @@ class Engine:
             verify: re-hash the engine's files against its manifest (refuses a corrupt engine).
             num_blocks / kv_memory_bytes: override the KV pool size (ONNX Runtime engines only).
             threads: ONNX Runtime intra-op threads (0: one per core; at most 256).
+            prefix_caching: share the KV blocks of prompts' common prefixes (on by default).
         """
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
             raise EngineError(f"threads must be an integer from 0 (one per core) to {MAX_THREADS}, got {threads!r}")
@@ -96,7 +99,7 @@ class Engine:
                                   f"has {have / 2**30:.1f} GiB available; load with fewer blocks (num_blocks=...)")
         backend = open_runner(manifest, blocks, threads)
         tokenizer = TextTokenizer(path) if (path / "tokenizer.json").is_file() else None
-        return cls(manifest, backend, tokenizer)
+        return cls(manifest, backend, tokenizer, prefix_caching)
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -104,12 +107,13 @@ class Engine:
         return self.prompts.encode(prompt)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
-        if len(ids) > self.max_input_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this engine allows at most {self.max_input_len} "
-                               "(max_input_len); shorten it or rebuild with a larger --max-input-len")
+        """A prompt may be as long as max_seq_len - max_new_tokens; it is prefilled in chunks of
+        at most max_input_len tokens."""
         if len(ids) + params.max_new_tokens > self.max_seq_len:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                               f"engine's max_seq_len {self.max_seq_len}; lower max_new_tokens")
+            room = self.max_seq_len - params.max_new_tokens
+            raise RequestError(f"the prompt has {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: "
+                               f"this engine allows at most {max(room, 0)} prompt tokens with that many new ones "
+                               f"(max_seq_len {self.max_seq_len}); shorten the prompt or lower max_new_tokens")
         if blocks_needed(len(ids) + params.max_new_tokens, self.block_size) > self.allocator.num_blocks:
             raise RequestError(f"this request needs more KV blocks than the whole pool ({self.allocator.num_blocks})")
 
@@ -225,7 +229,7 @@ class Engine:
             if seq.finish_reason is not None or seq.seq_id not in self._requests:
                 continue  # cancelled, closed or failed while the step ran
             complete = step.completes(i)
-            seq.cache.num_computed_tokens += len(step.new_tokens[i])
+            self.scheduler.computed(seq, len(step.new_tokens[i]))
             if not complete:
                 continue
             try:
@@ -281,7 +285,7 @@ class Engine:
         with self._cv:
             return {"free_blocks": self.allocator.num_free, "num_blocks": self.allocator.num_blocks,
                     "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                    "preemptions": self.scheduler.preemptions}
+                    "preemptions": self.scheduler.preemptions, **self.allocator.stats()}
 
     @property
     def alive(self) -> bool:

@@ -65,6 +65,8 @@ class SamplingParams:
         ignore_eos: keep generating past the end-of-sequence token (benchmarks).
         timeout: seconds from submission after which the request ends with finish reason
             ``"timeout"`` and the text generated so far (None: no deadline).
+        priority: lower runs first (0 by default; negative for real-time, positive for batch
+            and background work); waiting requests age up one level per 10 s.
     """
 
     max_new_tokens: int = 64
@@ -75,6 +77,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # for benchmarks: always generate max_new_tokens
     timeout: float | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -92,6 +95,8 @@ class SamplingParams:
         if self.seed is not None:
             set_("seed", _int("seed", self.seed, 0))
         set_("stop", self._stop_strings(self.stop))
+        if isinstance(self.priority, bool) or not isinstance(self.priority, Integral) or abs(self.priority) > 2**31:
+            raise SamplingError(f"priority must be an integer (lower runs first), got {_show(self.priority)}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
         if self.timeout is not None:

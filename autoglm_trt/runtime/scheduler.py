@@ -19,18 +19,31 @@ needs a block that is not free, the newest running sequence is preempted (which 
 itself) until the block is found. The oldest running
 sequence therefore always gets its blocks (a request larger than the whole pool is refused
 before it is queued), so while there is work, ``schedule`` returns a step.
+
+Priorities: a request's ``priority`` (lower runs first, 0 by default) orders admission, then
+arrival; a waiting request gains one level per ``aging_s`` seconds so that low priorities
+do not starve under a steady high-priority load.
+
+Prefix caching (with a ``BlockPool`` whose ``caching`` is on): a waiting sequence shares the
+longest run of cached full blocks that starts its tokens and computes only the rest (at least
+its last token, so that there are logits to sample); as its blocks fill they are named by
+their chained hashes, and blocks it frees stay cached (evictable) until the pool needs them.
+Shared blocks are full and wholly computed, so no sequence ever writes to one.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..graph.paged_kv import BlockAllocator, SeqState, blocks_needed
+from .block_pool import BlockPool, chained_hashes
 from .sampling import SamplingParams
+
+AGING_S = 10.0  # a waiting request gains one priority level per this many seconds
 
 
 @dataclass
@@ -42,6 +55,8 @@ class Sequence:
     cache: SeqState = field(default_factory=SeqState)
     finish_reason: str | None = None
     preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed, cached blocks
+    arrival: float = 0.0
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
@@ -53,6 +68,10 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.cache.num_computed_tokens
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
 
     def pending_ids(self, limit: int) -> list[int]:
         start = self.cache.num_computed_tokens
@@ -73,19 +92,32 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch: int, max_input_len: int,
-                 max_prefill_tokens: int = 4096):
+    def __init__(self, allocator: BlockAllocator | BlockPool, block_size: int, max_batch: int, max_input_len: int,
+                 max_prefill_tokens: int = 4096, aging_s: float = AGING_S):
         self.allocator, self.block_size = allocator, block_size
+        self.caching = isinstance(allocator, BlockPool) and allocator.caching
+        self.aging_s = aging_s
         self.max_batch, self.max_input_len = max_batch, max_input_len
         self.max_prefill_tokens = max(max_prefill_tokens, max_input_len)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.preemptions = 0
         self._ids = itertools.count()
 
     def add(self, seq: Sequence) -> None:
         seq.seq_id = next(self._ids)
+        seq.arrival = time.monotonic()
         self.waiting.append(seq)
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: best priority after aging, then the oldest."""
+        now = time.monotonic()
+        return min(self.waiting, key=lambda s: (s.priority - int((now - s.arrival) / self.aging_s), s.seq_id))
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, int]:
+        """Who keeps blocks under pressure: smaller ranks first (a victim is the largest)."""
+        return seq.priority, seq.seq_id
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -106,7 +138,7 @@ class Scheduler:
         sequences (perhaps ``seq`` itself) until they are found; False if ``seq`` was preempted.
         A preempted sequence leaves this step's plan too."""
         while not self._grow(seq, num_new):
-            victim = max(self.running, key=lambda s: s.seq_id)
+            victim = max(self.running, key=self._rank)
             self._preempt(victim)
             planned.pop(victim.seq_id, None)
             if victim is seq:
@@ -116,13 +148,54 @@ class Scheduler:
     def free(self, seq: Sequence) -> None:
         self.allocator.release(seq.cache.block_table)
         seq.cache = SeqState()
+        seq.block_hashes = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.free(seq)
         self.running.remove(seq)
         seq.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.append(seq)  # its old arrival and id put it ahead of newer requests of its priority
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """The step computed ``n`` more tokens of ``seq``: count them and cache the blocks they filled."""
+        seq.cache.num_computed_tokens += n
+        full = seq.cache.num_computed_tokens // self.block_size
+        if self.caching and full > len(seq.block_hashes):
+            tokens = (seq.prompt_ids + seq.output_ids)[: full * self.block_size]
+            start = len(seq.block_hashes)
+            seq.block_hashes = chained_hashes(tokens, self.block_size, seq.block_hashes)
+            assert isinstance(self.allocator, BlockPool)
+            for b in range(start, full):
+                self.allocator.cache_block(seq.cache.block_table[b], seq.block_hashes[b])
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Blocks for a waiting sequence's whole prompt, sharing its longest cached prefix; False if
+        they would not leave one free block per running sequence."""
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        revived = 0
+        if self.caching:
+            assert isinstance(self.allocator, BlockPool)
+            tokens = seq.prompt_ids + seq.output_ids
+            hashes = chained_hashes(tokens, self.block_size)
+            hits = self.allocator.lookup(hashes)
+            if len(hits) * self.block_size >= len(tokens):  # keep the last token to compute
+                hits = hits[:-1]
+            revived = sum(1 for b in hits if self.allocator.ref_cnt[b] == 0)
+        need = blocks_needed(seq.num_tokens, self.block_size) - len(hits)
+        if need + revived > self.allocator.num_free - len(self.running):
+            return False
+        if self.caching:
+            assert isinstance(self.allocator, BlockPool)
+            self.allocator.take(hits)
+            self.allocator.queried_tokens += seq.num_tokens
+            self.allocator.hit_tokens += len(hits) * self.block_size
+            seq.cache = SeqState(len(hits) * self.block_size, list(hits))
+            seq.block_hashes = hashes[: len(hits)]
+        if not self._grow(seq, seq.num_pending):  # cannot happen: the blocks were counted free above
+            raise RuntimeError("block allocator refused blocks it reported free")
+        return True
 
     # -- steps -----------------------------------------------------------------
     def schedule(self) -> Step | None:
@@ -136,7 +209,7 @@ class Scheduler:
             longest = max((len(c) for _, c in planned.values()), default=0)
             return len(planned) < self.max_batch and max(longest, n) * (len(planned) + 1) <= self.max_prefill_tokens
 
-        continuing = sorted((s for s in self.running if s.num_pending > 1), key=lambda s: s.seq_id)
+        continuing = sorted((s for s in self.running if s.num_pending > 1), key=self._rank)
         for seq in continuing:  # chunked prefills under way, oldest first
             if seq not in self.running:  # preempted for an older one in this loop
                 continue
@@ -146,18 +219,12 @@ class Scheduler:
             if self._reserve(seq, n, planned):
                 planned[seq.seq_id] = (seq, seq.pending_ids(n))
         while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            n = min(seq.num_pending, self.max_input_len)
-            # blocks for the whole prompt (all its chunks), and one free block kept per running
-            # sequence, so that a sequence admitted is not preempted again by its own prefill
-            need = blocks_needed(seq.num_pending, self.block_size)
-            if not fits(n) or need > self.allocator.num_free - len(self.running):
+            seq = self._next_waiting()
+            if not fits(min(seq.num_pending, self.max_input_len)) or not self._admit(seq):
                 break
-            self.waiting.popleft()
-            grown = self._grow(seq, seq.num_pending)
-            if not grown:  # cannot happen: need <= num_free was checked above
-                raise RuntimeError("block allocator refused blocks it reported free")
+            self.waiting.remove(seq)
             self.running.append(seq)
+            n = min(seq.num_pending, self.max_input_len)
             planned[seq.seq_id] = (seq, seq.pending_ids(n))
         if not planned:
             return None
@@ -165,8 +232,8 @@ class Scheduler:
 
     def _schedule_decode(self) -> Step | None:
         planned: dict[int, tuple[Sequence, list[int]]] = {}
-        for seq in sorted((s for s in self.running if s.num_pending == 1), key=lambda s: s.seq_id):
-            if seq in self.running and self._reserve(seq, 1, planned):  # the oldest keep their blocks
+        for seq in sorted((s for s in self.running if s.num_pending == 1), key=self._rank):
+            if seq in self.running and self._reserve(seq, 1, planned):  # the first-ranked keep their blocks
                 planned[seq.seq_id] = (seq, seq.pending_ids(1))
         if not planned:
             return None

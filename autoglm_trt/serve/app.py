@@ -36,6 +36,7 @@ class ServeConfig:
     max_waiting: int = 256  # queued requests beyond this get 429
     request_timeout: float | None = None  # seconds; the response then ends with finish_reason "length"
     drain_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
+    prefix_caching: bool = True
 
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:

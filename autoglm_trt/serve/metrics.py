@@ -29,6 +29,12 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("autoglm_kv_blocks_total", "KV cache blocks in the pool", s["num_blocks"])
         yield CounterMetricFamily("autoglm_preemptions", "Sequences preempted for want of KV blocks",
                                   s["preemptions"])
+        yield CounterMetricFamily("autoglm_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  s.get("prefix_queried_tokens", 0))
+        yield CounterMetricFamily("autoglm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  s.get("prefix_hit_tokens", 0))
+        yield GaugeMetricFamily("autoglm_kv_blocks_cached", "Free KV blocks that still hold a cached prefix",
+                                s.get("evictable_blocks", 0))
 
 
 class ServerMetrics:

@@ -35,6 +35,7 @@ class _Sampling(BaseModel):
     # extensions (vLLM's names)
     top_k: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    priority: int = Field(default=0, ge=-(2**31), le=2**31)  # lower runs first
     # accepted only at their neutral values
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
@@ -58,7 +59,7 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
-                              timeout=timeout)
+                              timeout=timeout, priority=self.priority)
 
     @property
     def include_usage(self) -> bool:
