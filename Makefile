@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 SMOL   := models/smollm2-135m
 
-.PHONY: install test typecheck lint smollm2 engine clean
+.PHONY: install test typecheck lint smollm2 engine serve triton clean
 
 install: $(STAMP)
 
@@ -34,7 +34,13 @@ typings/tensorrt/__init__.pyi: $(STAMP) scripts/prepare_trt_stubs.py
 typecheck: $(STAMP) typings/tensorrt/__init__.pyi
 	$(BIN)/mypy autoglm_trt
 
-test: $(STAMP) $(SMOL)/.prepared lint typecheck
+# tritonserver 2.51 with its Python backend, from PyPI's nvidia-pytriton wheel, in .triton/ (CPU is enough)
+.triton/.installed: $(STAMP) scripts/install_triton.py
+	$(BIN)/python scripts/install_triton.py --dest .triton
+
+triton: .triton/.installed
+
+test: $(STAMP) $(SMOL)/.prepared .triton/.installed lint typecheck
 	$(BIN)/python -m pytest -q -rs tests
 
 # The main job end to end: install, prepare SmolLM2, build an INT8 engine (TensorRT when present,
@@ -44,5 +50,12 @@ engine: $(STAMP) $(SMOL)/.prepared
 	$(BIN)/autoglm-trt generate engines/smollm2-int8 "What is the capital of France?" --chat --max-new-tokens 32
 	@echo "engine ready: engines/smollm2-int8  (autoglm-trt inspect engines/smollm2-int8)"
 
+# The SmolLM2 INT8 engine as an OpenAI-compatible server on http://127.0.0.1:8080 (Ctrl-C stops it)
+serve: engines/smollm2-int8/manifest.json
+	$(BIN)/autoglm-trt serve engines/smollm2-int8 --port 8080
+
+engines/smollm2-int8/manifest.json:
+	$(MAKE) engine
+
 clean:
-	rm -rf $(VENV) models typings engines/smollm2-* engines/.cache
+	rm -rf $(VENV) models typings engines/smollm2-* engines/.cache .triton

@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": STAGE | {"backends"},
     "builder": STAGE | {"backends", "export", "calib"},
     "serve": STAGE | {"runtime"},
-    "cli": STAGE | {"backends", "export", "calib", "evaluate", "runtime", "builder", "serve"},
+    "triton": STAGE | {"runtime"},
+    "cli": STAGE | {"backends", "export", "calib", "evaluate", "runtime", "builder", "serve", "triton"},
     "__main__": {"cli"},
     "__init__": set(),
 }

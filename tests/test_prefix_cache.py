@@ -136,7 +136,7 @@ def test_aging_lets_low_priority_finish_under_steady_high_priority_load(monkeypa
     sched.add(low)
     sched.add(seq([6], max_new=2, priority=0))
     finished = []
-    for step in range(400):
+    for _ in range(400):
         sched.add(seq([7], max_new=2, priority=0))  # a new urgent request every step
         finished += run_step(sched)
         if low in finished:

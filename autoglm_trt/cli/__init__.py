@@ -2,8 +2,8 @@
 
 Every ``AutoGLMError`` becomes a one-line ``Error: ...`` and exit code 1, in one place
 (``main``); anything else is a bug and keeps its traceback. The commands live in
-``models`` (export, calibrate, eval, build, inspect, doctor) and ``run`` (generate, bench,
-serve); importing them registers them on the group.
+``models`` (export, calibrate, eval, build, inspect, doctor), ``run`` (generate, bench,
+serve) and ``deploy`` (triton, triton-serve); importing them registers them on the group.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
 
 
-from . import models, run  # noqa: E402, F401 - the commands register themselves on ``cli``
+from . import deploy, models, run  # noqa: E402, F401 - the commands register themselves on ``cli``
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,143 @@
+"""A model repository for an engine, served by a real tritonserver (2.51, CPU, from PyPI's
+nvidia-pytriton wheel; ``make triton`` installs it) on loopback ports started by the test."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import ROOT, free_port
+
+from autoglm_trt.errors import AutoGLMError
+from autoglm_trt.runtime import Engine, SamplingParams
+from autoglm_trt.triton.launcher import find_tritonserver
+
+try:
+    find_tritonserver()
+    HAVE_TRITON = True
+except AutoGLMError:
+    HAVE_TRITON = False
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="no tritonserver: `make triton` installs one (make test does)")
+
+
+def post(port: int, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def stream_text(port: int, body: dict) -> str:
+    status, text = post(port, "/v2/models/tiny-chat/generate_stream", {**body, "stream": True})
+    assert status == 200, text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert not any("error" in e for e in events), events
+    return "".join(e.get("text_output", "") for e in events)
+
+
+@pytest.fixture(scope="module")
+def triton(chat_engine, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("triton") / "repo"
+    r = subprocess.run([sys.executable, "-m", "autoglm_trt", "triton", str(chat_engine), "-o", str(repo),
+                        "--instances", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "triton-serve", str(repo), "--http-port", str(http),
+                             "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--ready-timeout", "180"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if get(http, "/v2/health/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        assert proc.poll() is None, proc.stderr.read()
+        yield {"http": http, "metrics": metrics, "proc": proc, "repo": repo}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        leftover = subprocess.run(["pgrep", "-f", str(repo)], capture_output=True, text=True).stdout.strip()
+        if leftover:
+            subprocess.run(["pkill", "-9", "-f", str(repo)])
+        assert not leftover, f"tritonserver processes left behind: {leftover}"
+
+
+def test_generate_matches_the_engine_and_streams_join(triton, chat_engine):
+    prompts = ["Once upon a time", "The capital of France is", "abc", "def fib(n):", "x y z", "Hello there"]
+    with Engine.load(chat_engine) as engine:
+        expected = [r.text for r in engine.generate(prompts, SamplingParams(max_new_tokens=12))]
+    port = triton["http"]
+    status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": prompts[0], "max_tokens": 12})
+    assert status == 200 and json.loads(text)["text_output"] == expected[0]
+    assert stream_text(port, {"text_input": prompts[0], "max_tokens": 12}) == expected[0]
+    got: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        got[i] = stream_text(port, {"text_input": prompts[i], "max_tokens": 12})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got.get(i) for i in range(len(prompts))] == expected  # concurrent streams do not mix
+
+
+def test_bad_inputs_are_triton_errors_and_the_model_stays_up(triton):
+    port = triton["http"]
+    status, text = post(port, "/v2/models/tiny-chat/generate", {"max_tokens": 4})
+    assert status >= 400 and "text_input is required" in text
+    status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": "hi", "max_tokens": 5000})
+    assert status >= 400 and "max_seq_len" in text
+    status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": "hi", "max_tokens": 3, "top_p": 7.0})
+    assert status >= 400 and "top_p" in text
+    assert get(port, "/v2/health/ready")[0] == 200
+    status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": "hi", "max_tokens": 3})
+    assert status == 200 and "text_output" in json.loads(text)
+
+
+def test_metrics_show_triton_and_engine_gauges(triton):
+    post(triton["http"], "/v2/models/tiny-chat/generate", {"text_input": "metrics", "max_tokens": 2})
+    time.sleep(0.6)  # the engine gauges are published every 0.25 s
+    _, text = get(triton["metrics"], "/metrics")
+    assert 'nv_inference_count{model="tiny-chat"' in text
+    blocks = [line for line in text.splitlines() if line.startswith("autoglm_kv_blocks_total")]
+    assert len(blocks) == 2 and all(line.endswith(" 64") for line in blocks)  # one per instance
+    assert "autoglm_requests_waiting" in text and "autoglm_kv_blocks_used" in text
+
+
+def test_repository_refuses_a_corrupt_engine(chat_engine, tmp_path):
+    import shutil
+
+    broken = tmp_path / "engine"
+    shutil.copytree(chat_engine, broken)
+    (broken / "tokenizer.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "autoglm_trt", "triton", str(broken), "-o", str(tmp_path / "repo")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "tokenizer.json is corrupt" in r.stderr and not (tmp_path / "repo").exists()
