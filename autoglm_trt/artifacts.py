@@ -34,7 +34,8 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-KV_DTYPES = ("float32", "float16")
+GRAPH_DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "int8")
 BACKENDS = ("onnxruntime", "tensorrt")
 MAX_RECORD_BYTES = 64 * 1024 * 1024  # a record is a few kB to a few MB; refuse to parse anything absurd
 
@@ -135,9 +136,12 @@ class ExportRecord:
         graph = _field(data, "graph", dict, path, ArtifactError)
         assert isinstance(graph, dict)
         inside(model_dir, graph.get("file"), f"{path} graph.file")
-        if graph.get("dtype") not in KV_DTYPES:
-            raise ArtifactError(f"{path}: graph.dtype must be one of {', '.join(KV_DTYPES)}, "
+        if graph.get("dtype") not in GRAPH_DTYPES:
+            raise ArtifactError(f"{path}: graph.dtype must be one of {', '.join(GRAPH_DTYPES)}, "
                                 f"got {brief(graph.get('dtype'))}")
+        if graph.get("kv_dtype", graph["dtype"]) not in KV_DTYPES:
+            raise ArtifactError(f"{path}: graph.kv_dtype must be one of {', '.join(KV_DTYPES)}, "
+                                f"got {brief(graph.get('kv_dtype'))}")
         _positive_int(graph, "max_positions", path, ArtifactError)
         return cls(model_dir, data, _spec(data, path, ArtifactError))
 
@@ -152,6 +156,11 @@ class ExportRecord:
     @property
     def dtype(self) -> str:
         return str(self.graph["dtype"])
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pools' dtype: the graph's float dtype, or int8."""
+        return str(self.graph.get("kv_dtype", self.dtype))
 
     @property
     def precision(self) -> str:

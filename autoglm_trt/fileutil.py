@@ -98,3 +98,12 @@ def cpu_model() -> str:
     import platform
 
     return platform.processor() or "unknown"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for servers that tests and benchmarks start)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

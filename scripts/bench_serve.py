@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,14 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
-    from autoglm_trt.fileutil import cpu_model
+    from autoglm_trt.fileutil import cpu_model, free_port
     from autoglm_trt.runtime import Engine
     from autoglm_trt.runtime.bench import engine_call, run_level
     from autoglm_trt.serve.client import url_call

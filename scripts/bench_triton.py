@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,12 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def triton_text(port: int, prompt: str, gen_len: int) -> str:
@@ -69,7 +62,7 @@ def level(fn, prompts: list[str], concurrency: int, count) -> float:
 
 
 def main() -> None:
-    from autoglm_trt.fileutil import cpu_model
+    from autoglm_trt.fileutil import cpu_model, free_port
     from autoglm_trt.runtime import Engine, SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

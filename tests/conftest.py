@@ -49,14 +49,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autoglm_trt", *args], capture_output=True, text=True, cwd=ROOT)
 
 
-def build_tiny_engine(tiny_dir, out: Path, **config) -> Path:
-    """A tiny Llama fp32 ONNX Runtime engine (batch 8, prompts of 48, sequences of 96, 64 blocks of 8)."""
+def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", **config) -> Path:
+    """A tiny fp32 ONNX Runtime engine (batch 8, prompts of 48, sequences of 96, 64 blocks of 8)."""
     from autoglm_trt.builder.config import BuildConfig
     from autoglm_trt.builder.pipeline import BuildRequest, build_engine
 
     settings = {"max_batch_size": 8, "max_input_len": 48, "max_seq_len": 96, "kv_num_blocks": 64, "kv_block_size": 8,
                 **config}
-    build_engine(BuildRequest(tiny_dir("llama"), out, precision="fp32", backend="onnxruntime",
+    build_engine(BuildRequest(tiny_dir(family), out, precision="fp32", backend="onnxruntime",
                               config=BuildConfig(**settings), cache_dir=out.parent / ".cache"), log=lambda m: None)
     return out
 
@@ -92,8 +92,6 @@ def slow_engine(tmp_path_factory):
 
 
 def free_port() -> int:
-    import socket
+    from autoglm_trt.fileutil import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick()

@@ -37,6 +37,7 @@ class BuildConfig:
     timing_cache: str | None = None  # path; default engines/.cache/timing.cache
     builder_optimization_level: int = 3
     threads: int = 0  # ONNX Runtime intra-op threads (0: one per core)
+    kv_cache_dtype: str | None = None  # float32 | float16 | int8 (calibrated scales); default: the engine's float dtype
 
     def check(self) -> None:
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size", "kv_memory_bytes",
@@ -45,6 +46,8 @@ class BuildConfig:
                 raise BuildConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_input_len > self.max_seq_len:
             raise BuildConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})")
+        if self.kv_cache_dtype not in (None, "float32", "float16", "int8"):
+            raise BuildConfigError(f"kv_cache_dtype must be float32, float16 or int8, got {brief(self.kv_cache_dtype)}")
         if not 0 <= self.builder_optimization_level <= 5:
             raise BuildConfigError(f"builder_optimization_level must be 0..5, got {self.builder_optimization_level}")
         if self.kv_num_blocks is not None and self.kv_num_blocks < self.blocks_per_seq:
@@ -81,7 +84,7 @@ def _coerce(key: str, value: Any) -> Any:
     allowed: tuple[type, ...]
     if key in ("kv_num_blocks",):
         allowed = (int, type(None))
-    elif key == "timing_cache":
+    elif key in ("timing_cache", "kv_cache_dtype"):
         allowed = (str, type(None))
     else:
         allowed = (type(default),)

@@ -16,16 +16,26 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..artifacts import EXPORT_RECORD, MANIFEST, ExportRecord, copy_tokenizer_files, hash_dir, tokenizer_files
+from ..artifacts import (
+    EXPORT_RECORD,
+    MANIFEST,
+    CalibRecord,
+    ExportRecord,
+    copy_tokenizer_files,
+    hash_dir,
+    tokenizer_files,
+)
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, library_versions, sha256_files, staged_directory, write_json
 from ..graph.decoder import GRAPH_VERSION
+from ..graph.kv_int8 import int8_kv_graph
 from ..graph.paged_kv import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from .config import BuildConfig
 from .profiles import profile_shapes
 
 PRECISIONS = ("fp32", "fp16", "int8")
+KV_CALIB_WINDOWS = 32  # windows of 128 tokens for the K/V ranges of an fp32/fp16 engine's INT8 KV cache
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 
 
@@ -111,17 +121,41 @@ def _calibrated(req: BuildRequest, model_dir: Path, cache: Path, log: Callable[[
 
 
 def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
-                   req: BuildRequest) -> tuple[str, dict]:
-    """Optimize (ONNX Runtime) or build (TensorRT) the graph into ``tmp``: (engine file, report)."""
+                   req: BuildRequest, kv_amax: dict | None) -> tuple[str, dict]:
+    """Optimize (ONNX Runtime) or build (TensorRT) the graph into ``tmp``: (engine file, report).
+    With ``kv_amax`` the graph is first rewritten for an INT8 KV cache."""
+    rewritten = None
+    if kv_amax is not None:
+        import onnx
+
+        rewritten = int8_kv_graph(onnx.load(str(graph_file), load_external_data=False), kv_amax)
     if backend == "onnxruntime":
         from ..backends.onnxrt.loader import optimize
 
-        return "model.opt.onnx", optimize(graph_file, tmp, cfg.threads)
+        return "model.opt.onnx", optimize(graph_file, tmp, cfg.threads, rewritten)
     from ..backends.trt.loader import build_plan
 
     timing = Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
     return "engine.plan", build_plan(graph_file, tmp, profiles, cfg.workspace_bytes, cfg.builder_optimization_level,
-                                     timing)
+                                     timing, None if rewritten is None else rewritten.SerializeToString())
+
+
+def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]) -> dict:
+    """K/V amax per layer and head: from the INT8 calibration, or one statistics pass over the
+    calibration text on the float export."""
+    if req.precision == "int8":
+        return CalibRecord.read(record.dir).data["kv_amax"]
+    from ..calib.collect import kv_statistics
+    from ..calib.pipeline import DEFAULT_DATA
+    from ..model.text import token_windows
+
+    spec = record.spec
+    data = req.calib or DEFAULT_DATA
+    windows = token_windows(data, record.dir, KV_CALIB_WINDOWS, 128, spec.eos_token_ids[0] if spec.eos_token_ids
+                            else None).windows
+    log(f"measuring K/V ranges for the INT8 KV cache on {len(windows)} windows of {data}")
+    amax = kv_statistics(record.dir, spec, windows, 8, record.dtype)
+    return {n: [float(v) for v in a] for n, a in amax.items()}
 
 
 def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
@@ -144,21 +178,29 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     if cfg.max_seq_len > record.max_positions:
         raise AutoGLMError(f"max_seq_len {cfg.max_seq_len} exceeds what the export allows "
                            f"({record.max_positions}); export with a larger --max-seq-len")
-    num_blocks = cfg.num_blocks(record.spec, kv_bytes_per_elem(record.dtype))
+    kv_dtype = cfg.kv_cache_dtype or record.dtype
+    if kv_dtype not in (record.dtype, "int8"):
+        raise AutoGLMError(f"a {record.dtype} engine keeps its KV cache in {record.dtype} or int8, not {kv_dtype}")
+    num_blocks = cfg.num_blocks(record.spec, kv_bytes_per_elem(kv_dtype))
     if backend == "onnxruntime":
-        check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(record.dtype)), AutoGLMError)
+        check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), AutoGLMError)
     profiles = profile_shapes(cfg, record.spec, num_blocks)
+    kv_amax = _kv_amax(req, record, log) if kv_dtype == "int8" else None
 
     with staged_directory(out_dir, req.force) as tmp:
         log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
-        engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req)
+        engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
         copy_tokenizer_files(model_dir, tmp)
-        write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file))
+        write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))
         write_json(tmp / "fusion_report.json", report)
         if req.precision == "int8":
             shutil.copy2(model_dir / "calib.json", tmp / "calib.json")
             shutil.copy2(model_dir / "calibration.cache", tmp / "calibration.cache")
         manifest = _manifest(req, backend, engine_file, record, cfg, num_blocks, profiles, report)
+        manifest["kv_cache"].update(dtype=kv_dtype, bytes=num_blocks * cfg.block_bytes(record.spec,
+                                                                                      kv_bytes_per_elem(kv_dtype)))
+        if kv_amax is not None:
+            manifest["kv_cache"]["scales"] = {n: [a / 127.0 for a in v] for n, v in kv_amax.items()}
         manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
         manifest["files"] = hash_dir(tmp)
         write_json(tmp / MANIFEST, manifest)
@@ -175,7 +217,7 @@ def check_pool_fits(pool_bytes: int, error: type[AutoGLMError]) -> None:
 
 
 def kv_bytes_per_elem(dtype: str) -> int:
-    return 2 if dtype == "float16" else 4
+    return {"float16": 2, "int8": 1}.get(dtype, 4)
 
 
 def _manifest(req: BuildRequest, backend: str, engine_file: str, record: ExportRecord, cfg: BuildConfig,

@@ -44,7 +44,8 @@ from .thresholds import choose_amax, int8_errors
 # What this code computes from the same settings; a cached calibration of another version is redone.
 # 2: Hadamard-rotated linear inputs, LM head in the sensitivity search.
 # 3: histograms keep full resolution when the range grows; the TensorRT cache names float-graph tensors.
-CALIB_VERSION = 3
+# 4: K/V amax per layer and KV head (INT8 KV cache).
+CALIB_VERSION = 4
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "calibration" / "data"
 
 
@@ -217,6 +218,8 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         "smoothquant": {"alpha": cfg.smoothquant_alpha, "linears": sorted(st.stats.smooth)},
         # amax of these is that of the rotated input (x / s) R, R block-diagonal Hadamard
         "hadamard_block": {n: b for n, b in st.rotate.items() if n in quantized},
+        # per-layer, per-KV-head max |K| (after rope) and |V|: the scales of an INT8 KV cache
+        "kv_amax": {n: [float(v) for v in a] for n, a in st.stats.kv_amax.items()},
         "gate": gate_report,
         "tensorrt_cache": cache,
         "versions": versions(),
@@ -246,7 +249,8 @@ def _data_info(cfg: CalibConfig, windows: TokenWindows) -> dict:
 
 _KEY_ORDER = ("format", "method", "model_sha256", "data_sha256", "settings", "data", "amax", "amax_method",
               "activation_tensors", "float_linears", "float_weight_fraction", "weight_bytes_per_token",
-              "int8_output_error", "smoothquant", "hadamard_block", "timings", "gate", "tensorrt_cache", "versions")
+              "int8_output_error", "smoothquant", "hadamard_block", "kv_amax", "timings", "gate", "tensorrt_cache",
+              "versions")
 
 
 def _ordered(record: dict) -> dict:

@@ -98,8 +98,11 @@ def _rotate_kinds(value: str) -> list[str]:
 @click.option("--max-ppl-ratio", type=float, default=None, help="Fail (exit 1) if ppl / ref_ppl is above this.")
 @click.option("--min-top1", type=float, default=None, help="Fail (exit 1) if top-1 agreement is below this.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--step-tokens", type=click.IntRange(1), default=None,
+              help="Feed each window N tokens per step through the paged KV pool (1: pure decode), so that "
+                   "every step reads its past from the pool [default: one prefill per window].")
 def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_chunks: int | None,
-             max_ppl_ratio: float | None, min_top1: float | None, as_json: bool) -> None:
+             max_ppl_ratio: float | None, min_top1: float | None, as_json: bool, step_tokens: int | None) -> None:
     """Perplexity of MODEL (export, calibration or engine directory) on a text, optionally against a reference."""
     import json
 
@@ -107,7 +110,8 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 
     if (max_ppl_ratio is not None or min_top1 is not None) and reference is None:
         raise AutoGLMError("--max-ppl-ratio and --min-top1 need --reference")
-    res = evaluate(model, text, reference, seq_len=seq_len, max_chunks=max_chunks, log=None if as_json else _log)
+    res = evaluate(model, text, reference, seq_len=seq_len, max_chunks=max_chunks, log=None if as_json else _log,
+                   step_tokens=step_tokens)
     if as_json:
         click.echo(json.dumps(res))
     else:
@@ -139,6 +143,8 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--opt-level", "builder_optimization_level", type=int, default=None,
               help="TensorRT builder optimization level (0-5).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (0: all cores).")
+@click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16", "int8"]), default=None,
+              help="KV cache storage [default: the engine's float dtype]; int8 uses calibrated per-head scales.")
 @click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,

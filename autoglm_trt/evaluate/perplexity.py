@@ -23,13 +23,20 @@ from ..model.reference import Logits, hf_logits
 from ..model.text import text_chunks
 
 
-def model_logits(path: Path, threads: int | None = None) -> Logits:
-    """Logits function of a model directory (export.json), an ONNX file in one, or a Hugging Face checkpoint."""
+def model_logits(path: Path, threads: int | None = None, step_tokens: int | None = None) -> Logits:
+    """Logits function of a model directory (export.json), an ONNX file in one, or a Hugging Face
+    checkpoint. With ``step_tokens`` a model's text goes through its paged KV pool that many
+    tokens per step (see ``GraphRunner.paged_logits``); without, each window is one prefill."""
     path = Path(path)
+    runner = None
     if path.is_file() and path.suffix == ".onnx" and (path.parent / EXPORT_RECORD).is_file():
-        return GraphRunner(path.parent, onnx_file=path.name, threads=threads).logits
-    if (path / EXPORT_RECORD).is_file():
-        return GraphRunner(path, threads=threads).logits
+        runner = GraphRunner(path.parent, onnx_file=path.name, threads=threads)
+    elif (path / EXPORT_RECORD).is_file():
+        runner = GraphRunner(path, threads=threads)
+    if runner is not None:
+        if step_tokens is None:
+            return runner.logits
+        return lambda w: runner.paged_logits(w, step_tokens)
     if (path / "config.json").is_file():
         return hf_logits(path)
     raise AutoGLMError(f"{path} is neither a model directory (export.json), an ONNX file in one, nor a Hugging Face "
@@ -37,12 +44,15 @@ def model_logits(path: Path, threads: int | None = None) -> Logits:
 
 
 def evaluate(model: Path, text: Path, reference: Path | None = None, seq_len: int = 256,
-             max_chunks: int | None = None, batch: int = 4, log: Callable[[str], None] | None = None) -> dict:
+             max_chunks: int | None = None, batch: int = 4, log: Callable[[str], None] | None = None,
+             step_tokens: int | None = None) -> dict:
+    if step_tokens is not None and step_tokens < 1:
+        raise AutoGLMError(f"--step-tokens must be >= 1, got {step_tokens}")
     model = Path(model)
     model_dir = model.parent if model.is_file() else model
     chunks = text_chunks(text, model_dir, seq_len, max_chunks)
-    run_model = model_logits(model)
-    run_ref = model_logits(reference) if reference is not None else None
+    run_model = model_logits(model, step_tokens=step_tokens)
+    run_ref = model_logits(reference, step_tokens=step_tokens) if reference is not None else None
     nll, ref_nll, agree, kl = [], [], [], []
     for start in range(0, len(chunks), batch):
         w = chunks[start : start + batch]
@@ -56,6 +66,7 @@ def evaluate(model: Path, text: Path, reference: Path | None = None, seq_len: in
         if log:
             log(f"  eval: {min(start + batch, len(chunks))}/{len(chunks)} chunks")
     out: dict = {"tokens": int(sum(x.size for x in nll)), "chunks": int(len(chunks)), "seq_len": seq_len,
+                 "step_tokens": step_tokens,
                  "ppl": float(np.exp(_mean(nll)))}
     if run_ref is not None:
         out["ref_ppl"] = float(np.exp(_mean(ref_nll)))

@@ -14,7 +14,7 @@ import numpy as np
 from ..artifacts import ExportRecord, inside
 from ..errors import AutoGLMError
 from ..model.spec import ModelSpec
-from .paged_kv import KVPools, SeqState, step_inputs
+from .paged_kv import KVPools, SeqState, blocks_needed, step_inputs
 from .session import make_session, run
 
 
@@ -40,7 +40,7 @@ class GraphRunner:
         self.record = ExportRecord.read(model_dir)
         self.dir = self.record.dir
         self.spec: ModelSpec = self.record.spec
-        self.kv_dtype = self.record.dtype
+        self.kv_dtype = self.record.kv_dtype
         path = inside(self.dir, onnx_file, "the ONNX file") if onnx_file else self.record.graph_file
         if not path.is_file():
             raise AutoGLMError(f"{path} is missing")
@@ -49,3 +49,24 @@ class GraphRunner:
     def logits(self, windows: np.ndarray) -> np.ndarray:
         """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""
         return run(self.session, prefill_feeds(self.spec, windows, self.kv_dtype, all_logits=True))["logits"]
+
+    def paged_logits(self, windows: np.ndarray, step_tokens: int, block_size: int = 16) -> np.ndarray:
+        """The same logits, computed ``step_tokens`` tokens per step through a paged pool, so that
+        every step attends to a past read back from the pool (as stored: int8 in an INT8 KV cache).
+        ``step_tokens`` 1 is pure decode."""
+        batch, seq_len = windows.shape
+        per_seq = blocks_needed(seq_len, block_size)
+        pools = KVPools(self.spec.num_layers, batch * per_seq, block_size, self.spec.num_kv_heads,
+                        self.spec.head_dim, self.kv_dtype)
+        # block ids interleaved between the sequences, so a wrong block table reads another's past
+        states = [SeqState(0, [b + batch * k for k in range(per_seq)]) for b in range(batch)]
+        out = np.empty((batch, seq_len, self.spec.vocab_size), np.float32)
+        for start in range(0, seq_len, step_tokens):
+            chunk = [list(map(int, w[start : start + step_tokens])) for w in windows]
+            feeds, slots = step_inputs(chunk, states, block_size, all_logits=True)
+            res = run(self.session, {**feeds, **pools.feeds()})
+            pools.write(res, slots)
+            out[:, start : start + len(chunk[0])] = res["logits"]
+            for st in states:
+                st.num_computed_tokens += len(chunk[0])
+        return out

@@ -37,10 +37,14 @@ def op_counts(model_path: Path) -> Counter:
     return Counter(n.op_type for n in model.graph.node)
 
 
-def optimize(model_path: Path, out_dir: Path, threads: int = 0) -> dict:
-    """Optimize ``model_path`` into ``out_dir/model.opt.onnx``; return the fusion report."""
-    make_session(model_path, threads=threads, save_optimized=out_dir / "model.opt.onnx")
-    before, after = op_counts(model_path), op_counts(out_dir / "model.opt.onnx")
+def optimize(model_path: Path, out_dir: Path, threads: int = 0, rewritten: onnx.ModelProto | None = None) -> dict:
+    """Optimize ``model_path`` (or ``rewritten``, a changed copy of its graph whose weights are
+    still beside ``model_path``) into ``out_dir/model.opt.onnx``; return the fusion report."""
+    source: Path | bytes = model_path if rewritten is None else rewritten.SerializeToString()
+    make_session(source, threads=threads, save_optimized=out_dir / "model.opt.onnx",
+                 external_data_dir=None if rewritten is None else model_path.parent)
+    before = Counter(n.op_type for n in rewritten.graph.node) if rewritten is not None else op_counts(model_path)
+    after = op_counts(out_dir / "model.opt.onnx")
     fired = {op: {"count": after[op], "what": what} for op, what in FUSED_OPS.items() if after[op] > before[op]}
     return {
         "backend": "onnxruntime",

@@ -20,8 +20,12 @@ Profile = dict[str, tuple[Shape, Shape, Shape]]  # input -> (min, opt, max)
 
 
 def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], workspace_bytes: int,
-               optimization_level: int, timing_cache: Path) -> dict:
-    """Parse, build and save ``engine.plan`` + ``layers.json``; return the build report."""
+               optimization_level: int, timing_cache: Path, rewritten: bytes | None = None) -> dict:
+    """Parse, build and save ``engine.plan`` + ``layers.json``; return the build report.
+
+    ``rewritten``: a changed copy of the graph (serialized), whose external weights are still
+    beside ``onnx_path`` (the parser resolves them from that path).
+    """
     require_tensorrt()
     import tensorrt as trt  # typed by the stubs from here on
 
@@ -29,7 +33,9 @@ def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], wor
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    parsed = (parser.parse_from_file(str(onnx_path)) if rewritten is None
+              else parser.parse(rewritten, str(onnx_path)))
+    if not parsed:
         errors = []
         for i in range(parser.num_errors):
             e = parser.get_error(i)
