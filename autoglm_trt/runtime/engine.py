@@ -203,10 +203,16 @@ class Engine:
                 if self._closed:
                     return
                 self._expire(time.perf_counter())
-                step = self.scheduler.schedule()
+                try:
+                    step = self.scheduler.schedule()
+                except Exception as exc:  # noqa: BLE001 - a scheduler bug fails what is queued, not the engine
+                    log.exception("scheduling failed")
+                    step, error = None, exc
+                else:
+                    error = RuntimeError("the scheduler found no step to run")
                 if step is None:
                     if self.scheduler.has_work():  # a scheduler bug: fail the stuck requests, keep serving
-                        self._fail_all(RequestError("internal error: the scheduler found no step to run"))
+                        self._fail_all(RequestError(f"internal error: {error}"))
                     continue
             try:
                 logits = self._run(step)
