@@ -154,8 +154,7 @@ def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]
     windows = token_windows(data, record.dir, KV_CALIB_WINDOWS, 128, spec.eos_token_ids[0] if spec.eos_token_ids
                             else None).windows
     log(f"measuring K/V ranges for the INT8 KV cache on {len(windows)} windows of {data}")
-    amax = kv_statistics(record.dir, spec, windows, 8, record.dtype)
-    return {n: [float(v) for v in a] for n, a in amax.items()}
+    return kv_statistics(record.dir, spec, windows, 8, record.dtype)
 
 
 def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:

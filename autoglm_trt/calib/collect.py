@@ -49,7 +49,7 @@ class ActivationStats:
     chan_max: dict[str, np.ndarray] = field(default_factory=dict)  # first batch
     sample: dict[str, np.ndarray] = field(default_factory=dict)  # first-batch rows, already smoothed
     smooth: dict[str, np.ndarray] = field(default_factory=dict)
-    kv_amax: dict[str, np.ndarray] = field(default_factory=dict)  # new_key.<i> / new_value.<i> -> [kv_heads]
+    kv_amax: dict[str, np.ndarray] = field(default_factory=dict)  # new_key.<i> / new_value.<i> -> [kv_heads, head_dim]
     batches: int = 0
     tokens: int = 0
 
@@ -103,12 +103,12 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
             for name, b in rotate.items():
                 stats.sample[name] = rotate_rows(stats.sample[name], b)
         for name, x in zip(names, outs):  # x: our buffers, refilled by the next batch, so usable as scratch
-            stats.raw_hist[name].add(x)  # before smoothing and rotation change x in place
+            if x.shape not in scratch:
+                scratch[x.shape] = np.empty(x.shape, np.float32)
+            stats.raw_hist[name].add(x, scratch=scratch[x.shape])  # before smoothing and rotation change x
             if name in rotate:
                 if name in inv:
                     np.multiply(x, inv[name], out=x)
-                if x.shape not in scratch:
-                    scratch[x.shape] = np.empty(x.shape, np.float32)
                 stats.hist[name].add(rotate_rows(x, rotate[name], out=scratch[x.shape]), in_place=True)
             else:
                 stats.hist[name].add(x, inv.get(name), in_place=True)
@@ -124,14 +124,31 @@ def kv_outputs(spec: ModelSpec) -> list[str]:
 
 
 def kv_max(amax: dict[str, np.ndarray], names: list[str], outs: list[np.ndarray]) -> None:
-    """Running per-KV-head max |x| of the new K/V ``[batch, tokens, kv_heads, head_dim]``."""
+    """Running per-channel max |x| ``[kv_heads, head_dim]`` of the new K/V ``[batch, tokens, kv_heads, head_dim]``."""
     for name, x in zip(names, outs):
-        m = np.abs(x).max(axis=(0, 1, 3)).astype(np.float32)
+        m = np.abs(x).max(axis=(0, 1)).astype(np.float32)
         amax[name] = np.maximum(amax[name], m) if name in amax else m
 
 
+def kv_head_amax(channel_amax: dict[str, np.ndarray], spec: ModelSpec,
+                 smooth: dict[str, np.ndarray] | None = None) -> dict[str, list[float]]:
+    """Per-KV-head amax of K and V as the graph stores them. SmoothQuant of o_proj divides V's
+    channels by its (group-shared) vector, so an INT8 graph's V is V / s: per channel,
+    max |v / s| = max |v| / s, taken before the max over the head's channels."""
+    from .smooth import group_shared
+
+    out = {}
+    for name, a in channel_amax.items():
+        layer = name.split(".")[1]
+        s = (smooth or {}).get(f"layers.{layer}.o_proj")
+        if name.startswith("new_value.") and s is not None:
+            a = a / group_shared(s, spec).reshape(a.shape)
+        out[name] = [float(v) for v in a.max(axis=1)]
+    return out
+
+
 def kv_statistics(export_dir: Path, spec: ModelSpec, windows: np.ndarray, batch_size: int, kv_dtype: str,
-                  threads: int | None = None) -> dict[str, np.ndarray]:
+                  threads: int | None = None) -> dict[str, list[float]]:
     """Per-layer, per-KV-head amax of K (after rope) and V over the windows: the one pass an
     INT8 KV cache needs when the linears are not being calibrated (fp32 and fp16 engines)."""
     session = calibration_session(export_dir, [], threads)
@@ -141,7 +158,7 @@ def kv_statistics(export_dir: Path, spec: ModelSpec, windows: np.ndarray, batch_
     amax: dict[str, np.ndarray] = {}
     for b in range(0, len(windows), batch_size):
         kv_max(amax, names, bound.run(prefill_feeds(spec, windows[b : b + batch_size], kv_dtype)))
-    return amax
+    return kv_head_amax(amax, spec)
 
 
 def _linear_shape(channels: int, flat: bool) -> Callable[[int, int], tuple[int, ...]]:

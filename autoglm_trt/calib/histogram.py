@@ -66,30 +66,59 @@ class AbsHistogram:
 
     def __init__(self, num_bins: int = NUM_BINS):
         self.num_bins = num_bins
-        self.counts = np.zeros(num_bins, np.float64)
-        self.width = 0.0  # 0 until the first non-zero value
+        self._counts: np.ndarray | None = np.zeros(num_bins, np.float64)
+        self._width = 0.0  # 0 until the first non-zero value
         self.amax = 0.0
         self._fine = np.zeros(num_bins * self.FINE, np.int64)
         self._fine_width = 0.0
+
+    # the search bins are made from the fine ones when read (not after every batch)
+    @property
+    def counts(self) -> np.ndarray:
+        if self._counts is None:
+            self._resolve()
+        assert self._counts is not None
+        return self._counts
+
+    @counts.setter
+    def counts(self, value: np.ndarray) -> None:
+        self._counts = value
+
+    @property
+    def width(self) -> float:
+        if self._counts is None:
+            self._resolve()
+        return self._width
+
+    @width.setter
+    def width(self, value: float) -> None:
+        self._width = value
 
     @property
     def range(self) -> float:
         return self.width * self.num_bins
 
-    def add(self, x: np.ndarray, scale: np.ndarray | None = None, in_place: bool = False) -> None:
+    def add(self, x: np.ndarray, scale: np.ndarray | None = None, in_place: bool = False,
+            scratch: np.ndarray | None = None) -> None:
         """Add |x| (times ``scale`` along the last axis, if given) to the histogram.
 
-        With ``in_place`` the caller's float32 array is used as scratch space (no copy).
+        With ``in_place`` the caller's float32 array is used as scratch space (no copy); with
+        ``scratch`` (a float32 array of x's shape) that one is, and x is left as it was.
         """
         a = np.asarray(x, dtype=np.float32)
-        if not in_place or not a.flags.writeable or not a.flags.c_contiguous:
+        absolute = scratch is not None and scratch.shape == a.shape and scratch.dtype == np.float32
+        if absolute:
+            np.abs(a, out=scratch)  # the copy and the absolute value in one pass
+            a = scratch
+        elif not in_place or not a.flags.writeable or not a.flags.c_contiguous:
             a = a.copy()
         a = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
         if a.size == 0:
             return
         if scale is not None:
             np.multiply(a, scale, out=a)
-        np.abs(a, out=a)
+        if not absolute or scale is not None:
+            np.abs(a, out=a)
         m = float(a.max())
         if not math.isfinite(m):
             raise ValueError("activation contains inf or NaN; the float model itself is broken")
@@ -109,7 +138,7 @@ class AbsHistogram:
             self._fine += counts[:fine]
             if counts.size > fine:
                 self._fine[-1] += counts[fine:].sum()
-        self._resolve()
+        self._counts = None
 
     def _grow(self, k: int) -> None:
         merged = np.add.reduceat(self._fine, np.arange(0, self._fine.size, k))
@@ -125,17 +154,17 @@ class AbsHistogram:
         is 1/16 of a search bin), so counts may be fractional.
         """
         if self._fine_width == 0.0:
-            self.counts = np.zeros(self.num_bins, np.float64)
-            self.counts[0] = self._fine[0]
+            self._counts = np.zeros(self.num_bins, np.float64)
+            self._counts[0] = self._fine[0]
             return
         cum = np.concatenate([[0.0], np.cumsum(self._fine, dtype=np.float64)])
-        self.width = self.amax / self.num_bins
-        edges = np.arange(self.num_bins + 1) * (self.width / self._fine_width)  # in fine bins
+        self._width = self.amax / self.num_bins
+        edges = np.arange(self.num_bins + 1) * (self._width / self._fine_width)  # in fine bins
         edges[-1] = self._fine.size  # the last search bin takes everything up to the top
         below = np.minimum(np.floor(edges).astype(np.int64), self._fine.size - 1)
         frac = edges - below
         at = cum[below] + frac * (cum[below + 1] - cum[below])
-        self.counts = np.diff(at)
+        self._counts = np.diff(at)
 
 
 def entropy_divergences(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,7 @@ from ..graph.quant import QuantPlan
 from ..model.text import TokenWindows, token_windows
 from .accuracy import GateSettings, search_and_check
 from .cache import ALGORITHMS, trt_version, write_cache
+from .collect import kv_head_amax
 from .histogram import METHODS, entropy_amax
 from .int8_graph import write_int8_graph
 from .record import float_fraction, float_reasons, versions, weight_bytes
@@ -44,8 +45,8 @@ from .thresholds import choose_amax, int8_errors
 # What this code computes from the same settings; a cached calibration of another version is redone.
 # 2: Hadamard-rotated linear inputs, LM head in the sensitivity search.
 # 3: histograms keep full resolution when the range grows; the TensorRT cache names float-graph tensors.
-# 4: K/V amax per layer and KV head (INT8 KV cache).
-CALIB_VERSION = 4
+# 4: K/V amax per layer and KV head (INT8 KV cache). 5: V's amax as the smoothed graph stores it.
+CALIB_VERSION = 5
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "calibration" / "data"
 
 
@@ -219,7 +220,7 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         # amax of these is that of the rotated input (x / s) R, R block-diagonal Hadamard
         "hadamard_block": {n: b for n, b in st.rotate.items() if n in quantized},
         # per-layer, per-KV-head max |K| (after rope) and |V|: the scales of an INT8 KV cache
-        "kv_amax": {n: [float(v) for v in a] for n, a in st.stats.kv_amax.items()},
+        "kv_amax": kv_head_amax(st.stats.kv_amax, spec, st.stats.smooth),
         "gate": gate_report,
         "tensorrt_cache": cache,
         "versions": versions(),
