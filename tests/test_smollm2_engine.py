@@ -110,3 +110,32 @@ def test_int8_engine_meets_the_accuracy_gate(smollm2, tmp_path_factory):
     assert manifest["precision"] == "int8" and calib["gate"]["result"]["passed"]
     res = evaluate(out, ROOT / "calibration" / "eval" / "heldout.txt", reference=smollm2, max_chunks=24)
     assert res["ppl_ratio"] <= 1.02 and res["top1_agreement"] >= 0.90, res
+
+
+@pytest.mark.slow
+def test_multi_turn_agent_trace_same_with_and_without_prefix_caching(fp32_engine):
+    """An agent loop (a long system prompt, then turns that resend the history plus a new
+    observation, 3 agents at once): greedy answers are identical with and without prefix
+    caching, and the cached run serves most prompt tokens from the cache."""
+    from autoglm_trt.runtime.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(fp32_engine)
+    text = tok.encode((ROOT / "calibration" / "data" / "10_json.txt").read_text())
+    system, observations = text[:300], [text[300 + 40 * k: 340 + 40 * k] for k in range(9)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    answers = {}
+    for caching in (False, True):
+        with Engine.load(fp32_engine, prefix_caching=caching) as engine:
+            histories = [list(system) for _ in range(3)]
+            answers[caching] = []
+            for turn in range(3):
+                for a in range(3):
+                    histories[a] += observations[3 * a + turn]
+                results = engine.generate(histories, params)  # the three agents' turns run together
+                for a, r in enumerate(results):
+                    histories[a] += r.token_ids
+                    answers[caching].append(r.token_ids)
+            stats = engine.stats()
+    assert answers[True] == answers[False]
+    assert stats["prefix_hit_tokens"] > 0.6 * stats["prefix_queried_tokens"]
+    assert stats["free_blocks"] == stats["num_blocks"]
