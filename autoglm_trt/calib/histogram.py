@@ -105,9 +105,10 @@ class AbsHistogram:
         With ``in_place`` the caller's float32 array is used as scratch space (no copy); with
         ``scratch`` (a float32 array of x's shape) that one is, and x is left as it was.
         """
-        a = np.asarray(x, dtype=np.float32)
+        a: np.ndarray = np.asarray(x, dtype=np.float32)
         absolute = scratch is not None and scratch.shape == a.shape and scratch.dtype == np.float32
         if absolute:
+            assert scratch is not None
             np.abs(a, out=scratch)  # the copy and the absolute value in one pass
             a = scratch
         elif not in_place or not a.flags.writeable or not a.flags.c_contiguous:

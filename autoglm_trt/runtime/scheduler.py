@@ -56,6 +56,7 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed, cached blocks
+    token_hashes: list[bytes] = field(default_factory=list)  # of every full block of its tokens (kept while waiting)
     arrival: float = 0.0
 
     def __post_init__(self) -> None:
@@ -178,7 +179,8 @@ class Scheduler:
         if self.caching:
             assert isinstance(self.allocator, BlockPool)
             tokens = seq.prompt_ids + seq.output_ids
-            hashes = chained_hashes(tokens, self.block_size)
+            # its tokens only grow, so the chain computed while it waited is extended, not redone
+            hashes = seq.token_hashes = chained_hashes(tokens, self.block_size, seq.token_hashes)
             hits = self.allocator.lookup(hashes)
             if len(hits) * self.block_size >= len(tokens):  # keep the last token to compute
                 hits = hits[:-1]
