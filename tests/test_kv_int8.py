@@ -107,10 +107,10 @@ def test_eval_step_tokens_reads_through_the_pool(tiny_dir, tmp_path_factory):
     shutil.rmtree(int8_kv.parent, ignore_errors=True)
 
 
-def test_v_amax_is_taken_as_the_smoothed_graph_stores_v():
+def test_v_is_measured_as_the_smoothed_graph_stores_it():
     """SmoothQuant of o_proj divides V's channels by s (shared by the query heads of a group):
-    the INT8 graph stores V / s, so its per-head amax is max over channels of amax_c / s_c."""
-    from autoglm_trt.calib.collect import kv_head_amax
+    the INT8 graph stores V / s, and that is what each KV head's histogram sees."""
+    from autoglm_trt.calib.collect import kv_head_amax, kv_observe, value_scales
     from autoglm_trt.model.spec import spec_from_dict
 
     spec = spec_from_dict({"family": "llama", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 8,
@@ -118,11 +118,12 @@ def test_v_amax_is_taken_as_the_smoothed_graph_stores_v():
                            "rope": {"theta": 1e4, "rotary_dim": 2, "rope_type": "default", "scaling": {}},
                            "max_position_embeddings": 64, "tie_word_embeddings": True, "bos_token_id": None,
                            "eos_token_ids": []})
-    channel = {"new_key.0": np.array([[1.0, 4.0], [2.0, 3.0]], np.float32),
-               "new_value.0": np.array([[1.0, 4.0], [2.0, 3.0]], np.float32)}
-    # o_proj's vector over the 4 query heads x 2 dims; a KV head's channel takes its group's max
+    # o_proj's vector over the 4 query heads x 2 dims; a KV channel takes its group's max: s_kv = [[1, 8], [4, 1]]
     s_o = np.array([1.0, 2.0, 0.5, 8.0, 4.0, 1.0, 1.0, 1.0], np.float32)
-    got = kv_head_amax(channel, spec, {"layers.0.o_proj": s_o})
-    assert got["new_key.0"] == [4.0, 3.0]  # K is not smoothed
-    assert got["new_value.0"] == [max(1.0 / 1.0, 4.0 / 8.0), max(2.0 / 4.0, 3.0 / 1.0)]  # s_kv = [1, 8, 4, 1]
-    assert kv_head_amax(channel, spec)["new_value.0"] == [4.0, 3.0]
+    x = np.array([[1.0, 4.0], [2.0, 3.0]], np.float32).reshape(1, 1, 2, 2)  # [batch, tokens, kv_heads, head_dim]
+    hists: dict = {}
+    kv_observe(hists, ["new_key.0", "new_value.0"], [x.copy(), x.copy()], value_scales(spec, {"layers.0.o_proj": s_o}))
+    assert [h.amax for h in hists["new_key.0"]] == [4.0, 3.0]  # K is not smoothed
+    assert [h.amax for h in hists["new_value.0"]] == [max(1.0, 4.0 / 8.0), max(2.0 / 4.0, 3.0)]
+    thresholds = kv_head_amax(hists)
+    assert all(0 < t <= h.amax for t, h in zip(thresholds["new_value.0"], hists["new_value.0"]))

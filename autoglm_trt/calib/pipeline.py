@@ -46,7 +46,8 @@ from .thresholds import choose_amax, int8_errors
 # 2: Hadamard-rotated linear inputs, LM head in the sensitivity search.
 # 3: histograms keep full resolution when the range grows; the TensorRT cache names float-graph tensors.
 # 4: K/V amax per layer and KV head (INT8 KV cache). 5: V's amax as the smoothed graph stores it.
-CALIB_VERSION = 5
+# 6: K/V thresholds: 99.99th percentile per KV head.
+CALIB_VERSION = 6
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "calibration" / "data"
 
 
@@ -219,8 +220,8 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         "smoothquant": {"alpha": cfg.smoothquant_alpha, "linears": sorted(st.stats.smooth)},
         # amax of these is that of the rotated input (x / s) R, R block-diagonal Hadamard
         "hadamard_block": {n: b for n, b in st.rotate.items() if n in quantized},
-        # per-layer, per-KV-head max |K| (after rope) and |V|: the scales of an INT8 KV cache
-        "kv_amax": kv_head_amax(st.stats.kv_amax, spec, st.stats.smooth),
+        # per-layer, per-KV-head threshold of |K| (after rope) and |V| (99.99th percentile): an INT8 KV cache's
+        "kv_amax": kv_head_amax(st.stats.kv_hist),
         "gate": gate_report,
         "tensorrt_cache": cache,
         "versions": versions(),
