@@ -82,6 +82,7 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
     n_batches = -(-len(windows) // batch_size)
     progress = Progress(n_batches, "calibrating") if show_progress else None
     inv: dict[str, np.ndarray] = {}
+    v_scales: dict[str, np.ndarray] = {}
     scratch: dict[tuple[int, ...], np.ndarray] = {}
     kv = kv_outputs(spec)
     shapes = [_linear_shape(input_channels(spec, n), "lm_head" in n) for n in names]
@@ -102,9 +103,10 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
                 for name in stats.sample:
                     if name in inv:
                         stats.sample[name] *= inv[name]
-            for name, b in rotate.items():
-                stats.sample[name] = rotate_rows(stats.sample[name], b)
-        kv_observe(stats.kv_hist, kv, kv_outs, value_scales(spec, stats.smooth))
+            for name, block in rotate.items():
+                stats.sample[name] = rotate_rows(stats.sample[name], block)
+            v_scales = value_scales(spec, stats.smooth)  # the smoothing is fixed from the first batch on
+        kv_observe(stats.kv_hist, kv, kv_outs, v_scales)
         for name, x in zip(names, outs):  # x: our buffers, refilled by the next batch, so usable as scratch
             if x.shape not in scratch:
                 scratch[x.shape] = np.empty(x.shape, np.float32)
