@@ -12,7 +12,9 @@ Checks, each with fresh random data (never zeros; outputs poisoned first):
      ids and offsets) written into the pool, compared element for element with the same
      scatter done by numpy (``paged_kv.KVPools.write``), untouched slots checked unchanged;
   4. the TensorRT runner's input path: step inputs staged through pinned buffers;
-  5. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers).
+  5. copy-on-write block copies (``DeviceArray.copy_rows_within``, as ``TrtRunner.copy_blocks``
+     uses them) against ``KVPools.copy_blocks``;
+  6. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers).
 Prints a table and exits non-zero on any mismatch.
 """
 
@@ -114,6 +116,24 @@ def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> 
     return {"check": f"scatter {dtype.name}", "ok": ok, "rows": int(len(slots.block))}
 
 
+def block_copy_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> dict:
+    ref = KVPools(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    ref.keys[0][:] = rng.standard_normal(ref.keys[0].shape).astype(dtype)
+    pool = cu.DeviceArray.empty(ref.keys[0].shape, dtype)
+    pool.copy_from_host(ref.keys[0])
+    blocks = rng.permutation(num_blocks)
+    pairs = list(zip(blocks[:4].tolist(), blocks[4:8].tolist()))
+    ref.copy_blocks(pairs)
+    span = BLOCK * HEAD_DIM * dtype.itemsize
+    stream = cu.Stream()
+    for src, dst in pairs:
+        pool.copy_rows_within(src * span, dst * span, span, num_blocks * span, KV_HEADS, stream)
+    stream.synchronize()
+    ok = bool(np.array_equal(pool.to_numpy(), ref.keys[0]))
+    pool.free()
+    return {"check": f"block copy {dtype.name}", "ok": ok, "pairs": len(pairs)}
+
+
 def time_scatter(rng: np.random.Generator, num_blocks: int) -> dict:
     dtype = np.dtype(np.float16)
     stream = cu.Stream()
@@ -149,6 +169,7 @@ def main() -> None:
     rows = [check_pools(np.dtype(np.float16), 4096), check_pools(np.dtype(np.float32), 4096), check_pinned(rng),
             check_staged_inputs(rng),
             scatter_case(rng, np.dtype(np.float16), 64), scatter_case(rng, np.dtype(np.float32), 64),
+            block_copy_case(rng, np.dtype(np.float16), 64), block_copy_case(rng, np.dtype(np.int8), 64),
             time_scatter(rng, 4096)]
     for r in rows:
         extra = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("check", "ok"))

@@ -1,7 +1,8 @@
 """Fuzz the engine from 16 threads: a few hundred random requests, 40% of them invalid.
 
-Every call returns or raises an ``AutoGLMError`` subclass within a bound; every valid greedy
-output equals its solo run; at the end the loop is alive and every block is free.
+Valid requests include beam searches and seeded parallel samples. Every call returns or raises
+an ``AutoGLMError`` subclass within a bound; every valid output (greedy, beams, seeded
+samples) equals its solo run; at the end the loop is alive and every block is free.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ def valid_request(rng: random.Random) -> tuple[object, dict]:
         prompt = [rng.randrange(3, 256) for _ in range(rng.randrange(1, 30))]
     else:
         prompt = [rng.randrange(3, 256)]
-    return prompt, {"max_new_tokens": rng.randrange(1, 24), "ignore_eos": True}
+    kw: dict = {"max_new_tokens": rng.randrange(1, 24), "ignore_eos": True}
+    shape = rng.random()
+    if shape < 0.15:  # a beam search (its beams share blocks, fork and are pruned)
+        kw |= {"beam_width": rng.randrange(2, 5)}
+        kw["n"] = rng.randrange(1, kw["beam_width"] + 1)
+    elif shape < 0.3:  # parallel samples with a seed
+        kw |= {"n": rng.randrange(2, 4), "temperature": 1.0, "seed": rng.randrange(100)}
+    return prompt, kw
 
 
 def invalid_request(rng: random.Random) -> tuple[object, dict]:
@@ -36,7 +44,8 @@ def invalid_request(rng: random.Random) -> tuple[object, dict]:
         return rng.choice(bad_prompts), {"max_new_tokens": 4}
     bad_params = [{"max_new_tokens": 0}, {"max_new_tokens": "3"}, {"temperature": -1.0}, {"temperature": 1e-300},
                   {"top_p": 0.0}, {"top_k": -3}, {"stop": [None]}, {"stop": [""]}, {"seed": -5},
-                  {"max_new_tokens": 500}, {"timeout": -1}, {"ignore_eos": None}]
+                  {"max_new_tokens": 500}, {"timeout": -1}, {"ignore_eos": None}, {"n": 0}, {"beam_width": 99},
+                  {"beam_width": 2, "temperature": 1.0}, {"beam_width": 9}]
     return "valid prompt", rng.choice(bad_params)
 
 
@@ -53,7 +62,7 @@ def test_fuzz_sixteen_threads(tiny_engine):
                 try:
                     params = SamplingParams(**kw)
                     [res] = engine.generate([prompt], params)
-                    outcomes[i] = res.token_ids
+                    outcomes[i] = [c.token_ids for c in res.choices]
                 except AutoGLMError as exc:
                     outcomes[i] = exc
                 except BaseException as exc:  # noqa: BLE001 - any other type is a finding
@@ -73,6 +82,6 @@ def test_fuzz_sixteen_threads(tiny_engine):
         for i in valid:
             prompt, kw = jobs[i]
             [solo] = engine.generate([prompt], SamplingParams(**kw))
-            assert solo.token_ids == outcomes[i], f"request {i} differs from its solo run"
+            assert [c.token_ids for c in solo.choices] == outcomes[i], f"request {i} differs from its solo run"
         stats = engine.stats()
         assert engine.alive and stats["free_blocks"] == stats["num_blocks"] and stats["running"] == stats["waiting"] == 0

@@ -139,3 +139,30 @@ def test_multi_turn_agent_trace_same_with_and_without_prefix_caching(fp32_engine
     assert answers[True] == answers[False]
     assert stats["prefix_hit_tokens"] > 0.6 * stats["prefix_queried_tokens"]
     assert stats["free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.slow
+def test_beam_search_equals_transformers_num_beams(fp32_engine, reference):
+    """Every one of the 4 beams (tokens, and scores to float rounding) equals transformers'
+    ``generate(num_beams=4, do_sample=False, num_return_sequences=4)``, run concurrently, with
+    the default length penalty (1.0) and early stopping (False)."""
+    import torch
+
+    model, ref = reference
+    eos = [2]
+    prompts = [ids for ids, _ in ref[:4]]
+    params = SamplingParams(max_new_tokens=32, beam_width=4, n=4)
+    with Engine.load(fp32_engine) as engine:
+        ours = engine.generate(prompts, params)
+        stats = engine.stats()
+    assert stats["free_blocks"] == stats["num_blocks"] and sum(engine.allocator.ref_cnt) == 0
+    for ids, res in zip(prompts, ours):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=32, do_sample=False, num_beams=4, num_return_sequences=4,
+                                 eos_token_id=eos, pad_token_id=eos[0], output_scores=True,
+                                 return_dict_in_generate=True)
+        theirs = [row[: row.index(2)] if 2 in row else row for row in out.sequences[:, len(ids):].tolist()]
+        assert [c.token_ids for c in res.choices] == theirs
+        assert [c.score for c in res.choices] == pytest.approx(out.sequences_scores.tolist(), abs=1e-3)
+        assert res.token_ids == theirs[0] and res.finish_reason == ("stop" if len(theirs[0]) < 32 else "length")

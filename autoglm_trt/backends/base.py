@@ -2,7 +2,9 @@
 
 A runner owns the KV block pools and runs one step of the engine's graph: given the step
 inputs (``graph.paged_kv.step_inputs``) and the slots of the new tokens, it returns each
-sequence's logits and has written the new K/V into its pools. ``close`` frees what it holds.
+sequence's logits and has written the new K/V into its pools. ``copy_blocks`` copies whole
+blocks of every pool (copy-on-write of a block that forked sequences share; the scheduler
+asks for it before the step that writes there). ``close`` frees what it holds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ class StepRunner(Protocol):
 
     def step(self, feeds: dict[str, np.ndarray], slots: SlotMap) -> np.ndarray:
         """Run one step; return float32 logits ``[batch, vocab]``."""
+        ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (source, destination), copy block source to block destination in every K and V pool."""
         ...
 
     def close(self) -> None: ...

@@ -21,15 +21,20 @@ from . import _log, cli
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--n", "n", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Samples to draw (sharing the prompt's KV blocks); with --beam-width, beams to print.")
+@click.option("--beam-width", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Beam search with this many beams (needs --temperature 0).")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Share the KV blocks of prompts' common prefixes (agent loops resend the same history).")
 def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                 seed: int | None, stop: tuple[str, ...], chat: bool, stream: bool, prefix_caching: bool) -> None:
+                 seed: int | None, stop: tuple[str, ...], chat: bool, stream: bool, n: int, beam_width: int,
+                 prefix_caching: bool) -> None:
     """Generate a continuation of PROMPT with the engine in ENGINE_DIR."""
     from ..runtime import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=stop)
+                            seed=seed, stop=stop, n=n, beam_width=beam_width)
     message = [{"role": "user", "content": prompt}] if chat else prompt
     with Engine.load(engine_dir, prefix_caching=prefix_caching) as engine:
         if stream:
@@ -38,8 +43,11 @@ def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature
             click.echo()
         else:
             [res] = engine.generate([message], params)
-            click.echo(res.text)
-            _log(f"[{len(res.token_ids)} tokens, finish reason: {res.finish_reason}]")
+            for k, c in enumerate(res.choices):
+                if len(res.choices) > 1:
+                    _log(f"[{k}]" + (f" score {c.score:.4f}" if c.score is not None else ""))
+                click.echo(c.text)
+                _log(f"[{len(c.token_ids)} tokens, finish reason: {c.finish_reason}]")
 
 
 @cli.command("bench")

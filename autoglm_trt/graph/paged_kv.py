@@ -92,6 +92,13 @@ class KVPools:
             out[f"past_value.{i}"] = v
         return out
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block src to block dst in every pool (destinations are distinct fresh blocks)."""
+        if pairs:
+            src, dst = (np.array(c, np.int64) for c in zip(*pairs))
+            for pool in (*self.keys, *self.values):
+                pool[:, dst] = pool[:, src]
+
     def write(self, outputs: dict[str, np.ndarray], slots: SlotMap) -> None:
         """Scatter every layer's new K/V into the pools at the slots of the step."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):

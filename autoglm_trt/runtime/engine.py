@@ -32,20 +32,22 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts import EngineError, Manifest
-from ..backends import StepRunner, check_engine, open_runner
+from ..artifacts import Manifest
+from ..backends import StepRunner
 from ..errors import RequestError
-from ..fileutil import available_memory_bytes
-from ..graph.paged_kv import blocks_needed, step_inputs
-from ..graph.session import MAX_THREADS
+from ..graph.paged_kv import step_inputs
 from .block_pool import BlockPool
-from .request import GenerationResult, Prompt, PromptEncoder, Request, Sink, split_prompts
+from .groups import BeamGroup, fork_samples
+from .limits import RequestLimits
+from .loading import open_parts
+from .registry import Registry
+from .request import Choice, GenerationResult, Prompt, PromptEncoder, Request, Sink, split_prompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, Sequence, Step
 from .tokenizer import IncrementalDecoder, TextTokenizer
 
 log = logging.getLogger(__name__)
-__all__ = ["Engine", "GenerationResult", "Prompt", "RequestError"]
+__all__ = ["Choice", "Engine", "GenerationResult", "Prompt", "RequestError"]
 
 
 class Engine:
@@ -60,8 +62,10 @@ class Engine:
         self.allocator = BlockPool(backend.num_blocks, caching=prefix_caching)
         self.scheduler = Scheduler(self.allocator, self.block_size, self.max_batch, self.max_input_len)
         self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1)
+        self.limits = RequestLimits(self.max_seq_len, self.max_batch, self.block_size, self.allocator.num_blocks,
+                                    tokenizer is not None, str(self.dir))
         self.eos = set(self.spec.eos_token_ids)
-        self._requests: dict[int, Request] = {}
+        self.requests = Registry(self.scheduler)
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="autoglm-scheduler", daemon=True)
@@ -80,42 +84,13 @@ class Engine:
             threads: ONNX Runtime intra-op threads (0: one per core; at most 256).
             prefix_caching: share the KV blocks of prompts' common prefixes (on by default).
         """
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
-            raise EngineError(f"threads must be an integer from 0 (one per core) to {MAX_THREADS}, got {threads!r}")
-        path = Path(path)
-        manifest = check_engine(path, verify_hashes=verify)
-        kv = manifest.kv
-        blocks = kv["num_blocks"]
-        if num_blocks is not None or kv_memory_bytes is not None:
-            if manifest.backend != "onnxruntime":
-                raise EngineError("the KV pool of a TensorRT engine is fixed at build time; rebuild to change it")
-            per_block = kv["bytes"] // kv["num_blocks"]
-            blocks = num_blocks if num_blocks is not None else max(1, int(kv_memory_bytes or 0) // per_block)
-        if manifest.backend == "onnxruntime":
-            pool = blocks * (kv["bytes"] // kv["num_blocks"])
-            have = available_memory_bytes()
-            if have is not None and pool > have:
-                raise EngineError(f"the KV pool of {blocks} blocks would take {pool / 2**30:.1f} GiB but this machine "
-                                  f"has {have / 2**30:.1f} GiB available; load with fewer blocks (num_blocks=...)")
-        backend = open_runner(manifest, blocks, threads)
-        tokenizer = TextTokenizer(path) if (path / "tokenizer.json").is_file() else None
+        manifest, backend, tokenizer = open_parts(Path(path), verify, num_blocks, kv_memory_bytes, threads)
         return cls(manifest, backend, tokenizer, prefix_caching)
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (``RequestError`` if it is malformed or cannot fit)."""
         return self.prompts.encode(prompt)
-
-    def _check(self, ids: list[int], params: SamplingParams) -> None:
-        """A prompt may be as long as max_seq_len - max_new_tokens; it is prefilled in chunks of
-        at most max_input_len tokens."""
-        if len(ids) + params.max_new_tokens > self.max_seq_len:
-            room = self.max_seq_len - params.max_new_tokens
-            raise RequestError(f"the prompt has {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: "
-                               f"this engine allows at most {max(room, 0)} prompt tokens with that many new ones "
-                               f"(max_seq_len {self.max_seq_len}); shorten the prompt or lower max_new_tokens")
-        if blocks_needed(len(ids) + params.max_new_tokens, self.block_size) > self.allocator.num_blocks:
-            raise RequestError(f"this request needs more KV blocks than the whole pool ({self.allocator.num_blocks})")
 
     def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink | None = None,
                timeout: float | None = None) -> Request:
@@ -143,16 +118,18 @@ class Engine:
         if timeout is not None:
             params = dataclasses.replace(params, timeout=timeout)
         ids = self.encode(prompt)  # type: ignore[arg-type]
-        self._check(ids, params)
-        if (stream is not False or params.stop) and self.tokenizer is None:
-            raise RequestError(f"{self.dir} has no tokenizer: streaming text and stop strings need one")
+        self.limits.check(ids, params, streaming=stream is not False)
         seq = Sequence(ids, params)
-        req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer else None, stream, params.timeout)
+        beam = params.beam_width > 1
+        req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer and not beam else None, stream,
+                      params.timeout)
+        if beam:
+            req.beam = BeamGroup(seq, [] if params.ignore_eos else sorted(self.eos))
         with self._cv:
             if self._closed:
                 raise RequestError("the engine is closed")
             self.scheduler.add(seq)
-            self._requests[seq.seq_id] = req
+            self.requests.add(seq, req)
             self._cv.notify()
         return req
 
@@ -180,19 +157,13 @@ class Engine:
 
     def _cancel(self, req: Request) -> None:
         with self._cv:
-            if not req.done.is_set():
-                self.scheduler.cancel(req.seq)
-                self._finish_request(req)
+            self.requests.cancel(req)
 
     def _result(self, req: Request) -> GenerationResult:
         req.done.wait()
-        if req.error is not None:
-            if isinstance(req.error, RequestError):
-                raise req.error
-            raise RequestError(f"generation failed: {req.error}") from req.error
-        seq = req.seq
-        return GenerationResult(req.text, list(seq.output_ids), seq.finish_reason or "cancelled", len(seq.prompt_ids),
-                                req.token_times, req.submitted)
+        for child in req.children:  # made before the first sample is taken, so before req can end
+            child.done.wait()
+        return req.result(self.tokenizer)
 
     # -- the loop ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -220,31 +191,54 @@ class Engine:
                 log.exception("engine step failed")
                 with self._cv:
                     for seq in step.seqs:
-                        self._fail(seq, exc)
+                        self.requests.fail_seq(seq, exc)
                 continue
             with self._cv:
                 self._after_step(step, logits)
 
     def _run(self, step: Step) -> np.ndarray:
+        if step.copies:
+            self.backend.copy_blocks(step.copies)
         feeds, slots = step_inputs(step.new_tokens, [s.cache for s in step.seqs], self.block_size)
         return self.backend.step(feeds, slots)
 
     def _after_step(self, step: Step, logits: np.ndarray) -> None:
         now = time.perf_counter()
         for i, seq in enumerate(step.seqs):
-            if seq.finish_reason is not None or seq.seq_id not in self._requests:
+            req = self.requests.get(seq)
+            if seq.finish_reason is not None or req is None:
                 continue  # cancelled, closed or failed while the step ran
             complete = step.completes(i)
             self.scheduler.computed(seq, len(step.new_tokens[i]))
             if not complete:
                 continue
             try:
-                self._advance(self._requests[seq.seq_id], logits[i], now)
+                self._advance(req, seq, logits[i], now)
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
-                self._fail(seq, exc)
+                self.requests.fail(req, exc)
 
-    def _advance(self, req: Request, logits: np.ndarray, now: float) -> None:
-        """Sample one token for a request and end it if it is done."""
+    def _advance(self, req: Request, seq: Sequence, logits: np.ndarray, now: float) -> None:
+        """A sequence's tokens are all computed: sample its next token, or hand its logits to its beam search."""
+        if req.beam is not None:
+            if req.beam.report(seq, logits):
+                for gone in req.beam.advance(self.scheduler, lambda child: self.requests.add(child, req)):
+                    self.requests.drop(gone)
+                req.token_times.append(now)
+                if req.beam.done:
+                    self.requests.end(req, "length")
+            return
+        if seq.params.n > 1 and seq.stream == 0 and not req.children:  # the prompt is in: fork the other samples
+            for child in fork_samples(self.scheduler, seq, seq.params.n):
+                creq = req.spawn(child, IncrementalDecoder(self.tokenizer) if self.tokenizer else None)
+                self.requests.add(child, creq)
+                try:
+                    self._sample(creq, logits, now)
+                except Exception as exc:  # noqa: BLE001 - one sample's failure is its own
+                    self.requests.fail(creq, exc)
+        self._sample(req, logits, now)
+
+    def _sample(self, req: Request, logits: np.ndarray, now: float) -> None:
+        """Sample one token for a request's sequence and end it if it is done."""
         seq = req.seq
         token = sample(logits, seq.params, seq.rng)
         reason = None
@@ -258,33 +252,15 @@ class Engine:
         if reason is None and (len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_seq_len):
             reason = "length"
         if reason is not None:
-            self._end(req, reason)
-
-    def _end(self, req: Request, reason: str) -> None:
-        reason = req.finish_text(reason)
-        self.scheduler.finish(req.seq, reason)
-        self._finish_request(req)
+            self.requests.end(req, reason)
 
     def _expire(self, now: float) -> None:
-        for req in [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]:
-            self._end(req, "timeout")
-
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        self.scheduler.finish(seq, "error")
-        req = self._requests.get(seq.seq_id)
-        if req is not None:
-            req.error = exc
-            self._finish_request(req)
+        for req in [r for r in self.requests.live() if r.deadline is not None and now >= r.deadline]:
+            self.requests.end(req, "timeout")
 
     def _fail_all(self, exc: BaseException) -> None:
-        for req in list(self._requests.values()):
-            self._fail(req.seq, exc)
-
-    def _finish_request(self, req: Request) -> None:
-        self._requests.pop(req.seq.seq_id, None)
-        if req.pieces is not None:
-            req.pieces.put(None)
-        req.done.set()
+        for req in self.requests.live():
+            self.requests.fail(req, exc)
 
     # -- state -----------------------------------------------------------------
     def stats(self) -> dict:

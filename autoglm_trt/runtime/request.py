@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import RequestError
+from .groups import BeamGroup
 from .scheduler import Sequence
 from .tokenizer import IncrementalDecoder, TextTokenizer
 
@@ -108,13 +109,26 @@ def split_prompts(prompts: object) -> list[object]:
 
 
 @dataclass
+class Choice:
+    """One of a request's outputs: a sample, or a beam (with its score)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    score: float | None = None  # a beam's sum of log-probabilities / length ** length_penalty
+
+
+@dataclass
 class GenerationResult:
+    """A request's output: the first sample (or best beam), and every one in ``choices``."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string), "length", "timeout" or "cancelled"
     prompt_tokens: int
     token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter at each token
     submitted: float = 0.0
+    choices: list[Choice] = field(default_factory=list)
 
     @property
     def ttft(self) -> float:
@@ -143,6 +157,37 @@ class Request:
         self.token_times: list[float] = []
         self.submitted = time.perf_counter()
         self.deadline = None if timeout is None else self.submitted + timeout
+        self.children: list[Request] = []  # the further samples of SamplingParams(n=...)
+        self.beam: BeamGroup | None = None  # the beams of SamplingParams(beam_width=...)
+
+    def spawn(self, seq: Sequence, decoder: IncrementalDecoder | None) -> Request:
+        """A further sample of this request (``SamplingParams.n``), with its submission time and deadline."""
+        child = Request(seq, decoder, False, None)
+        child.submitted, child.deadline = self.submitted, self.deadline
+        self.children.append(child)
+        return child
+
+    def result(self, tokenizer: TextTokenizer | None) -> GenerationResult:
+        """The outcome of a finished request and its further samples (``RequestError`` if one failed)."""
+        error = next((r.error for r in [self, *self.children] if r.error is not None), None)
+        if error is not None:
+            if isinstance(error, RequestError):
+                raise error
+            raise RequestError(f"generation failed: {error}") from error
+        if self.beam is not None:
+            reason = self.beam.reason or "length"
+            choices = [Choice(tokenizer.decode(list(h.tokens)) if tokenizer else "", list(h.tokens),
+                              "stop" if h.eos else reason, h.score) for h in self.beam.results(self.seq.params.n)]
+        else:
+            choices = [Choice(r.text, list(r.seq.output_ids), r.seq.finish_reason or "cancelled")
+                       for r in [self, *self.children]]
+        best = choices[0]
+        return GenerationResult(best.text, best.token_ids, best.finish_reason, len(self.seq.prompt_ids),
+                                self.token_times, self.submitted, choices)
+
+    def sequences(self) -> list[Sequence]:
+        """The sequences this request runs now (its beams, or its one sequence)."""
+        return list(self.beam.seqs) if self.beam is not None else [self.seq]
 
     def add_text(self, piece: str) -> str | None:
         """Append decoded text; return "stop" when a stop string was reached (the text is cut before it)."""

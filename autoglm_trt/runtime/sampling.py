@@ -25,6 +25,7 @@ MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflow float64 for 
 MAX_TEMPERATURE = 1e3
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_SEQUENCES = 64  # n and beam_width
 
 
 _NOT_FINITE = "the engine produced logits that are not finite (NaN or infinity); cannot sample"
@@ -67,6 +68,15 @@ class SamplingParams:
             ``"timeout"`` and the text generated so far (None: no deadline).
         priority: lower runs first (0 by default; negative for real-time, positive for batch
             and background work); waiting requests age up one level per 10 s.
+        n: samples to draw from the one prompt (its blocks shared); with ``beam_width``, the
+            number of best beams returned (at most ``beam_width``).
+        beam_width: beams of a beam search (1: none); beam search is deterministic, so it needs
+            temperature 0, and it ends at EOS or max_new_tokens (no stop strings).
+        length_penalty: beam search scores a hypothesis by its sum of log-probabilities over
+            its length ** length_penalty (transformers' definition; 1.0 by default).
+        early_stopping: beam search ends as soon as ``beam_width`` hypotheses are finished
+            (True), by transformers' heuristic (False, the default), or only when no beam can
+            improve ("never").
     """
 
     max_new_tokens: int = 64
@@ -78,6 +88,10 @@ class SamplingParams:
     ignore_eos: bool = False  # for benchmarks: always generate max_new_tokens
     timeout: float | None = None
     priority: int = 0
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -104,6 +118,25 @@ class SamplingParams:
             if timeout <= 0:
                 raise SamplingError(f"timeout must be a positive number of seconds, got {timeout!r}")
             set_("timeout", timeout)
+        self._check_sequences()
+
+    def _check_sequences(self) -> None:
+        for name in ("n", "beam_width"):
+            value = _int(name, getattr(self, name), 1)
+            if value > MAX_SEQUENCES:
+                raise SamplingError(f"{name} must be at most {MAX_SEQUENCES}, got {value}")
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "length_penalty", _real("length_penalty", self.length_penalty))
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise SamplingError(f"early_stopping must be true, false or \"never\", got {_show(self.early_stopping)}")
+        if self.beam_width > 1:
+            if self.temperature != 0.0:
+                raise SamplingError("beam search is deterministic: leave temperature at 0 with beam_width > 1")
+            if self.n > self.beam_width:
+                raise SamplingError(f"n ({self.n}) beams cannot be returned from a beam search of width "
+                                    f"{self.beam_width}")
+            if self.stop:
+                raise SamplingError("beam search ends at EOS or max_new_tokens; stop strings are not supported with it")
 
     @staticmethod
     def _stop_strings(stop: object) -> tuple[str, ...]:

@@ -28,7 +28,16 @@ Prefix caching (with a ``BlockPool`` whose ``caching`` is on): a waiting sequenc
 longest run of cached full blocks that starts its tokens and computes only the rest (at least
 its last token, so that there are logits to sample); as its blocks fill they are named by
 their chained hashes, and blocks it frees stay cached (evictable) until the pool needs them.
-Shared blocks are full and wholly computed, so no sequence ever writes to one.
+Blocks shared by prefix caching are full and wholly computed, so no sequence writes to one.
+
+Forks (parallel samples, beams): ``fork`` gives a new sequence the parent's tokens and one
+more reference to each of its blocks. The last block may be partly filled; the first of them
+to write into it while it is shared gets a fresh block and a copy of it (copy-on-write: the
+step carries the ``copies`` the runner makes before it runs). A sequence whose tokens are all
+computed and which waits for something else (a beam waiting for its siblings' logits) is
+"idle": it is never scheduled, and when nothing else can run an idle one is preempted
+("parked": admitted again only after the other waiting sequences, and parked ones in the
+order they were parked, so that it cannot keep out the one it waits for).
 """
 
 from __future__ import annotations
@@ -58,9 +67,12 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed, cached blocks
     token_hashes: list[bytes] = field(default_factory=list)  # of every full block of its tokens (kept while waiting)
     arrival: float = 0.0
+    stream: int = 0  # which random stream of the request's seed (fork k draws from stream k)
+    parked: int = 0  # n > 0: the n-th sequence preempted while idle (admitted after the unparked, in that order)
 
     def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.params.seed)
+        seed = self.params.seed
+        self.rng = np.random.default_rng(seed if seed is None or self.stream == 0 else [seed, self.stream])
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +97,7 @@ class Step:
     seqs: list[Sequence]
     new_tokens: list[list[int]]
     prefill: bool
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks, made first
 
     def completes(self, i: int) -> bool:
         """Whether sequence i's tokens are all computed after this step (then it samples)."""
@@ -104,6 +117,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self._ids = itertools.count()
+        self._parks = itertools.count(1)
+        self._copies: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence) -> None:
         seq.seq_id = next(self._ids)
@@ -113,7 +128,8 @@ class Scheduler:
     def _next_waiting(self) -> Sequence:
         """The waiting sequence to admit next: best priority after aging, then the oldest."""
         now = time.monotonic()
-        return min(self.waiting, key=lambda s: (s.priority - int((now - s.arrival) / self.aging_s), s.seq_id))
+        return min(self.waiting,
+                   key=lambda s: (s.parked, s.priority - int((now - s.arrival) / self.aging_s), s.seq_id))
 
     @staticmethod
     def _rank(seq: Sequence) -> tuple[int, int]:
@@ -125,14 +141,39 @@ class Scheduler:
 
     # -- blocks ----------------------------------------------------------------
     def _grow(self, seq: Sequence, num_new: int) -> bool:
-        need = blocks_needed(seq.cache.num_computed_tokens + num_new, self.block_size) - len(seq.cache.block_table)
+        """Blocks for ``num_new`` more tokens, and a private copy of a shared block they would write to."""
+        table = seq.cache.block_table
+        first = seq.cache.num_computed_tokens // self.block_size  # the block the next token goes into
+        shared = isinstance(self.allocator, BlockPool) and first < len(table) and self.allocator.ref_cnt[table[first]] > 1
+        need = blocks_needed(seq.cache.num_computed_tokens + num_new, self.block_size) - len(table) + shared
         if need <= 0:
             return True
         got = self.allocator.allocate(need)
         if got is None:
             return False
-        seq.cache.block_table += got
+        if shared:
+            fresh = got.pop(0)
+            self._copies.append((table[first], fresh))
+            self.allocator.release([table[first]])
+            table[first] = fresh
+        table += got
         return True
+
+    def fork(self, parent: Sequence, stream: int = 0) -> Sequence:
+        """A new sequence with the parent's tokens, parameters and arrival, sharing its blocks, drawing from
+        random stream ``stream``; without a free running slot it waits with no blocks (and recomputes its
+        tokens when admitted)."""
+        child = Sequence(list(parent.prompt_ids), parent.params, output_ids=list(parent.output_ids),
+                         arrival=parent.arrival, stream=stream)
+        child.seq_id = next(self._ids)
+        if parent in self.running and len(self.running) < self.max_batch and isinstance(self.allocator, BlockPool):
+            self.allocator.take(parent.cache.block_table)
+            child.cache = SeqState(parent.cache.num_computed_tokens, list(parent.cache.block_table))
+            child.block_hashes = list(parent.block_hashes)
+            self.running.append(child)
+        else:
+            self.waiting.append(child)
+        return child
 
     def _reserve(self, seq: Sequence, num_new: int, planned: dict[int, tuple[Sequence, list[int]]]) -> bool:
         """Blocks for ``num_new`` more tokens of a running sequence, preempting the newest running
@@ -201,8 +242,17 @@ class Scheduler:
 
     # -- steps -----------------------------------------------------------------
     def schedule(self) -> Step | None:
-        """The next step, or None when there is no work."""
-        return self._schedule_prefill() or self._schedule_decode()
+        """The next step, or None when nothing can run."""
+        step = self._schedule_prefill() or self._schedule_decode()
+        while step is None and self.waiting and (idle := [s for s in self.running if s.num_pending == 0]):
+            victim = max(idle, key=self._rank)  # idle sequences must not keep the waiting out
+            self._preempt(victim)
+            victim.parked = next(self._parks)
+            step = self._schedule_prefill() or self._schedule_decode()
+        copies, self._copies = self._copies, []
+        if step is not None:
+            step.copies = copies
+        return step
 
     def _schedule_prefill(self) -> Step | None:
         planned: dict[int, tuple[Sequence, list[int]]] = {}
@@ -226,6 +276,7 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
+            seq.parked = 0
             n = min(seq.num_pending, self.max_input_len)
             planned[seq.seq_id] = (seq, seq.pending_ids(n))
         if not planned:

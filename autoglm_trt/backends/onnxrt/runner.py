@@ -65,6 +65,9 @@ class OrtRunner:
         self.pools.write(outs, slots)
         return outs["logits"][:, 0].copy()  # a decode buffer is reused by the next step of its shape
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.pools.copy_blocks(pairs)  # in place: the bound OrtValues alias these arrays
+
     def close(self) -> None:
         self._bindings.clear()
         self._pool_values.clear()

@@ -105,6 +105,14 @@ class DeviceArray:
         else:
             check(self._rt.cudaMemcpyAsync(arr.ctypes.data, self.ptr, nbytes, kind, stream.stream))
 
+    def copy_rows_within(self, src: int, dst: int, width: int, pitch: int, height: int, stream: Stream) -> None:
+        """Copy ``height`` rows of ``width`` bytes, ``pitch`` bytes apart, from byte offset ``src`` of this
+        array to byte offset ``dst`` of it (one block of every KV head of a pool)."""
+        assert max(src, dst) + (height - 1) * pitch + width <= self.nbytes
+        kind = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        check(self._rt.cudaMemcpy2DAsync(self.ptr + dst, pitch, self.ptr + src, pitch, width, height, kind,
+                                         stream.stream))
+
     def to_numpy(self) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
         self.copy_to_host(out)

@@ -137,6 +137,16 @@ class TrtRunner:
         self.stream.synchronize()
         return self.host["logits"].array[:batch].copy()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared blocks: in each pool ``[kv_heads, num_blocks, block_size, head_dim]`` a
+        block is one span per head, ``num_blocks`` spans apart: one 2-D copy per pool and pair."""
+        span = self.block_size * self.spec.head_dim * self.kv_dtype.itemsize
+        for pool in self.pools.values():
+            for src, dst in pairs:
+                pool.copy_rows_within(src * span, dst * span, span, self.num_blocks * span, self.spec.num_kv_heads,
+                                      self.stream)
+        self.stream.synchronize()
+
     def close(self) -> None:
         for arr in [*self.pools.values(), *self.new_kv.values(), *self.device.values()]:
             arr.free()
