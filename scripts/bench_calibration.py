@@ -9,7 +9,8 @@ and interleaved (best time of each kind):
   calibrate   streamed statistics + threshold search (`calibrate --no-gate`; graph writing
               excluded from the ratio, reported apart)
 Prints wall times, the ratio (statistics + search) / forward, and peak RSS over the model's
-own size. Numbers go to the README.
+own size. Numbers go to the README. ``--profile N``: instead, where the statistics pass of N
+samples spends its time (cProfile of ``calib.collect.collect``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,34 @@ def child_calibrate(export: Path, samples: int, seq_len: int, batch: int, out: P
             "total_s": time.perf_counter() - t}
 
 
+def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
+    import cProfile
+    import pstats
+
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.calib import collect
+    from autoglm_trt.calib.statistics import quantizable_inputs, rotation_blocks
+    from autoglm_trt.graph.linears import KINDS
+    from autoglm_trt.model.text import token_windows
+
+    spec = ExportRecord.read(export).spec
+    windows = token_windows(ROOT / "calibration" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
+    inputs = quantizable_inputs(export, True, [])
+    rotate = rotation_blocks(spec, list(inputs), list(KINDS), 128)
+    session = collect.calibration_session(export, list(inputs.values()))
+    prof = cProfile.Profile()
+    prof.runcall(collect.collect, session, spec, inputs, windows, batch, None, False, rotate)
+    stats = pstats.Stats(prof)
+    total = max(v[3] for v in stats.stats.values())  # type: ignore[attr-defined]
+    parts = {"onnxruntime_run": ("", "run_with_iobinding"), "histograms": ("histogram.py", "add"),
+             "hadamard_rotations": ("hadamard.py", "rotate_rows"), "of_which_kv_histograms": ("collect.py", "kv_observe")}
+    out = {"total_s": round(total, 2)}
+    for label, (file, func) in parts.items():
+        out[label + "_s"] = round(sum(v[3] for k, v in stats.stats.items()  # type: ignore[attr-defined]
+                                      if k[2].endswith(func) and k[0].endswith(file)), 2)
+    print(json.dumps(out))
+
+
 def run_child(*args: str) -> dict:
     """One measurement in a fresh process; its peak RSS is its own (read by the child itself)."""
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True)
@@ -64,8 +93,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=None, metavar="N")
     ap.add_argument("--child", nargs="*")
     args = ap.parse_args()
+    if args.profile:
+        profile(args.export, args.profile, args.seq_len, args.batch)
+        return
     if args.child:
         kind, export, samples = args.child[0], Path(args.child[1]), int(args.child[2])
         if kind == "forward":

@@ -36,3 +36,39 @@ def test_rotation_spreads_an_outlier_and_keeps_the_product():
     assert np.abs(xr[:, :128]).max() / np.abs(xr[:, :128]).mean() < 1.5
     np.testing.assert_allclose(np.linalg.norm(xr, axis=1), np.linalg.norm(x, axis=1), rtol=1e-5)
     np.testing.assert_allclose(hadamard(128) @ hadamard(128), np.eye(128), atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_lm_head_quantized_in_row_chunks_equals_the_whole_matrix(tmp_path, monkeypatch, block):
+    """The chunked INT8 LM head (a 9B vocabulary never whole in float) writes the same INT8
+    weight and scales as quantizing the whole [in, out] matrix; with a rotation, W^T R per row
+    chunk may round differently from R^T W in the last bit, so a rare value may move by one step."""
+    import onnx
+    from onnx import numpy_helper
+
+    from autoglm_trt.graph import quant
+    from autoglm_trt.graph.builder import GraphBuilder
+
+    monkeypatch.setattr(quant, "ROW_CHUNK", 70)  # several chunks, the last one short
+    rng = np.random.default_rng(3)
+    w_rows = rng.standard_normal((300, 64)).astype(np.float32)  # [out, in], as an LM head is stored
+    plan = quant.QuantPlan({"lm_head": 4.0}, rotate={"lm_head": block} if block else {})
+    arrays = {}
+    for way in ("whole", "rows"):
+        g = GraphBuilder(tmp_path / f"{way}.data")
+        g.input("x", onnx.TensorProto.FLOAT, ["n", 64])
+        if way == "whole":
+            out = quant.quantized_matmul(g, "x", w_rows.T, "lm_head", plan, rank=2)
+        else:
+            out = quant.quantized_rows_matmul(g, "x", lambda a, b: w_rows[a:b], 300, 64, "lm_head", plan)
+        g.output(out, onnx.TensorProto.FLOAT, ["n", 300])
+        model = g.model("t", 17)
+        arrays[way] = {t.name: numpy_helper.to_array(t, base_dir=str(tmp_path)) for t in model.graph.initializer}
+    whole, rows = arrays["whole"], arrays["rows"]
+    assert rows["lm_head.weight_i8"].shape == (64, 300) and rows["lm_head.weight_i8"].dtype == np.int8
+    np.testing.assert_allclose(rows["lm_head.weight_scale"], whole["lm_head.weight_scale"], rtol=1e-6)
+    diff = np.abs(rows["lm_head.weight_i8"].astype(np.int16) - whole["lm_head.weight_i8"])
+    if block is None:
+        assert not diff.any()
+    else:
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.002

@@ -57,71 +57,97 @@ class ActivationStats:
     tokens: int = 0
 
 
-def calibration_session(export_dir: Path, outputs: list[str], threads: int | None = None):
+def calibration_session(export_dir: Path, outputs: list[str], threads: int | None = None, device: str = "cpu"):
     """A session over the export with ``outputs`` added as graph outputs (weights read in place)."""
     model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
     for name in outputs:
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    return make_session(model.SerializeToString(), threads=threads, external_data_dir=Path(export_dir))
+    return make_session(model.SerializeToString(), threads=threads, external_data_dir=Path(export_dir), device=device)
 
 
 def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,
-            smoothing: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
-            show_progress: bool = True, rotate: dict[str, int] | None = None) -> ActivationStats:
-    """Run all windows through the graph and accumulate the statistics.
+            smoothing: Smoothing | None = None, show_progress: bool = True,
+            rotate: dict[str, int] | None = None) -> ActivationStats:
+    """Run all windows through the graph and accumulate the statistics (see ``Accumulator``)."""
+    names = list(inputs)
+    stats = ActivationStats()
+    kv = kv_outputs(spec)
+    acc = Accumulator(stats, spec, names, smoothing, rotate or {})
+    n_batches = -(-len(windows) // batch_size)
+    progress = Progress(n_batches, "calibrating") if show_progress else None
+    shapes = [_linear_shape(input_channels(spec, n), "lm_head" in n) for n in names]
+    shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
+    bound = _BoundOutputs(session, [inputs[n] for n in names] + kv, shapes,
+                          [np.dtype(np.float32)] * (len(names) + len(kv)))
+    for b in range(n_batches):
+        w = windows[b * batch_size : (b + 1) * batch_size]
+        outs = bound.run(prefill_feeds(spec, w, "float32"))
+        acc.add(outs[: len(names)], dict(zip(kv, outs[len(names):])))
+        if progress:
+            progress.update()
+    stats.batches, stats.tokens = n_batches, int(windows.size)
+    return stats
+
+
+Smoothing = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+class Accumulator:
+    """Adds batches of some linears' inputs (and K/V) to ``ActivationStats``.
 
     ``smoothing`` maps the first batch's per-channel maxima to SmoothQuant vectors; every
     batch (the first included) is then histogrammed as ``x / s``. The inputs named in
     ``rotate`` (name -> Hadamard block) are histogrammed and sampled as ``(x / s) R``, which
-    is what their quantizer sees in the INT8 graph.
+    is what their quantizer sees in the INT8 graph. The whole graph's pass has one
+    accumulator; the layer-by-layer pass one per group of layers, over the same batches.
     """
-    rotate = rotate or {}
-    names = list(inputs)
-    tensors = [inputs[n] for n in names]
-    stats = ActivationStats(hist={n: AbsHistogram() for n in names}, raw_hist={n: AbsHistogram() for n in names})
-    n_batches = -(-len(windows) // batch_size)
-    progress = Progress(n_batches, "calibrating") if show_progress else None
-    inv: dict[str, np.ndarray] = {}
-    v_scales: dict[str, np.ndarray] = {}
-    scratch: dict[tuple[int, ...], np.ndarray] = {}
-    kv = kv_outputs(spec)
-    shapes = [_linear_shape(input_channels(spec, n), "lm_head" in n) for n in names]
-    shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
-    bound = _BoundOutputs(session, tensors + kv, shapes, [np.dtype(np.float32)] * (len(names) + len(kv)))
-    for b in range(n_batches):
-        w = windows[b * batch_size : (b + 1) * batch_size]
-        outs = bound.run(prefill_feeds(spec, w, "float32"))
-        kv_outs, outs = outs[len(names):], outs[: len(names)]
-        if b == 0:
-            for name, x in zip(names, outs):
-                stats.chan_max[name] = np.abs(x.reshape(-1, x.shape[-1])).max(axis=0)
-                rows = np.linspace(0, x.size // x.shape[-1] - 1, min(SAMPLE_ROWS, x.size // x.shape[-1])).astype(np.int64)
-                stats.sample[name] = np.array(x.reshape(-1, x.shape[-1])[rows], np.float32)
-            if smoothing is not None:
-                stats.smooth = smoothing(stats.chan_max)
-                inv = {k: (1.0 / v).astype(np.float32) for k, v in stats.smooth.items()}
-                for name in stats.sample:
-                    if name in inv:
-                        stats.sample[name] *= inv[name]
-            for name, block in rotate.items():
-                stats.sample[name] = rotate_rows(stats.sample[name], block)
-            v_scales = value_scales(spec, stats.smooth)  # the smoothing is fixed from the first batch on
-        kv_observe(stats.kv_hist, kv, kv_outs, v_scales)
-        for name, x in zip(names, outs):  # x: our buffers, refilled by the next batch, so usable as scratch
-            if x.shape not in scratch:
-                scratch[x.shape] = np.empty(x.shape, np.float32)
-            stats.raw_hist[name].add(x, scratch=scratch[x.shape])  # before smoothing and rotation change x
+
+    def __init__(self, stats: ActivationStats, spec: ModelSpec, names: list[str], smoothing: Smoothing | None,
+                 rotate: dict[str, int]):
+        self.stats, self.spec, self.names, self.smoothing, self.rotate = stats, spec, names, smoothing, rotate
+        for n in names:
+            stats.hist[n], stats.raw_hist[n] = AbsHistogram(), AbsHistogram()
+        self.first = True
+        self.inv: dict[str, np.ndarray] = {}
+        self.v_scales: dict[str, np.ndarray] = {}
+        self.scratch: dict[tuple[int, ...], np.ndarray] = {}
+
+    def _first_batch(self, outs: list[np.ndarray]) -> None:
+        stats = self.stats
+        for name, x in zip(self.names, outs):
+            stats.chan_max[name] = np.abs(x.reshape(-1, x.shape[-1])).max(axis=0)
+            rows = np.linspace(0, x.size // x.shape[-1] - 1, min(SAMPLE_ROWS, x.size // x.shape[-1])).astype(np.int64)
+            stats.sample[name] = np.array(x.reshape(-1, x.shape[-1])[rows], np.float32)
+        if self.smoothing is not None:
+            smooth = self.smoothing({n: stats.chan_max[n] for n in self.names})
+            stats.smooth.update(smooth)
+            self.inv = {k: (1.0 / v).astype(np.float32) for k, v in smooth.items()}
+            for name in self.names:
+                if name in self.inv:
+                    stats.sample[name] *= self.inv[name]
+        for name in self.names:
+            if name in self.rotate:
+                stats.sample[name] = rotate_rows(stats.sample[name], self.rotate[name])
+        self.v_scales = value_scales(self.spec, stats.smooth)  # the smoothing is fixed from the first batch on
+        self.first = False
+
+    def add(self, outs: list[np.ndarray], kv: dict[str, np.ndarray]) -> None:
+        """One batch: the inputs of ``names`` in order (used as scratch: overwritten), new K/V by name."""
+        if self.first:
+            self._first_batch(outs)
+        stats, rotate, inv = self.stats, self.rotate, self.inv
+        kv_observe(stats.kv_hist, list(kv), list(kv.values()), self.v_scales)
+        for name, x in zip(self.names, outs):
+            if x.shape not in self.scratch:
+                self.scratch[x.shape] = np.empty(x.shape, np.float32)
+            scratch = self.scratch[x.shape]
+            stats.raw_hist[name].add(x, scratch=scratch)  # before smoothing and rotation change x
             if name in rotate:
                 if name in inv:
                     np.multiply(x, inv[name], out=x)
-                stats.hist[name].add(rotate_rows(x, rotate[name], out=scratch[x.shape]), in_place=True)
+                stats.hist[name].add(rotate_rows(x, rotate[name], out=scratch), in_place=True)
             else:
                 stats.hist[name].add(x, inv.get(name), in_place=True)
-        stats.batches += 1
-        stats.tokens += int(w.size)
-        if progress:
-            progress.update()
-    return stats
 
 
 def kv_outputs(spec: ModelSpec) -> list[str]:

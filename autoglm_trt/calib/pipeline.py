@@ -75,13 +75,17 @@ class CalibConfig:
     gate_windows: int = 12
     gate_seq_len: int = 256
     threads: int | None = None
+    # weights of one statistics graph: a larger model is calibrated in groups of layers up to this size
+    max_graph_bytes: int = 1024**3
+    device: str = "cpu"  # where the statistics pass runs: cpu, or cuda (onnxruntime-gpu)
     force: bool = False  # recompute even if a matching result exists; replace a mismatching one
     replace_mismatch: bool = False  # replace a result of another model/data without --force (build's cache)
 
     def settings(self) -> dict:
         """The settings that decide the result (hashed with the data; recorded in calib.json)."""
         out = {k: v for k, v in asdict(self).items()
-               if k not in ("export_dir", "data", "out_dir", "threads", "force", "replace_mismatch")}
+               if k not in ("export_dir", "data", "out_dir", "threads", "max_graph_bytes", "device", "force",
+                            "replace_mismatch")}
         out["version"] = CALIB_VERSION
         return out
 
@@ -169,12 +173,13 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     inputs = quantizable_inputs(cfg.export_dir, cfg.quantize_lm_head, cfg.keep_float)
     rotate = rotation_blocks(spec, list(inputs), cfg.rotate, cfg.max_rotation_block)
     st = gather(cfg.export_dir, spec, windows.windows, inputs, rotate, cfg.smoothquant_alpha, cfg.batch_size,
-                cfg.threads)
+                cfg.threads, cfg.max_graph_bytes, cfg.device)
     t_search = time.perf_counter()
     amax, amax_method = choose_amax(st, cfg.method, cfg.percentile)
     timings = {"collect_s": round(st.seconds, 3), "search_s": round(time.perf_counter() - t_search, 3),
-               "batches": st.stats.batches, "tokens": st.stats.tokens}
-    log(f"statistics: {st.stats.batches} batches in {timings['collect_s']:.1f} s, threshold search "
+               "batches": st.stats.batches, "tokens": st.stats.tokens, "layer_by_layer": st.layerwise}
+    log(f"statistics{' (layer by layer)' if st.layerwise else ''}: {st.stats.batches} batches in "
+        f"{timings['collect_s']:.1f} s, threshold search "
         f"{timings['search_s']:.2f} s")
     errors = int8_errors(st, amax)
     with staged_directory(Path(cfg.out_dir), replace) as tmp:

@@ -38,10 +38,16 @@ def fake_quant_act(x: np.ndarray, amax: float) -> np.ndarray:
 
 def output_error(x: np.ndarray, w: np.ndarray, amax: float) -> float:
     """Relative output error of INT8 ``x @ w`` (w is ``[in, out]``)."""
+    diff, ref = output_error_norms(x, w, amax)
+    return diff / max(ref, 1e-30)
+
+
+def output_error_norms(x: np.ndarray, w: np.ndarray, amax: float) -> tuple[float, float]:
+    """(||x w - INT8(x) INT8(w)||, ||x w||): Frobenius norms, which add up in squares over column chunks of w."""
     y = x @ w
     wq, ws = quantize_weight_per_channel(w)
     yq = fake_quant_act(x, amax) @ (wq.astype(np.float32) * ws)
-    return float(np.linalg.norm(y - yq)) / max(float(np.linalg.norm(y)), 1e-30)
+    return float(np.linalg.norm(y - yq)), float(np.linalg.norm(y))
 
 
 def fewest_float(ranked: list[str], passes: Callable[[list[str]], bool], log: Callable[[str], None]) -> list[str] | None:

@@ -43,10 +43,10 @@ def expand_groups(v_kv: np.ndarray, spec: ModelSpec) -> np.ndarray:
     return np.repeat(v_kv.reshape(spec.num_kv_heads, 1, spec.head_dim), grp, axis=1).reshape(-1)
 
 
-def weight_row_max(spec: ModelSpec, weights: WeightSource) -> dict[str, np.ndarray]:
-    """max |W| over the output channels, for each input channel of every linear."""
+def weight_row_max(spec: ModelSpec, weights: WeightSource, layers: list[int] | None = None) -> dict[str, np.ndarray]:
+    """max |W| over the output channels, for each input channel of every linear (of ``layers``, if given)."""
     out = {}
-    for i in range(spec.num_layers):
+    for i in range(spec.num_layers) if layers is None else layers:
         p = f"layers.{i}"
         out[f"{p}.qkv"] = np.abs(weights.qkv(i)[0]).max(axis=1)
         out[f"{p}.o_proj"] = np.abs(weights.o_proj(i)[0]).max(axis=1)

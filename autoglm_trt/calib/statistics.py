@@ -9,7 +9,6 @@ weight maxima SmoothQuant needs are read in a thread while ONNX Runtime runs the
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,8 @@ from ..graph.exported_weights import ExportedWeights
 from ..graph.hadamard import block_size
 from ..graph.linears import KINDS, input_channels, kind_of
 from ..model.spec import ModelSpec
-from .collect import ActivationStats, calibration_session, collect, linear_inputs
+from .collect import ActivationStats, Smoothing, calibration_session, collect, linear_inputs
+from .layerwise import gather_layerwise
 from .smooth import SmoothedWeights, smoothing_scales, weight_row_max
 
 
@@ -32,6 +32,7 @@ class Statistics:
     stats: ActivationStats
     weights: SmoothedWeights
     seconds: float
+    layerwise: bool = False  # gathered group of layers by group of layers (``layerwise``)
 
 
 def quantizable_inputs(export_dir: Path, quantize_lm_head: bool, keep_float: list[str]) -> dict[str, str]:
@@ -56,15 +57,30 @@ def rotation_blocks(spec: ModelSpec, linears: list[str], kinds: list[str], max_b
 
 
 def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str], rotate: dict[str, int],
-           alpha: float | None, batch_size: int, threads: int | None) -> Statistics:
-    """Run the windows through the float graph once and accumulate the statistics."""
+           alpha: float | None, batch_size: int, threads: int | None, max_graph_bytes: int | None = None,
+           device: str = "cpu") -> Statistics:
+    """Run the windows through the float graph once and accumulate the statistics: the whole graph
+    at once, or (when its weights exceed ``max_graph_bytes``) group of layers by group of layers."""
     import time
 
     base = ExportedWeights(export_dir)
-    session = calibration_session(export_dir, list(inputs.values()), threads)
+    t0 = time.perf_counter()
+    if max_graph_bytes is not None and base.total_bytes() > max_graph_bytes:
+
+        def smoothing_for(layers: list[int]) -> Smoothing | None:
+            if alpha is None:
+                return None
+            return lambda chan_max: smoothing_scales(spec, weight_row_max(spec, base, layers), chan_max, alpha)
+
+        stats = gather_layerwise(export_dir, spec, windows, inputs, rotate, smoothing_for, batch_size, threads,
+                                 max_graph_bytes, device)
+        return Statistics(inputs, rotate, stats, SmoothedWeights(base, spec, stats.smooth),
+                          time.perf_counter() - t0, layerwise=True)
+    session = calibration_session(export_dir, list(inputs.values()), threads, device)
+    t0 = time.perf_counter()  # as the forward baseline of bench_calibration: after the session is made
     w_max: dict[str, dict[str, np.ndarray]] = {}
     reader = threading.Thread(target=lambda: w_max.update(all=weight_row_max(spec, base)), daemon=True)
-    smoothing: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    smoothing: Smoothing | None = None
     if alpha is not None:
         reader.start()
 
@@ -72,7 +88,6 @@ def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[
             reader.join()
             return smoothing_scales(spec, w_max["all"], chan_max, alpha)
 
-    t0 = time.perf_counter()
     stats = collect(session, spec, inputs, windows, batch_size, smoothing, rotate=rotate)
     seconds = time.perf_counter() - t0
     del session

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph.hadamard import rotate_weight
+from ..graph.decoder import LM_HEAD_STREAM_BYTES
+from ..graph.hadamard import rotate_rows, rotate_weight
+from ..graph.quant import ROW_CHUNK
 from .histogram import METHODS, percentile_amax
-from .sensitivity import output_error
+from .sensitivity import output_error, output_error_norms
 from .smooth import SmoothedWeights
 from .statistics import Statistics
 
@@ -51,5 +53,28 @@ def choose_amax(st: Statistics, method: str, percentile: float) -> tuple[dict[st
 
 
 def int8_errors(st: Statistics, amax: dict[str, float]) -> dict[str, float]:
-    """Relative INT8 output error of each linear on its sampled rows."""
-    return {n: output_error(st.stats.sample[n], linear_matrix(st.weights, n, st.rotate), amax[n]) for n in amax}
+    """Relative INT8 output error of each linear on its sampled rows (a large LM head's in column chunks)."""
+    out = {}
+    for n in amax:
+        if n == "lm_head" and _large_head(st.weights):
+            out[n] = head_error(st.weights, st.stats.sample[n], amax[n], st.rotate.get(n))
+        else:
+            out[n] = output_error(st.stats.sample[n], linear_matrix(st.weights, n, st.rotate), amax[n])
+    return out
+
+
+def _large_head(weights: SmoothedWeights) -> bool:
+    return weights.spec.vocab_size * weights.spec.hidden_size * 4 > LM_HEAD_STREAM_BYTES
+
+
+def head_error(weights: SmoothedWeights, x: np.ndarray, amax: float, block: int | None) -> float:
+    """``output_error`` of the LM head, its [vocab, hidden] rows read ``ROW_CHUNK`` at a time: the errors of
+    column chunks of ``x @ W`` add up in squares, so the float matrix is never whole in memory."""
+    src = weights.lm_head_name() or weights.embedding_name()
+    vocab = weights.spec.vocab_size
+    diff2 = ref2 = 0.0
+    for a in range(0, vocab, ROW_CHUNK):
+        rows = np.asarray(weights.rows(src, a, min(a + ROW_CHUNK, vocab)), np.float32)
+        diff, ref = output_error_norms(x, (rotate_rows(rows, block) if block else rows).T, amax)  # (R^T W) columns
+        diff2, ref2 = diff2 + diff**2, ref2 + ref**2
+    return float(np.sqrt(diff2) / max(np.sqrt(ref2), 1e-30))

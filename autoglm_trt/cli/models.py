@@ -60,11 +60,16 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
               help="Check accuracy against the float graph and keep the fewest linears in float until it holds.")
 @click.option("--target-ppl-ratio", type=float, default=1.015, show_default=True)
 @click.option("--target-top1", type=float, default=0.91, show_default=True)
+@click.option("--graph-memory", "graph_gb", type=click.FloatRange(min=0.001), default=1.0, show_default=True,
+              help="GiB of weights per statistics graph: a larger model is calibrated layer by layer, in groups of "
+                   "layers up to this size.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the statistics pass runs (cuda needs onnxruntime-gpu).")
 @click.option("--force", is_flag=True, help="Replace an output made from another model or data.")
 def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: str, num_samples: int, seq_len: int,
                   batch_size: int, percentile: float, alpha: float, quantize_lm_head: bool, rotate: str,
-                  keep_float: tuple[str, ...],
-                  gate: bool, target_ppl_ratio: float, target_top1: float, force: bool) -> None:
+                  keep_float: tuple[str, ...], gate: bool, target_ppl_ratio: float, target_top1: float,
+                  graph_gb: float, device: str, force: bool) -> None:
     """INT8-calibrate a float32 EXPORT_DIR: Q/DQ ONNX, TensorRT calibration cache, calib.json."""
     from ..calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
 
@@ -76,7 +81,8 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
                           smoothquant_alpha=alpha or None, quantize_lm_head=quantize_lm_head,
                           rotate=_rotate_kinds(rotate),
                           keep_float=list(keep_float), gate=gate, target_ppl_ratio=target_ppl_ratio,
-                          target_top1=target_top1, force=force), log=_log)
+                          target_top1=target_top1, max_graph_bytes=int(graph_gb * 1024**3), device=device,
+                          force=force), log=_log)
     click.echo(f"calibrated model written to {out_dir}")
 
 

@@ -47,7 +47,7 @@ from ..model.rope import cos_sin_tables, full_width_tables, rotate_half_matrix
 from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
 from .builder import GraphBuilder, row_chunks
-from .quant import QuantPlan, quantized_matmul
+from .quant import QuantPlan, quantized_matmul, quantized_rows_matmul
 
 OPSET = 17
 # The graph's layout as this code writes it; a cached export of another version is redone.
@@ -56,6 +56,7 @@ OPSET = 17
 GRAPH_VERSION = 2
 NEG_INF = -1.0e9  # finite, so a row with no valid key gives a uniform softmax, not NaN
 EMBED_CHUNK_ROWS = 8192
+LM_HEAD_STREAM_BYTES = 512 * 1024**2  # an INT8 LM head larger than this in float32 is quantized in chunks
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,14 @@ class DecoderGraph:
         h = self.rms_norm(x, self.w.norm(None, "final"), "final_norm")
         head_name = self.w.lm_head_name()
         flat = g.op("Reshape", [h, g.ints([-1, s.hidden_size], "flat_shape")], "hidden_flat")
-        if self.quantized("lm_head"):
+        src = head_name or self.w.embedding_name()
+        if self.quantized("lm_head") and o.quant is not None and not o.quant.switchable and \
+                s.vocab_size * s.hidden_size * 4 > LM_HEAD_STREAM_BYTES:
+            # a large INT8 head (GLM-4's 151,552 x 4096 is 2.5 GB in float32): quantized in chunks of rows
+            logits = quantized_rows_matmul(g, flat, lambda a, b: self.w.rows(src, a, b), s.vocab_size,
+                                           s.hidden_size, "lm_head", o.quant)
+        elif self.quantized("lm_head"):
             # INT8 head: the [vocab, hidden] matrix as a [hidden, vocab] MatMul weight, per-vocab-row scales
-            src = head_name or self.w.embedding_name()
             w = np.concatenate([np.asarray(self.w.rows(src, a, min(a + EMBED_CHUNK_ROWS, s.vocab_size)), np.float32)
                                 for a in range(0, s.vocab_size, EMBED_CHUNK_ROWS)])
             logits = self.linear(flat, w.T, None, "lm_head", rank=2)

@@ -40,6 +40,14 @@ class ExportedWeights:
                 raise ArtifactError(f"{self.dir / onnx_file}: '{t.name[:80]}' has a bad offset, length or type")
             self._info[t.name] = (ext["location"], offset, length, tuple(t.dims), _DTYPES[t.data_type])
 
+    def layer_bytes(self, i: int) -> int:
+        """Bytes of layer i's weights in the data file."""
+        prefix = f"layers.{i}."
+        return sum(length for name, (_, _, length, _, _) in self._info.items() if name.startswith(prefix))
+
+    def total_bytes(self) -> int:
+        return sum(length for _, _, length, _, _ in self._info.values())
+
     def has(self, name: str) -> bool:
         return name in self._info
 
@@ -53,13 +61,17 @@ class ExportedWeights:
             length = (rows[1] - rows[0]) * row_bytes
             shape = (rows[1] - rows[0], *shape[1:])
         buf = bytearray(length)
+        view = memoryview(buf)
         fd = os.open(self.dir / location, os.O_RDONLY)
         try:
-            got = os.preadv(fd, [buf], offset)
+            got = 0
+            while got < length:  # one pread returns at most ~2 GiB on Linux: a large tensor takes several
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    raise AutoGLMError(f"{self.dir / location} is truncated: '{name}' could not be read")
+                got += n
         finally:
             os.close(fd)
-        if got != length:
-            raise AutoGLMError(f"{self.dir / location} is truncated: '{name}' could not be read")
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
     # -- WeightSource ------------------------------------------------------------

@@ -10,12 +10,15 @@ MatMul by a normalized Hadamard matrix) and ``R^T W`` offline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .builder import GraphBuilder
-from .hadamard import hadamard, rotate_weight
+from .hadamard import hadamard, rotate_rows, rotate_weight
+
+ROW_CHUNK = 8192  # rows of an [out, in] weight quantized at a time by ``quantized_rows_matmul``
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,8 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias)."""
     if name in plan.rotate:
         x, w = rotate_input(g, x, plan.rotate[name], name, rank), rotate_weight(w, plan.rotate[name])
-    x_scale = g.const(np.float32(act_scale(plan.act_amax[name])), f"{name}.act_scale")
-    zero = g.const(np.int8(0), "zero_i8")
-    xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
-    xdq = g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")
     wq, ws = quantize_weight_per_channel(w)
-    wdq = g.op("DequantizeLinear", [g.weight(f"{name}.weight_i8", wq), g.weight(f"{name}.weight_scale", ws),
-                                    g.weight(f"{name}.weight_zero", np.zeros(ws.shape, np.int8))],
-               f"{name}.weight_dq", axis=1)
+    xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), ws, name, plan)
     if plan.switchable:
         idx = g.const(np.int64(plan.switch_order.index(name)), f"{name}.switch_idx")
         on = g.op("Gather", ["quant_mask", idx], f"{name}.switch")
@@ -61,6 +58,39 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
         wdq = g.op("Where", [g.op("Greater", [on, g.const(np.float32(0.5), "half")]), wdq,
                              g.weight(f"{name}.weight", w.astype(np.float32))], f"{name}.switch_w")
     return g.op("MatMul", [xdq, wdq], name)
+
+
+def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int], np.ndarray], n_out: int,
+                          n_in: int, name: str, plan: QuantPlan, rank: int = 2) -> str:
+    """``quantized_matmul`` of a weight read as ``[out, in]`` rows (an LM head of a large vocabulary),
+    quantized chunk by chunk: memory holds the INT8 matrix once, never the float one."""
+    b = plan.rotate.get(name)
+    if b:
+        x = rotate_input(g, x, b, name, rank)
+    q = np.empty((n_out, n_in), np.int8)
+    scale = np.empty(n_out, np.float32)
+    for a in range(0, n_out, ROW_CHUNK):
+        rows = np.asarray(read_rows(a, min(a + ROW_CHUNK, n_out)), np.float32)
+        if b:
+            rows = rotate_rows(rows, b)  # (R^T W)^T = W^T R, row by row
+        qt, scale[a : a + len(rows)] = quantize_weight_per_channel(rows.T)
+        q[a : a + len(rows)] = qt.T
+    wq = g.weight_chunks(f"{name}.weight_i8", (n_in, n_out), np.dtype(np.int8),
+                         (np.ascontiguousarray(q[:, h : h + 512].T) for h in range(0, n_in, 512)))
+    xdq, wdq = _qdq(g, x, wq, scale, name, plan)
+    return g.op("MatMul", [xdq, wdq], name)
+
+
+def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: QuantPlan) -> tuple[str, str]:
+    """Q/DQ of the activation x (per tensor) and DQ of the INT8 weight ``wq`` (per output channel)."""
+    x_scale = g.const(np.float32(act_scale(plan.act_amax[name])), f"{name}.act_scale")
+    zero = g.const(np.int8(0), "zero_i8")
+    xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
+    xdq = g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")
+    wdq = g.op("DequantizeLinear", [wq, g.weight(f"{name}.weight_scale", ws),
+                                    g.weight(f"{name}.weight_zero", np.zeros(ws.shape, np.int8))],
+               f"{name}.weight_dq", axis=1)
+    return xdq, wdq
 
 
 def rotate_input(g: GraphBuilder, x: str, b: int, name: str, rank: int = 3) -> str:

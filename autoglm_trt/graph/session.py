@@ -42,14 +42,27 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
     return so
 
 
+DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
 def make_session(model: Path | bytes, threads: int | None = None, optimize: bool = True,
-                 external_data_dir: Path | None = None, save_optimized: Path | None = None):
-    """An ``InferenceSession`` on the CPU over a model file or serialized model bytes."""
+                 external_data_dir: Path | None = None, save_optimized: Path | None = None, device: str = "cpu"):
+    """An ``InferenceSession`` over a model file or serialized model bytes, on the CPU or (``device``
+    "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider."""
     import onnxruntime as ort
 
+    from ..errors import AutoGLMError
+
+    if device not in DEVICES:
+        raise AutoGLMError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    provider = DEVICES[device]
+    if provider not in ort.get_available_providers():
+        raise AutoGLMError(f"device {device} needs ONNX Runtime's {provider}, which this onnxruntime "
+                           f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}); "
+                           "install onnxruntime-gpu for CUDA, or use the CPU")
     so = session_options(threads, optimize, external_data_dir, save_optimized)
     source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
 
 
 def run(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
