@@ -119,6 +119,27 @@ def test_openai_client_completions_chat_streaming(chat_engine):
         assert seeded[0] == seeded[1] != seeded[2]
 
 
+def test_n_samples_and_beams_are_choices(chat_engine):
+    """``n`` seeded samples and the ``beam_width`` extension come back as OpenAI choices, the same
+    ones the engine gives in-process; usage counts every choice's tokens."""
+    samples = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    beams = SamplingParams(max_new_tokens=8, beam_width=3, n=2, ignore_eos=True)
+    with Engine.load(chat_engine) as engine:
+        [want_samples] = engine.generate(["Once upon a time"], samples)
+        [want_beams] = engine.generate(["Once upon a time"], beams)
+    with server(chat_engine) as (port, _):
+        c = client(port)
+        r = c.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=3,
+                                 n=3, extra_body={"ignore_eos": True})
+        assert [ch.index for ch in r.choices] == [0, 1, 2]
+        assert [ch.text for ch in r.choices] == [ch.text for ch in want_samples.choices]
+        assert r.usage.completion_tokens == 24
+        r = c.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=8, temperature=0, n=2,
+                                 extra_body={"ignore_eos": True, "beam_width": 3})
+        assert [ch.text for ch in r.choices] == [ch.text for ch in want_beams.choices]
+        assert metrics(port)["autoglm_kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("body, status, message", [
     (None, 400, "not valid JSON"),
     ({"model": "tiny-chat", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
@@ -127,7 +148,9 @@ def test_openai_client_completions_chat_streaming(chat_engine):
     ({"model": "other", "prompt": "hi"}, 404, "is not served here"),
     ({"model": "tiny-chat", "prompt": "x" * 300}, 400, "prompt tokens"),
     ({"model": "tiny-chat", "prompt": "hi", "max_tokens": 500}, 400, "max_seq_len"),
-    ({"model": "tiny-chat", "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": "tiny-chat", "prompt": "hi", "n": 2, "stream": True}, 400, "stream carries one choice"),
+    ({"model": "tiny-chat", "prompt": "hi", "n": 65}, 400, "n"),
+    ({"model": "tiny-chat", "prompt": "hi", "beam_width": 2}, 400, "leave temperature at 0"),
     ({"model": "tiny-chat", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ({"model": "tiny-chat", "prompt": [1, 2, 999999]}, 400, "outside the vocabulary"),
     ({"model": "tiny-chat"}, 400, "prompt"),

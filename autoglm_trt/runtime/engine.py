@@ -94,7 +94,8 @@ class Engine:
 
     def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink | None = None,
                timeout: float | None = None) -> Request:
-        """Queue one request without waiting: its pieces go to ``sink`` (if given) as they are made.
+        """Queue one request without waiting: its pieces go to ``sink`` (if given) as they are made
+        (with ``n`` > 1 the first sample's; a beam search sends none), then None when it ends.
 
         For callers that wait their own way (an event loop): ``outcome(request)`` once
         ``request.done`` is set, ``cancel(request)`` to stop it. ``RequestError`` if the request
@@ -118,7 +119,7 @@ class Engine:
         if timeout is not None:
             params = dataclasses.replace(params, timeout=timeout)
         ids = self.encode(prompt)  # type: ignore[arg-type]
-        self.limits.check(ids, params, streaming=stream is not False)
+        self.limits.check(ids, params, pieces=stream is not False, streaming=stream is True)
         seq = Sequence(ids, params)
         beam = params.beam_width > 1
         req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer and not beam else None, stream,

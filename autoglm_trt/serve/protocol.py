@@ -1,8 +1,10 @@
 """The OpenAI wire format this server speaks: request models, responses, stream chunks, errors.
 
 Requests are pydantic models (unknown fields are ignored, as OpenAI clients send many);
-every field is checked by type and range, and anything the engine cannot do (``n > 1``,
-``logprobs``, ``echo``, penalties) is refused with a 400 that says so, rather than ignored.
+every field is checked by type and range, and anything the engine cannot do (``logprobs``,
+``echo``, penalties, ``n > 1`` with ``stream``) is refused with a 400 that says so, rather than
+ignored. ``n`` samples share the prompt's KV blocks; the extension ``beam_width`` (with
+``length_penalty``) is the engine's beam search, whose ``n`` best beams are the choices.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..runtime.sampling import MAX_STOP_STRINGS, SamplingParams
+from ..runtime.sampling import MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -31,9 +33,11 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    # extensions (vLLM's names)
+    n: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
+    # extensions (vLLM's names, and the engine's beam search)
     top_k: int = Field(default=0, ge=0)
+    beam_width: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-(2**31), le=2**31)  # lower runs first
     # accepted only at their neutral values
@@ -59,7 +63,8 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
-                              timeout=timeout, priority=self.priority)
+                              timeout=timeout, priority=self.priority, n=self.n, beam_width=self.beam_width,
+                              length_penalty=self.length_penalty)
 
     @property
     def include_usage(self) -> bool:
@@ -116,16 +121,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
+    """``choices``: (text, finish reason) of each sample or beam, in order."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": OPENAI_FINISH.get(finish, finish),
-                         "logprobs": None}], "usage": use}
+            "choices": [{"index": k, "text": text, "finish_reason": OPENAI_FINISH.get(finish, finish),
+                         "logprobs": None} for k, (text, finish) in enumerate(choices)], "usage": use}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_response(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": OPENAI_FINISH.get(finish, finish), "logprobs": None}], "usage": use}
+            "choices": [{"index": k, "message": {"role": "assistant", "content": text},
+                         "finish_reason": OPENAI_FINISH.get(finish, finish), "logprobs": None}
+                        for k, (text, finish) in enumerate(choices)], "usage": use}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None) -> dict:

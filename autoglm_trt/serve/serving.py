@@ -87,7 +87,11 @@ class Serving:
             room = max(1, self.engine.max_seq_len - len(ids))  # a prompt too long is refused by submit
             max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, room) if not chat else room
         params = body.sampling(max_tokens, self.request_timeout)
+        if body.stream and (params.n > 1 or params.beam_width > 1):
+            raise ApiError(400, "stream carries one choice: n > 1 and beam_width > 1 need stream false",
+                           param="stream")
         sink = _LoopSink(asyncio.get_running_loop())
+        # with several choices the sink carries the first one's text and its end; the others are awaited after
         req = self.engine.submit(ids, params, sink)
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
@@ -110,13 +114,18 @@ class Serving:
                 continue
             if item is None:
                 break
+        while not all(r.done.is_set() for r in req.children):  # further samples, made when the prompt was in
+            if await request.is_disconnected():
+                self._cancel(req)
+                return Response(status_code=499)
+            await asyncio.sleep(0.01)
         try:
             res = self._finished(req)
         except AutoGLMError as exc:  # the engine failed or closed under this request: not the client's fault
             raise ApiError(503 if not self.engine.alive else 500, str(exc), "server_error", "generation_failed") from exc
-        use = usage(res.prompt_tokens, len(res.token_ids))
+        use = usage(res.prompt_tokens, sum(len(c.token_ids) for c in res.choices))
         build = chat_response if chat else completion_response
-        return JSONResponse(build(rid, self.model, res.text, res.finish_reason, use))
+        return JSONResponse(build(rid, self.model, [(c.text, c.finish_reason) for c in res.choices], use))
 
     async def _events(self, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
