@@ -3,6 +3,7 @@ exact values, fork and copy-on-write block states without a model, then real eng
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -124,7 +125,7 @@ def test_parallel_samples_share_the_prompt_and_follow_their_seeds(tiny_engine):
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     with Engine.load(tiny_engine) as engine:
         [one] = engine.generate([ids], params)
-        [many] = engine.generate([ids], SamplingParams(**{**params.__dict__, "n": 4}))
+        [many] = engine.generate([ids], dataclasses.replace(params, n=4))
         stats = engine.stats()
         pool = engine.allocator
     assert len(many.choices) == 4 and many.token_ids == one.token_ids == many.choices[0].token_ids
