@@ -4,7 +4,6 @@ nvidia-pytriton wheel; ``make triton`` installs it) on loopback ports started by
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from conftest import ROOT, free_port
 
 from autoglm_trt.errors import AutoGLMError
 from autoglm_trt.runtime import Engine, SamplingParams
-from autoglm_trt.triton.launcher import find_tritonserver
+from autoglm_trt.triton.launcher import find_tritonserver, stop
 
 try:
     find_tritonserver()
@@ -75,13 +74,7 @@ def triton(chat_engine, tmp_path_factory):
         assert proc.poll() is None, proc.stderr.read()
         yield {"http": http, "metrics": metrics, "proc": proc, "repo": repo}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 90)
         leftover = subprocess.run(["pgrep", "-f", str(repo)], capture_output=True, text=True).stdout.strip()
         if leftover:
             subprocess.run(["pkill", "-9", "-f", str(repo)])

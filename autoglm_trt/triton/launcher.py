@@ -63,6 +63,17 @@ def wait_ready(proc: subprocess.Popen, host: str, http_port: int, timeout: float
     raise AutoGLMError(f"tritonserver was not ready within {timeout:.0f} s")
 
 
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM a running tritonserver (it drains), and kill it if it has not exited within ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def triton_serve(repo: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, ready_timeout: float,
                  log=print) -> int:
     if not Path(repo).is_dir():
@@ -76,12 +87,6 @@ def triton_serve(repo: Path, host: str, http_port: int, grpc_port: int, metrics_
             f"grpc {host}:{grpc_port}, metrics http://{host}:{metrics_port}/metrics")
         return proc.wait()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 60)
         for s, h in old.items():
             signal.signal(s, h)
