@@ -166,3 +166,21 @@ def test_cache_bytes_and_round_trip(tmp_path):
     header, scales = read_cache(tmp_path / "calibration.cache")
     assert header == "TRT-101300-MinMaxCalibration"
     assert scales["a:b"] == np.float32(1.0 / 127.0) and scales["x"] == np.float32(0.125 / 127.0)
+
+
+def test_raw_histograms_take_every_fourth_token_row():
+    from types import SimpleNamespace
+
+    from autoglm_trt.calib.collect import RAW_ROW_STRIDE, Accumulator, ActivationStats
+
+    assert RAW_ROW_STRIDE == 4
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 8, 4)).astype(np.float32)
+    head = rng.standard_normal((2, 4)).astype(np.float32)
+    stats = ActivationStats()
+    acc = Accumulator(stats, SimpleNamespace(num_layers=0), ["q", "lm_head"], None, {})
+    acc.add([x.copy(), head.copy()], {})
+    raw, whole = stats.raw_hist["q"], stats.hist["q"]
+    assert raw.counts.sum() == 2 * 2 * 4 and raw.amax == float(np.abs(x[:, ::4]).max())  # token rows 0 and 4
+    assert whole.counts.sum() == x.size and whole.amax == float(np.abs(x).max())
+    assert stats.raw_hist["lm_head"].counts.sum() == head.size  # one row per window: taken whole

@@ -5,7 +5,7 @@ the QKV, o_proj, gate/up, down MatMuls of every layer and of the LM head's Gemm)
 histogram of |x| (after SmoothQuant scaling when enabled); from the first batch, the
 per-channel max |x| (for the SmoothQuant vectors) and a few hundred rows of x (for the
 sensitivity ranking); and a histogram of the raw |x| as the float graph has it, for the
-TensorRT calibration cache, whose tensors are those of the float graph. The graph runs
+TensorRT calibration cache (every 4th token row), whose tensors are those of the float graph. The graph runs
 batch by batch in ONNX Runtime with those tensors as extra outputs; nothing grows with the
 number of batches.
 """
@@ -28,6 +28,9 @@ from ..progress import Progress
 from .histogram import AbsHistogram, percentile_amax
 
 SAMPLE_ROWS = 256
+# The raw histograms feed only TensorRT's implicit-INT8 cache (the engines build from the Q/DQ
+# graph); they take every 4th token row, which cuts the statistics pass's histogram work by 3/8.
+RAW_ROW_STRIDE = 4
 KV_PERCENTILE = 99.99  # of |K|, |V| per KV head: the INT8 KV cache's clipping threshold
 
 
@@ -112,6 +115,11 @@ class Accumulator:
         self.v_scales: dict[str, np.ndarray] = {}
         self.scratch: dict[tuple[int, ...], np.ndarray] = {}
 
+    def _scratch(self, shape: tuple[int, ...]) -> np.ndarray:
+        if shape not in self.scratch:
+            self.scratch[shape] = np.empty(shape, np.float32)
+        return self.scratch[shape]
+
     def _first_batch(self, outs: list[np.ndarray]) -> None:
         stats = self.stats
         for name, x in zip(self.names, outs):
@@ -138,16 +146,22 @@ class Accumulator:
         stats, rotate, inv = self.stats, self.rotate, self.inv
         kv_observe(stats.kv_hist, list(kv), list(kv.values()), self.v_scales)
         for name, x in zip(self.names, outs):
-            if x.shape not in self.scratch:
-                self.scratch[x.shape] = np.empty(x.shape, np.float32)
-            scratch = self.scratch[x.shape]
-            stats.raw_hist[name].add(x, scratch=scratch)  # before smoothing and rotation change x
+            raw = _raw_rows(x)
+            stats.raw_hist[name].add(raw, scratch=self._scratch(raw.shape))  # before smoothing and rotation change x
+            scratch = self._scratch(x.shape)
             if name in rotate:
                 if name in inv:
                     np.multiply(x, inv[name], out=x)
                 stats.hist[name].add(rotate_rows(x, rotate[name], out=scratch), in_place=True)
             else:
                 stats.hist[name].add(x, inv.get(name), in_place=True)
+
+
+def _raw_rows(x: np.ndarray) -> np.ndarray:
+    """The token rows of a linear's input that its raw histogram takes: every ``RAW_ROW_STRIDE``-th
+    (a view; the first token of every window is among them). The LM head's input, one row per
+    window, is taken whole."""
+    return x[:, ::RAW_ROW_STRIDE] if x.ndim == 3 else x
 
 
 def kv_outputs(spec: ModelSpec) -> list[str]:

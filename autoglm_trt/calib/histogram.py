@@ -43,12 +43,24 @@ With prefix sums of h, of (h > 0) and of h*log(h), each level's contribution is 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
 NUM_BINS = 2048
 NUM_LEVELS = 128  # |x| quantized to 0..127
 FIRST_CANDIDATE = 128
+
+
+_SCRATCH = threading.local()
+
+
+def _index_buffer(size: int) -> np.ndarray:
+    """A per-thread int64 buffer of ``size`` elements, reused from call to call."""
+    buf = getattr(_SCRATCH, "index", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.index = np.empty(size, np.int64)
+    return buf[:size]
 
 
 class AbsHistogram:
@@ -134,8 +146,12 @@ class AbsHistogram:
                 self._grow(math.floor(m / (self._fine_width * fine)) + 1)
             np.multiply(a, np.float32(1.0 / self._fine_width), out=a)
             # values at the very top of the range land in bin ``fine`` (or, by rounding, a little
-            # above): count them there and fold them into the last bin, instead of a clipping pass
-            counts = np.bincount(a.astype(np.int32).ravel(), minlength=fine)
+            # above): count them there and fold them into the last bin, instead of a clipping pass.
+            # The bin indices go to a reused int64 buffer: bincount takes int64 as it is (an int32
+            # array it would first convert, and a fresh one costs page faults every batch).
+            index = _index_buffer(a.size)
+            np.copyto(index, a.ravel(), casting="unsafe")
+            counts = np.bincount(index, minlength=fine)
             self._fine += counts[:fine]
             if counts.size > fine:
                 self._fine[-1] += counts[fine:].sum()
