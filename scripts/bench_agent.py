@@ -67,7 +67,7 @@ def run(engine_dir: Path, caching: bool, system: list[int], observations: list[l
 
 def main() -> None:
     from autoglm_trt.fileutil import cpu_model
-    from autoglm_trt.runtime.tokenizer import TextTokenizer
+    from autoglm_trt.model.tokenizer import TextTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", type=Path, default=ROOT / "engines" / "smollm2-int8-agent",

@@ -67,7 +67,7 @@ def main() -> None:
                               "int8_kv": {k: round(res["int8"][k], 4) for k in ("ppl", "ppl_ratio", "top1_agreement")},
                               "int8_kv_ppl_over_float_kv": round(res["int8"]["ppl"] / res["float32"]["ppl"], 4)}),
                   flush=True)
-    from autoglm_trt.runtime.tokenizer import TextTokenizer
+    from autoglm_trt.model.tokenizer import TextTokenizer
 
     ids = TextTokenizer(engines[("int8", "int8")]).encode(text.read_text())
     loaded = {kv: Engine.load(engines[("int8", kv)], prefix_caching=False) for kv in ("float32", "int8")}

@@ -27,7 +27,7 @@ def top2(logits: np.ndarray, decode) -> str:
 
 def main() -> None:
     from autoglm_trt.model.reference import hf_logits
-    from autoglm_trt.runtime.tokenizer import TextTokenizer
+    from autoglm_trt.model.tokenizer import TextTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "models" / "smollm2-135m")

@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 from autoglm_trt.calib.cache import read_cache
+from autoglm_trt.calib.collect import RAW_ROW_STRIDE
 from autoglm_trt.calib.histogram import AbsHistogram, entropy_amax
 from autoglm_trt.calib.pipeline import CalibConfig, CalibrationMismatchError, calibrate, check_calibration
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
@@ -50,8 +51,8 @@ def test_outputs_and_record(calibrated, tiny_export):
 
 def test_trt_cache_names_float_graph_tensors_with_their_own_thresholds(calibrated, tiny_export):
     """Every name in calibration.cache is a tensor of the export's float model.onnx (a linear's
-    input), and its scale is the entropy threshold of that tensor's raw activations / 127,
-    recomputed here from a one-shot histogram of all calibration windows."""
+    input), and its scale is the entropy threshold of that tensor's raw activations / 127 (every
+    RAW_ROW_STRIDE-th token row), recomputed here from a one-shot histogram of all calibration windows."""
     out, record = calibrated
     header, scales = read_cache(out / "calibration.cache")
     assert header == "TRT-101300-EntropyCalibration2" == record["tensorrt_cache"]["header"]
@@ -70,7 +71,7 @@ def test_trt_cache_names_float_graph_tensors_with_their_own_thresholds(calibrate
     outs = session.run(names, prefill_feeds(spec, windows, "float32"))
     for name, x in zip(names, outs):
         h = AbsHistogram()
-        h.add(x)
+        h.add(x[:, ::RAW_ROW_STRIDE] if x.ndim == 3 else x)
         ratios.append(scales[name] / (entropy_amax(h) / 127.0))
     assert max(abs(r - 1) for r in ratios) < 0.02  # streamed (two batches) against one-shot histograms
 
@@ -153,7 +154,7 @@ def test_sensitivity_pass_keeps_linears_in_float(tiny_export, tmp_path):
     assert 0 < rec["float_weight_fraction"] <= 1
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "not_utf8", "too_short", "bad_jsonl"])
+@pytest.mark.parametrize("case", ["missing", "empty", "not_utf8", "too_short", "bad_jsonl", "bad_messages"])
 def test_bad_calibration_data(tiny_export, tmp_path, case):
     d = tmp_path / "data"
     if case != "missing":
@@ -164,8 +165,11 @@ def test_bad_calibration_data(tiny_export, tmp_path, case):
         (d / "a.txt").write_text("too short")
     elif case == "bad_jsonl":
         (d / "a.jsonl").write_text('{"body": "no text field"}\n')
+    elif case == "bad_messages":
+        (d / "a.jsonl").write_text('{"messages": [{"role": "user"}]}\n')
+    expected_json = "'text' string or a 'messages' list"
     message = {"missing": "does not exist", "empty": "no .txt or .jsonl", "not_utf8": "not UTF-8",
-               "too_short": "fewer than one sequence", "bad_jsonl": "'text' field"}[case]
+               "too_short": "fewer than one sequence", "bad_jsonl": expected_json, "bad_messages": expected_json}[case]
     with pytest.raises(CalibrationDataError, match=message):
         token_windows(d, tiny_export, 4, 64, None)
     r = run_cli("calibrate", str(tiny_export), "--calib", str(d), "-o", str(tmp_path / "out"), "--no-gate")
@@ -278,3 +282,26 @@ def test_unknown_rotation_kind_is_refused(tiny_export, tmp_path):
     r = run_cli("calibrate", str(tiny_export), "-o", str(tmp_path / "out"), "--rotate", "down,mlp", "--no-gate")
     assert r.returncode != 0 and "cannot rotate ['mlp']" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_chat_messages_are_rendered_with_the_models_template(smollm2_export, tiny_export, tmp_path):
+    from autoglm_trt.model.text import text_chunks
+    from autoglm_trt.model.tokenizer import TextTokenizer
+
+    chat = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."}]
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"text": "Plain text too."}) + "\n")
+    want = TextTokenizer(smollm2_export).apply_chat_template(chat, add_generation_prompt=False)
+    want += TextTokenizer(smollm2_export).tok.encode("Plain text too.", add_special_tokens=False).ids
+    assert "<|im_start|>assistant" in TextTokenizer(smollm2_export).tok.decode(want, skip_special_tokens=False)
+    n = len(want)
+    assert text_chunks(d / "chat.jsonl", smollm2_export, n).ravel().tolist() == want
+    assert token_windows(d, smollm2_export, 1, n, None).windows.ravel().tolist() == want
+    assert not TextTokenizer(tiny_export).chat_template
+    plain = "System: You are brief.\nUser: Name a colour.\nAssistant: Blue."  # a model without a template
+    from autoglm_trt.model.text import load_tokenizer
+
+    want = load_tokenizer(tiny_export).encode(plain, add_special_tokens=False).ids
+    assert text_chunks(d / "chat.jsonl", tiny_export, len(want), max_chunks=1).ravel().tolist() == want

@@ -13,10 +13,10 @@ import pytest
 from conftest import build_tiny_engine, run_cli
 
 from autoglm_trt.errors import AutoGLMError
+from autoglm_trt.model.tokenizer import TextTokenizer
 from autoglm_trt.runtime import Engine, RequestError, SamplingError, SamplingParams
 from autoglm_trt.runtime import engine as engine_module
 from autoglm_trt.runtime.request import PromptEncoder
-from autoglm_trt.runtime.tokenizer import TextTokenizer
 
 WAIT = 60  # seconds a call may take before the test calls it hung
 

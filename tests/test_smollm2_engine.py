@@ -117,7 +117,7 @@ def test_multi_turn_agent_trace_same_with_and_without_prefix_caching(fp32_engine
     """An agent loop (a long system prompt, then turns that resend the history plus a new
     observation, 3 agents at once): greedy answers are identical with and without prefix
     caching, and the cached run serves most prompt tokens from the cache."""
-    from autoglm_trt.runtime.tokenizer import TextTokenizer
+    from autoglm_trt.model.tokenizer import TextTokenizer
 
     tok = TextTokenizer(fp32_engine)
     text = tok.encode((ROOT / "calibration" / "data" / "10_json.txt").read_text())

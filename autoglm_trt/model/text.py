@@ -1,11 +1,13 @@
 """Calibration and evaluation text: files -> token windows, with the model's tokenizer.
 
 Input: a directory of ``.txt`` files and ``.jsonl`` files (one JSON object per line with a
-``text`` field), read in sorted path order, and the model's ``tokenizer.json``. Output:
-fixed-length token windows. All texts are tokenized and joined (separated by the EOS/BOS
-token when the model has one), cut into non-overlapping windows of ``seq_len`` tokens, and
-``num_samples`` windows are taken evenly spaced over the whole stream, so the selection is
-deterministic and covers every file.
+``text`` field, or a ``messages`` list of ``{"role", "content"}`` turns that is rendered with
+the model's own chat template, or as ``Role: content`` lines for a model without one), read in
+sorted path order, and the model's ``tokenizer.json``. Output: fixed-length token windows.
+All texts are tokenized and joined (separated by the EOS/BOS token when the model has one),
+cut into non-overlapping windows of ``seq_len`` tokens, and ``num_samples`` windows are
+taken evenly spaced over the whole stream, so the selection is deterministic and covers
+every file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +27,11 @@ class CalibrationDataError(AutoGLMError):
     """The calibration or evaluation text cannot be used."""
 
 
-def read_texts(path: Path) -> list[tuple[str, str]]:
-    """``[(relative name, text)]`` from a directory (or a single file) of .txt / .jsonl."""
+Text = str | list[dict]  # plain text, or a conversation's messages
+
+
+def read_texts(path: Path) -> list[tuple[str, Text]]:
+    """``[(relative name, text or messages)]`` from a directory (or a single file) of .txt / .jsonl."""
     path = Path(path)
     if not path.exists():
         raise CalibrationDataError(f"calibration data {path} does not exist; pass a directory of .txt/.jsonl files")
@@ -45,16 +51,53 @@ def read_texts(path: Path) -> list[tuple[str, str]]:
             for n, line in enumerate(raw.splitlines(), start=1):
                 if not line.strip():
                     continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise CalibrationDataError(f"{f}:{n}: expected a JSON object with a 'text' field") from exc
-                out.append((f"{name}:{n}", str(text)))
+                out.append((f"{name}:{n}", _json_line(line, f"{f}:{n}")))
         else:
             out.append((name, raw))
-    if not any(t.strip() for _, t in out):
+    if not any(isinstance(t, list) or t.strip() for _, t in out):
         raise CalibrationDataError(f"the files in {path} are empty")
     return out
+
+
+def _json_line(line: str, where: str) -> Text:
+    expected = "expected a JSON object with a 'text' string or a 'messages' list of {'role', 'content'} strings"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CalibrationDataError(f"{where}: {expected} ({exc})") from exc
+    if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+        turns = obj["messages"]
+        if turns and all(isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+                         for t in turns):
+            return [{"role": t["role"], "content": t["content"]} for t in turns]
+    elif isinstance(obj, dict) and "text" in obj:
+        return str(obj["text"])
+    raise CalibrationDataError(f"{where}: {expected}")
+
+
+class _Encoder:
+    """Token ids of a text, or of a conversation rendered with the model's chat template."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir, self.tok = Path(model_dir), load_tokenizer(model_dir)
+        self._chat: Any = None  # tokenizer.TextTokenizer, made on the first conversation
+
+    def ids(self, text: Text) -> list[int]:
+        if isinstance(text, str):
+            return self.tok.encode(text, add_special_tokens=False).ids
+        if self._chat is None:
+            from .tokenizer import TextTokenizer
+
+            self._chat = TextTokenizer(self.model_dir)
+        if not self._chat.chat_template:  # a base model: the conversation as plain lines
+            plain = "\n".join(f"{turn['role'].capitalize()}: {turn['content']}" for turn in text)
+            return self.tok.encode(plain, add_special_tokens=False).ids
+        return self._chat.apply_chat_template(text, add_generation_prompt=False)
+
+
+def _digest(text: Text) -> bytes:
+    raw = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(raw.encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -78,13 +121,13 @@ def token_windows(data: Path, model_dir: Path, num_samples: int, seq_len: int, s
     if num_samples < 1 or seq_len < 2:
         raise CalibrationDataError("need at least 1 sample of at least 2 tokens")
     texts = read_texts(data)
-    tok = load_tokenizer(model_dir)
+    enc = _Encoder(model_dir)
     h = hashlib.sha256()
     h.update(hashlib.sha256((Path(model_dir) / "tokenizer.json").read_bytes()).digest())
     stream: list[int] = []
     for name, text in texts:
-        h.update(name.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
-        ids = tok.encode(text, add_special_tokens=False).ids
+        h.update(name.encode() + b"\0" + _digest(text))
+        ids = enc.ids(text)
         if stream and separator is not None:
             stream.append(separator)
         stream.extend(ids)
@@ -104,10 +147,10 @@ def token_windows(data: Path, model_dir: Path, num_samples: int, seq_len: int, s
 
 def text_chunks(text_file: Path, model_dir: Path, seq_len: int, max_chunks: int | None = None) -> np.ndarray:
     """The whole text tokenized and cut into non-overlapping windows of ``seq_len`` (eval)."""
-    tok = load_tokenizer(model_dir)
+    enc = _Encoder(model_dir)
     ids: list[int] = []
     for _, text in read_texts(text_file):
-        ids.extend(tok.encode(text, add_special_tokens=False).ids)
+        ids.extend(enc.ids(text))
     n = len(ids) // seq_len
     if n == 0:
         raise CalibrationDataError(f"{text_file} has {len(ids)} tokens, fewer than one chunk of {seq_len}")

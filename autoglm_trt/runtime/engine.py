@@ -36,6 +36,7 @@ from ..artifacts import Manifest
 from ..backends import StepRunner
 from ..errors import RequestError
 from ..graph.paged_kv import step_inputs
+from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .block_pool import BlockPool
 from .groups import BeamGroup, fork_samples
 from .limits import RequestLimits
@@ -44,7 +45,6 @@ from .registry import Registry
 from .request import Choice, GenerationResult, Prompt, PromptEncoder, Request, Sink, split_prompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, Sequence, Step
-from .tokenizer import IncrementalDecoder, TextTokenizer
 
 log = logging.getLogger(__name__)
 __all__ = ["Choice", "Engine", "GenerationResult", "Prompt", "RequestError"]

@@ -13,7 +13,7 @@ from ..artifacts import EngineError, Manifest
 from ..backends import StepRunner, check_engine, open_runner
 from ..fileutil import available_memory_bytes
 from ..graph.session import MAX_THREADS
-from .tokenizer import TextTokenizer
+from ..model.tokenizer import TextTokenizer
 
 
 def open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_bytes: int | None,

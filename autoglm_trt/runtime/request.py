@@ -22,9 +22,9 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import RequestError
+from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup
 from .scheduler import Sequence
-from .tokenizer import IncrementalDecoder, TextTokenizer
 
 Prompt = str | list[dict] | list[int]
 PROMPT_HELP = ("a prompt is a string, a non-empty list of chat messages ({'role': str, 'content': str}) or a "
