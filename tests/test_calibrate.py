@@ -305,3 +305,14 @@ def test_chat_messages_are_rendered_with_the_models_template(smollm2_export, tin
 
     want = load_tokenizer(tiny_export).encode(plain, add_special_tokens=False).ids
     assert text_chunks(d / "chat.jsonl", tiny_export, len(want), max_chunks=1).ravel().tolist() == want
+
+
+def test_a_conversation_the_template_refuses_is_a_clear_error(smollm2_export, tmp_path):
+    from autoglm_trt.model.text import text_chunks
+
+    model = tmp_path / "model"
+    shutil.copytree(smollm2_export, model, ignore=shutil.ignore_patterns("*.onnx", "*.data"))
+    (model / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi."}]}) + "\n")
+    with pytest.raises(CalibrationDataError, match="chat.jsonl:1: the model's chat template cannot render"):
+        text_chunks(tmp_path / "chat.jsonl", model, 4)

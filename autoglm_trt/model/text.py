@@ -82,7 +82,7 @@ class _Encoder:
         self.model_dir, self.tok = Path(model_dir), load_tokenizer(model_dir)
         self._chat: Any = None  # tokenizer.TextTokenizer, made on the first conversation
 
-    def ids(self, text: Text) -> list[int]:
+    def ids(self, text: Text, where: str) -> list[int]:
         if isinstance(text, str):
             return self.tok.encode(text, add_special_tokens=False).ids
         if self._chat is None:
@@ -92,7 +92,11 @@ class _Encoder:
         if not self._chat.chat_template:  # a base model: the conversation as plain lines
             plain = "\n".join(f"{turn['role'].capitalize()}: {turn['content']}" for turn in text)
             return self.tok.encode(plain, add_special_tokens=False).ids
-        return self._chat.apply_chat_template(text, add_generation_prompt=False)
+        try:
+            return self._chat.apply_chat_template(text, add_generation_prompt=False)
+        except AutoGLMError as exc:  # the checkpoint's template refuses these messages
+            raise CalibrationDataError(f"{where}: the model's chat template cannot render this conversation: {exc}; "
+                                       "fix the messages or give the conversation as 'text'") from exc
 
 
 def _digest(text: Text) -> bytes:
@@ -127,7 +131,7 @@ def token_windows(data: Path, model_dir: Path, num_samples: int, seq_len: int, s
     stream: list[int] = []
     for name, text in texts:
         h.update(name.encode() + b"\0" + _digest(text))
-        ids = enc.ids(text)
+        ids = enc.ids(text, name)
         if stream and separator is not None:
             stream.append(separator)
         stream.extend(ids)
@@ -149,8 +153,8 @@ def text_chunks(text_file: Path, model_dir: Path, seq_len: int, max_chunks: int 
     """The whole text tokenized and cut into non-overlapping windows of ``seq_len`` (eval)."""
     enc = _Encoder(model_dir)
     ids: list[int] = []
-    for _, text in read_texts(text_file):
-        ids.extend(enc.ids(text))
+    for name, text in read_texts(text_file):
+        ids.extend(enc.ids(text, name))
     n = len(ids) // seq_len
     if n == 0:
         raise CalibrationDataError(f"{text_file} has {len(ids)} tokens, fewer than one chunk of {seq_len}")
