@@ -316,3 +316,14 @@ def test_a_conversation_the_template_refuses_is_a_clear_error(smollm2_export, tm
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi."}]}) + "\n")
     with pytest.raises(CalibrationDataError, match="chat.jsonl:1: the model's chat template cannot render"):
         text_chunks(tmp_path / "chat.jsonl", model, 4)
+
+
+def test_the_chat_template_is_part_of_the_windows_hash(smollm2_export, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(smollm2_export, model, ignore=shutil.ignore_patterns("*.onnx", "*.data"))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi there."}]}) + "\n")
+    before = token_windows(data, model, 1, 4, None).sha256
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}!{% endfor %}")
+    assert token_windows(data, model, 1, 4, None).sha256 != before

@@ -81,6 +81,7 @@ class _Encoder:
     def __init__(self, model_dir: Path):
         self.model_dir, self.tok = Path(model_dir), load_tokenizer(model_dir)
         self._chat: Any = None  # tokenizer.TextTokenizer, made on the first conversation
+        self.template = ""  # how conversations were rendered: the chat template, or "Role: content" lines
 
     def ids(self, text: Text, where: str) -> list[int]:
         if isinstance(text, str):
@@ -89,6 +90,7 @@ class _Encoder:
             from .tokenizer import TextTokenizer
 
             self._chat = TextTokenizer(self.model_dir)
+            self.template = self._chat.chat_template or "Role: content"
         if not self._chat.chat_template:  # a base model: the conversation as plain lines
             plain = "\n".join(f"{turn['role'].capitalize()}: {turn['content']}" for turn in text)
             return self.tok.encode(plain, add_special_tokens=False).ids
@@ -145,7 +147,7 @@ def token_windows(data: Path, model_dir: Path, num_samples: int, seq_len: int, s
     take = min(num_samples, available)
     starts = (np.linspace(0, available - 1, take).round().astype(np.int64)) * seq_len
     windows = np.stack([arr[s : s + seq_len] for s in starts])
-    h.update(f"{take}:{seq_len}:{separator}".encode())
+    h.update(f"{take}:{seq_len}:{separator}".encode() + enc.template.encode())  # a new template, new windows
     return TokenWindows(windows, len(arr), h.hexdigest())
 
 
