@@ -58,6 +58,7 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
 
     from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.calib import collect
+    from autoglm_trt.calib.pipeline import CalibConfig
     from autoglm_trt.calib.statistics import quantizable_inputs, rotation_blocks
     from autoglm_trt.graph.linears import KINDS
     from autoglm_trt.model.text import token_windows
@@ -68,11 +69,13 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
     rotate = rotation_blocks(spec, list(inputs), list(KINDS), 128)
     session = collect.calibration_session(export, list(inputs.values()))
     prof = cProfile.Profile()
-    prof.runcall(collect.collect, session, spec, inputs, windows, batch, None, False, rotate)
+    stride = CalibConfig.__dataclass_fields__["hist_row_stride"].default  # as calibrate() runs it
+    prof.runcall(collect.collect, session, spec, inputs, windows, batch, None, False, rotate, stride)
     stats = pstats.Stats(prof)
     total = max(v[3] for v in stats.stats.values())  # type: ignore[attr-defined]
     parts = {"onnxruntime_run": ("", "run_with_iobinding"), "histograms": ("histogram.py", "add"),
-             "hadamard_rotations": ("hadamard.py", "rotate_rows"), "of_which_kv_histograms": ("collect.py", "kv_observe")}
+             "hadamard_rotations": ("hadamard.py", "rotate_rows"), "of_which_kv_histograms": ("collect.py", "kv_observe"),
+             "row_sampling": ("collect.py", "_rows")}
     out = {"total_s": round(total, 2)}
     for label, (file, func) in parts.items():
         out[label + "_s"] = round(sum(v[3] for k, v in stats.stats.items()  # type: ignore[attr-defined]

@@ -168,7 +168,7 @@ def test_cache_bytes_and_round_trip(tmp_path):
     assert scales["a:b"] == np.float32(1.0 / 127.0) and scales["x"] == np.float32(0.125 / 127.0)
 
 
-def test_raw_histograms_take_every_fourth_token_row():
+def test_raw_histograms_take_one_token_row_in_four_rotating_over_windows():
     from types import SimpleNamespace
 
     from autoglm_trt.calib.collect import RAW_ROW_STRIDE, Accumulator, ActivationStats
@@ -176,11 +176,39 @@ def test_raw_histograms_take_every_fourth_token_row():
     assert RAW_ROW_STRIDE == 4
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 8, 4)).astype(np.float32)
+    x[1, 0, 0] = 9.0  # window 1 does not take its first token: it takes rows 1 and 5 (window 0: rows 0 and 4)
     head = rng.standard_normal((2, 4)).astype(np.float32)
     stats = ActivationStats()
     acc = Accumulator(stats, SimpleNamespace(num_layers=0), ["q", "lm_head"], None, {})
     acc.add([x.copy(), head.copy()], {})
     raw, whole = stats.raw_hist["q"], stats.hist["q"]
-    assert raw.counts.sum() == 2 * 2 * 4 and raw.amax == float(np.abs(x[:, ::4]).max())  # token rows 0 and 4
-    assert whole.counts.sum() == x.size and whole.amax == float(np.abs(x).max())
+    taken = np.concatenate([x[0, 0::4], x[1, 1::4]])
+    assert raw.counts.sum() == taken.size and raw.amax == float(np.abs(taken).max()) < 9.0
+    assert whole.counts.sum() == x.size and whole.amax == 9.0  # the Q/DQ histograms take every row by default
     assert stats.raw_hist["lm_head"].counts.sum() == head.size  # one row per window: taken whole
+
+
+def test_qdq_histograms_with_a_row_stride_take_each_position_in_one_window_of_stride():
+    from types import SimpleNamespace
+
+    from autoglm_trt.calib.collect import Accumulator, ActivationStats
+    from autoglm_trt.calib.histogram import AbsHistogram
+
+    rng = np.random.default_rng(4)
+    batches = [rng.standard_normal((3, 6, 4)).astype(np.float32) for _ in range(2)]  # windows 0-2, then 3-5
+    inv = rng.uniform(0.5, 2.0, 4).astype(np.float32)
+    stats = ActivationStats()
+    acc = Accumulator(stats, SimpleNamespace(num_layers=0), ["q"], lambda m: {"q": 1.0 / inv}, {}, row_stride=2)
+    for x in batches:
+        acc.add([x.copy()], {})
+    windows = np.concatenate(batches)
+    taken = [windows[w, w % 2 :: 2] for w in range(6)]  # even windows rows 0, 2, 4; odd ones rows 1, 3, 5
+    want = AbsHistogram()
+    for batch in (taken[:3], taken[3:]):  # streamed as the accumulator streams them
+        want.add(np.stack(batch) * inv)
+    got = stats.hist["q"]
+    assert got.counts.sum() == 6 * 3 * 4
+    np.testing.assert_array_equal(got.counts, want.counts)
+    assert got.amax == want.amax
+    with pytest.raises(ValueError, match="hist_row_stride"):
+        Accumulator(ActivationStats(), SimpleNamespace(num_layers=0), ["q"], None, {}, row_stride=0)

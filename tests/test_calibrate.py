@@ -51,8 +51,9 @@ def test_outputs_and_record(calibrated, tiny_export):
 
 def test_trt_cache_names_float_graph_tensors_with_their_own_thresholds(calibrated, tiny_export):
     """Every name in calibration.cache is a tensor of the export's float model.onnx (a linear's
-    input), and its scale is the entropy threshold of that tensor's raw activations / 127 (every
-    RAW_ROW_STRIDE-th token row), recomputed here from a one-shot histogram of all calibration windows."""
+    input), and its scale is the entropy threshold of that tensor's raw activations / 127 (one
+    token row in RAW_ROW_STRIDE, window w taking rows w mod RAW_ROW_STRIDE, ...), recomputed here
+    from those rows of all calibration windows, streamed in the calibration's batches of 8."""
     out, record = calibrated
     header, scales = read_cache(out / "calibration.cache")
     assert header == "TRT-101300-EntropyCalibration2" == record["tensorrt_cache"]["header"]
@@ -71,9 +72,12 @@ def test_trt_cache_names_float_graph_tensors_with_their_own_thresholds(calibrate
     outs = session.run(names, prefill_feeds(spec, windows, "float32"))
     for name, x in zip(names, outs):
         h = AbsHistogram()
-        h.add(x[:, ::RAW_ROW_STRIDE] if x.ndim == 3 else x)
+        n = x.shape[1] // RAW_ROW_STRIDE if x.ndim == 3 else 0
+        rows = np.stack([x[w, w % RAW_ROW_STRIDE :: RAW_ROW_STRIDE][:n] for w in range(len(x))]) if n else x
+        for b in range(0, len(rows), 8):
+            h.add(rows[b : b + 8])
         ratios.append(scales[name] / (entropy_amax(h) / 127.0))
-    assert max(abs(r - 1) for r in ratios) < 0.02  # streamed (two batches) against one-shot histograms
+    assert max(abs(r - 1) for r in ratios) < 1e-6  # float32 scales in the cache
 
 
 def test_qdq_placement(calibrated):
@@ -327,3 +331,18 @@ def test_the_chat_template_is_part_of_the_windows_hash(smollm2_export, tmp_path)
     before = token_windows(data, model, 1, 4, None).sha256
     (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}!{% endfor %}")
     assert token_windows(data, model, 1, 4, None).sha256 != before
+
+
+def test_a_gate_the_memory_cannot_hold_is_refused_before_the_statistics(tiny_export, tmp_path, monkeypatch):
+    import autoglm_trt.calib.pipeline as pipeline
+    from autoglm_trt.errors import AutoGLMError
+
+    weights = pipeline.ExportedWeights(tiny_export).total_bytes()
+    monkeypatch.setattr(pipeline, "available_memory_bytes", lambda: int(2 * weights))  # under 2.5x the weights
+    monkeypatch.setattr(pipeline, "gather", lambda *a, **k: pytest.fail("the statistics pass ran"))
+    with pytest.raises(AutoGLMError, match="--no-gate"):
+        calibrate(CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64), log=lambda m: None)
+    assert not (tmp_path / "int8").exists()
+    with pytest.raises(AutoGLMError, match="hist_row_stride must be an integer >= 1"):
+        calibrate(CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64, gate=False,
+                              hist_row_stride=0), log=lambda m: None)

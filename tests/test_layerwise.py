@@ -26,13 +26,15 @@ from autoglm_trt.model.text import token_windows
 DATA = ROOT / "calibration" / "data"
 
 
-def both_ways(export, windows: int, seq_len: int, max_graph_bytes: int) -> tuple[Statistics, Statistics]:
+def both_ways(export, windows: int, seq_len: int, max_graph_bytes: int,
+              row_stride: int = 1) -> tuple[Statistics, Statistics]:
     spec = ExportRecord.read(export).spec
     w = token_windows(DATA, export, windows, seq_len, spec.eos_token_ids[0]).windows
     inputs = quantizable_inputs(export, True, [])
     rotate = rotation_blocks(spec, list(inputs), list(KINDS), 128)
-    whole = gather(export, spec, w, inputs, rotate, 0.8, 4, None)
-    layered = gather(export, spec, w, inputs, rotate, 0.8, 4, None, max_graph_bytes=max_graph_bytes)
+    whole = gather(export, spec, w, inputs, rotate, 0.8, 4, None, row_stride=row_stride)
+    layered = gather(export, spec, w, inputs, rotate, 0.8, 4, None, max_graph_bytes=max_graph_bytes,
+                     row_stride=row_stride)
     assert not whole.layerwise and layered.layerwise
     return whole, layered
 
@@ -88,10 +90,11 @@ def test_a_layer_subgraph_holds_only_its_weights_by_reference(glm_export):
 
 
 @pytest.mark.parametrize("per_group", ["one layer", "two layers"])
-def test_tiny_glm_statistics_equal_the_whole_graph(glm_export, per_group):
+@pytest.mark.parametrize("row_stride", [1, 2])
+def test_tiny_glm_statistics_equal_the_whole_graph(glm_export, per_group, row_stride):
     weights = ExportedWeights(glm_export)
     budget = weights.layer_bytes(0) * (1 if per_group == "one layer" else 2)
-    whole, layered = both_ways(glm_export, 12, 32, budget)
+    whole, layered = both_ways(glm_export, 12, 32, budget, row_stride)
     assert_same_statistics(whole, layered, rtol=1e-5)
 
 

@@ -53,3 +53,21 @@ def test_pool_write_puts_each_kv_head_in_its_own_plane():
     new = np.array([[[10, 20], [11, 21], [12, 22]]], np.float32)[..., None]  # [batch 1, tokens 3, heads 2, dim 1]
     pools.write({"new_key.0": new, "new_value.0": new}, slots)
     np.testing.assert_array_equal(pools.keys[0][..., 0], [[[12, 0], [10, 11]], [[22, 0], [20, 21]]])
+
+
+def test_stacked_write_and_block_copy_equal_the_per_layer_ones():
+    rng = np.random.default_rng(3)
+    states = [SeqState(3, [4, 1]), SeqState(0, [0]), SeqState(6, [2, 5, 3])]
+    _, slots = step_inputs([[1, 2], [3], [4, 5, 6]], states, block_size=4)
+    new = rng.standard_normal((2, 3, 3, 3, 2, 5)).astype(np.float32)  # [K/V, layers, batch, tokens, heads, dim]
+    a = KVPools(num_layers=3, num_blocks=6, block_size=4, kv_heads=2, head_dim=5)
+    b = KVPools(num_layers=3, num_blocks=6, block_size=4, kv_heads=2, head_dim=5)
+    a.write({f"new_{kind}.{i}": new[k, i] for k, kind in enumerate(("key", "value")) for i in range(3)}, slots)
+    b.write_stacked(new, slots)
+    assert np.count_nonzero(a.data) == 2 * 3 * 2 * 5 * 6  # six tokens written in every layer, K and V
+    np.testing.assert_array_equal(a.data, b.data)
+    for i in range(3):  # the per-layer pools are views of the stacked array
+        assert np.shares_memory(b.keys[i], b.data) and np.shares_memory(b.values[i], b.data)
+    np.testing.assert_array_equal(b.values[2][:, 1, 0], new[1, 2, 0, 1])  # sequence 0, token 1: position 4 = block 1, slot 0
+    b.copy_blocks([(1, 0)])
+    np.testing.assert_array_equal(b.data[:, :, :, 0], a.data[:, :, :, 1])

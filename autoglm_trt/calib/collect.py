@@ -5,7 +5,7 @@ the QKV, o_proj, gate/up, down MatMuls of every layer and of the LM head's Gemm)
 histogram of |x| (after SmoothQuant scaling when enabled); from the first batch, the
 per-channel max |x| (for the SmoothQuant vectors) and a few hundred rows of x (for the
 sensitivity ranking); and a histogram of the raw |x| as the float graph has it, for the
-TensorRT calibration cache (every 4th token row), whose tensors are those of the float graph. The graph runs
+TensorRT calibration cache (one token row in 4), whose tensors are those of the float graph. The graph runs
 batch by batch in ONNX Runtime with those tensors as extra outputs; nothing grows with the
 number of batches.
 """
@@ -29,7 +29,8 @@ from .histogram import AbsHistogram, percentile_amax
 
 SAMPLE_ROWS = 256
 # The raw histograms feed only TensorRT's implicit-INT8 cache (the engines build from the Q/DQ
-# graph); they take every 4th token row, which cuts the statistics pass's histogram work by 3/8.
+# graph); they take one token row in 4 (``Accumulator._rows``), which cuts the statistics pass's
+# histogram work by 3/8.
 RAW_ROW_STRIDE = 4
 KV_PERCENTILE = 99.99  # of |K|, |V| per KV head: the INT8 KV cache's clipping threshold
 
@@ -70,18 +71,21 @@ def calibration_session(export_dir: Path, outputs: list[str], threads: int | Non
 
 def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,
             smoothing: Smoothing | None = None, show_progress: bool = True,
-            rotate: dict[str, int] | None = None) -> ActivationStats:
+            rotate: dict[str, int] | None = None, row_stride: int = 1) -> ActivationStats:
     """Run all windows through the graph and accumulate the statistics (see ``Accumulator``)."""
     names = list(inputs)
     stats = ActivationStats()
     kv = kv_outputs(spec)
-    acc = Accumulator(stats, spec, names, smoothing, rotate or {})
+    acc = Accumulator(stats, spec, names, smoothing, rotate or {}, row_stride)
     n_batches = -(-len(windows) // batch_size)
     progress = Progress(n_batches, "calibrating") if show_progress else None
     shapes = [_linear_shape(input_channels(spec, n), "lm_head" in n) for n in names]
     shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
     bound = _BoundOutputs(session, [inputs[n] for n in names] + kv, shapes,
                           [np.dtype(np.float32)] * (len(names) + len(kv)))
+    # (Accumulating batch b - 1 in a worker thread while ONNX Runtime ran batch b was tried: 8.4-8.8 s
+    # against 7.1-7.4 s serial for 32 windows. Both are bound by memory bandwidth, which overlap
+    # does not add.)
     for b in range(n_batches):
         w = windows[b * batch_size : (b + 1) * batch_size]
         outs = bound.run(prefill_feeds(spec, w, "float32"))
@@ -101,24 +105,31 @@ class Accumulator:
     ``smoothing`` maps the first batch's per-channel maxima to SmoothQuant vectors; every
     batch (the first included) is then histogrammed as ``x / s``. The inputs named in
     ``rotate`` (name -> Hadamard block) are histogrammed and sampled as ``(x / s) R``, which
-    is what their quantizer sees in the INT8 graph. The whole graph's pass has one
-    accumulator; the layer-by-layer pass one per group of layers, over the same batches.
+    is what their quantizer sees in the INT8 graph. These histograms take one token row in
+    ``row_stride`` of each window (``_rows``); the first batch's maxima and samples take every row.
+    The whole graph's pass has one accumulator; the layer-by-layer pass one per group of
+    layers, over the same batches.
     """
 
     def __init__(self, stats: ActivationStats, spec: ModelSpec, names: list[str], smoothing: Smoothing | None,
-                 rotate: dict[str, int]):
+                 rotate: dict[str, int], row_stride: int = 1):
+        if not isinstance(row_stride, int) or isinstance(row_stride, bool) or row_stride < 1:
+            raise ValueError(f"hist_row_stride must be a whole number >= 1 (1: every token row), got {row_stride!r}")
         self.stats, self.spec, self.names, self.smoothing, self.rotate = stats, spec, names, smoothing, rotate
+        self.row_stride = row_stride
+        self.windows = 0  # windows added so far (which token rows a window's histograms take)
         for n in names:
             stats.hist[n], stats.raw_hist[n] = AbsHistogram(), AbsHistogram()
         self.first = True
         self.inv: dict[str, np.ndarray] = {}
         self.v_scales: dict[str, np.ndarray] = {}
-        self.scratch: dict[tuple[int, ...], np.ndarray] = {}
+        self.scratch: dict[tuple[tuple[int, ...], str], np.ndarray] = {}
 
-    def _scratch(self, shape: tuple[int, ...]) -> np.ndarray:
-        if shape not in self.scratch:
-            self.scratch[shape] = np.empty(shape, np.float32)
-        return self.scratch[shape]
+    def _scratch(self, shape: tuple[int, ...], use: str = "") -> np.ndarray:
+        key = (shape, use)
+        if key not in self.scratch:
+            self.scratch[key] = np.empty(shape, np.float32)
+        return self.scratch[key]
 
     def _first_batch(self, outs: list[np.ndarray]) -> None:
         stats = self.stats
@@ -146,22 +157,38 @@ class Accumulator:
         stats, rotate, inv = self.stats, self.rotate, self.inv
         kv_observe(stats.kv_hist, list(kv), list(kv.values()), self.v_scales)
         for name, x in zip(self.names, outs):
-            raw = _raw_rows(x)
-            stats.raw_hist[name].add(raw, scratch=self._scratch(raw.shape))  # before smoothing and rotation change x
-            scratch = self._scratch(x.shape)
+            # the raw rows first: smoothing and rotation change x
+            stats.raw_hist[name].add(self._rows(x, RAW_ROW_STRIDE, "raw", np.abs), in_place=True)
+            if self.row_stride > 1 and x.ndim == 3:  # the rows taken, smoothed, in contiguous scratch
+                x = self._rows(x, self.row_stride, "rows", (lambda a, out, s=inv[name]: np.multiply(a, s, out=out))
+                               if name in inv else (lambda a, out: np.copyto(out, a)))
+            elif name in inv:
+                np.multiply(x, inv[name], out=x)
             if name in rotate:
-                if name in inv:
-                    np.multiply(x, inv[name], out=x)
-                stats.hist[name].add(rotate_rows(x, rotate[name], out=scratch), in_place=True)
+                stats.hist[name].add(rotate_rows(x, rotate[name], out=self._scratch(x.shape)), in_place=True)
             else:
-                stats.hist[name].add(x, inv.get(name), in_place=True)
+                stats.hist[name].add(x, in_place=True)
+        self.windows += len(outs[0]) if outs else 0
 
-
-def _raw_rows(x: np.ndarray) -> np.ndarray:
-    """The token rows of a linear's input that its raw histogram takes: every ``RAW_ROW_STRIDE``-th
-    (a view; the first token of every window is among them). The LM head's input, one row per
-    window, is taken whole."""
-    return x[:, ::RAW_ROW_STRIDE] if x.ndim == 3 else x
+    def _rows(self, x: np.ndarray, stride: int, use: str, write: Callable[..., object]) -> np.ndarray:
+        """Some token rows of a linear's input ``[batch, tokens, channels]``, through ``write(rows,
+        out=...)`` into scratch ``[batch, tokens // stride, channels]``: window w (counted over
+        all batches) takes the rows t = w mod stride, that + stride, ... So every position is
+        taken in 1/stride of the windows: the first token, whose activations are outliers, is
+        neither always taken (which would weigh it stride times over) nor never. The LM head's
+        input, one row per window, and windows shorter than ``stride`` are taken whole."""
+        if x.ndim != 3 or x.shape[1] < stride:
+            stride = 1
+        batch, tokens, channels = x.shape if x.ndim == 3 else (x.shape[0], 1, x.shape[1])
+        n = tokens // stride
+        out = self._scratch((batch, n, channels) if x.ndim == 3 else x.shape, use)
+        if stride == 1:
+            write(x, out=out)
+            return out
+        for w in range(batch):
+            first = (self.windows + w) % stride
+            write(x[w, first : first + n * stride : stride], out=out[w])
+        return out
 
 
 def kv_outputs(spec: ModelSpec) -> list[str]:
@@ -181,12 +208,15 @@ def kv_observe(hists: dict[str, list[AbsHistogram]], names: list[str], outs: lis
                scales: dict[str, np.ndarray] | None = None) -> None:
     """Add the new K/V ``[batch, tokens, kv_heads, head_dim]`` (times ``scales`` where given, in
     place) to one histogram per KV head."""
+    scratch: np.ndarray | None = None  # one head's |values|, contiguous: the copy and abs in one pass
     for name, x in zip(names, outs):
         if name in (scales or {}):
             np.multiply(x, scales[name], out=x)  # type: ignore[index]
         heads = hists.setdefault(name, [AbsHistogram() for _ in range(x.shape[2])])
+        if scratch is None or scratch.shape != x[:, :, 0, :].shape:
+            scratch = np.empty(x[:, :, 0, :].shape, np.float32)
         for h, hist in enumerate(heads):
-            hist.add(x[:, :, h, :])
+            hist.add(x[:, :, h, :], scratch=scratch)
 
 
 def kv_head_amax(hists: dict[str, list[AbsHistogram]]) -> dict[str, list[float]]:

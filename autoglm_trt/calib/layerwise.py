@@ -136,7 +136,7 @@ class _GroupRunner:
 def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str],
                      rotate: dict[str, int], smoothing_for: Callable[[list[int]], Smoothing | None], batch_size: int,
                      threads: int | None, max_graph_bytes: int, device: str = "cpu",
-                     show_progress: bool = True) -> ActivationStats:
+                     show_progress: bool = True, row_stride: int = 1) -> ActivationStats:
     """The statistics of ``collect`` over the windows, group of layers by group of layers.
 
     ``smoothing_for(layers)`` gives the SmoothQuant callback of those layers' linears (None: off).
@@ -158,7 +158,7 @@ def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inp
         shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
         runner = _GroupRunner(subgraph(model, [stream], [inputs[n] for n in names] + kv + [out_name]),
                               Path(export_dir), stream, [inputs[n] for n in names] + kv, shapes, threads, device)
-        acc = Accumulator(stats, spec, names, smoothing_for(group), rotate)
+        acc = Accumulator(stats, spec, names, smoothing_for(group), rotate, row_stride)
         nxt = np.empty_like(hidden)
         for (a, b), f in zip(batches, feeds):
             outs = runner.run(f, hidden[a:b], {out_name: nxt[a:b]})

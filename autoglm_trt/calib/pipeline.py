@@ -29,7 +29,8 @@ from pathlib import Path
 
 from ..artifacts import CALIB_RECORD, EXPORT_RECORD, CalibRecord, ExportRecord, copy_tokenizer_files
 from ..errors import AutoGLMError
-from ..fileutil import staged_directory, write_json
+from ..fileutil import available_memory_bytes, staged_directory, write_json
+from ..graph.exported_weights import ExportedWeights
 from ..graph.linears import KINDS
 from ..graph.quant import QuantPlan
 from ..model.text import TokenWindows, token_windows
@@ -46,8 +47,9 @@ from .thresholds import choose_amax, int8_errors
 # 2: Hadamard-rotated linear inputs, LM head in the sensitivity search.
 # 3: histograms keep full resolution when the range grows; the TensorRT cache names float-graph tensors.
 # 4: K/V amax per layer and KV head (INT8 KV cache). 5: V's amax as the smoothed graph stores it.
-# 6: K/V thresholds: 99.99th percentile per KV head.
-CALIB_VERSION = 6
+# 6: K/V thresholds: 99.99th percentile per KV head. 7: histograms of token rows sampled by
+# window (``collect.Accumulator._rows``), the Q/DQ ones one row in ``hist_row_stride``.
+CALIB_VERSION = 7
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "calibration" / "data"
 
 
@@ -66,6 +68,10 @@ class CalibConfig:
     # linear kinds whose input gets a Hadamard rotation (all: README, "Calibration and accuracy")
     rotate: list[str] = field(default_factory=lambda: list(KINDS))
     max_rotation_block: int = 128
+    # the Q/DQ histograms take one token row in this many of each window, rotating over windows
+    # (1: every row). 2 halves the statistics pass's numpy work; on SmolLM2 it scores within
+    # run-to-run noise of 1 on every kind of held-out text (README, "Calibration and accuracy")
+    hist_row_stride: int = 2
     keep_float: list[str] = field(default_factory=list)
     gate: bool = True
     # a margin under the acceptance gate (1.02 / 0.90 on held-out text): the search measures
@@ -115,7 +121,7 @@ def check_calibration(calib_dir: Path, export_dir: Path, data_sha256: str | None
 
 
 def _check_config(cfg: CalibConfig, export: ExportRecord) -> None:
-    for name in ("num_samples", "batch_size", "gate_windows", "max_rotation_block"):
+    for name in ("num_samples", "batch_size", "gate_windows", "max_rotation_block", "hist_row_stride"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise AutoGLMError(f"{name} must be an integer >= 1, got {value!r}")
@@ -136,6 +142,25 @@ def _check_config(cfg: CalibConfig, export: ExportRecord) -> None:
     if export.dtype != "float32" or export.precision != "fp32":
         raise AutoGLMError(f"{cfg.export_dir} is not a float32 export; calibrate a float32 export "
                            "(autoglm-trt export CHECKPOINT -o DIR)")
+    if cfg.gate:
+        _check_gate_memory(cfg.export_dir)
+
+
+# The gate holds the switchable graph (float weights and their INT8 copies), the float
+# reference and the INT8 graph at once: about this many times the export's float32 weights.
+GATE_MEMORY_FACTOR = 2.5
+
+
+def _check_gate_memory(export_dir: Path) -> None:
+    """Refuse, before the statistics pass, a gate this machine's memory cannot hold."""
+    weights = ExportedWeights(export_dir).total_bytes()
+    need, have = GATE_MEMORY_FACTOR * weights, available_memory_bytes()
+    if have is not None and need > have:
+        raise AutoGLMError(
+            f"the accuracy gate runs the whole float graph and INT8 graphs of this export at once: about "
+            f"{need / 1e9:.1f} GB for its {weights / 1e9:.1f} GB of float32 weights, and this machine has "
+            f"{have / 1e9:.1f} GB available. Calibrate with --no-gate (the statistics then run layer by layer "
+            "in bounded memory; score the INT8 graph afterwards with `autoglm-trt eval` where it fits), or on a larger host")
 
 
 def _existing(cfg: CalibConfig, msha: str, data_sha: str, log: Callable[[str], None]) -> tuple[dict | None, bool]:
@@ -173,7 +198,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     inputs = quantizable_inputs(cfg.export_dir, cfg.quantize_lm_head, cfg.keep_float)
     rotate = rotation_blocks(spec, list(inputs), cfg.rotate, cfg.max_rotation_block)
     st = gather(cfg.export_dir, spec, windows.windows, inputs, rotate, cfg.smoothquant_alpha, cfg.batch_size,
-                cfg.threads, cfg.max_graph_bytes, cfg.device)
+                cfg.threads, cfg.max_graph_bytes, cfg.device, cfg.hist_row_stride)
     t_search = time.perf_counter()
     amax, amax_method = choose_amax(st, cfg.method, cfg.percentile)
     timings = {"collect_s": round(st.seconds, 3), "search_s": round(time.perf_counter() - t_search, 3),

@@ -48,6 +48,8 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
 @click.option("--calib-seq-len", "seq_len", type=int, default=128, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--percentile", type=float, default=99.99, show_default=True)
+@click.option("--hist-row-stride", type=int, default=2, show_default=True,
+              help="The activation histograms take one token row in this many of each window (1: every row).")
 @click.option("--smoothquant", "alpha", type=float, default=0.8, show_default=True,
               help="SmoothQuant migration strength alpha; 0 turns it off.")
 @click.option("--quantize-lm-head/--float-lm-head", default=True, show_default=True,
@@ -67,8 +69,8 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
               help="Where the statistics pass runs (cuda needs onnxruntime-gpu).")
 @click.option("--force", is_flag=True, help="Replace an output made from another model or data.")
 def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: str, num_samples: int, seq_len: int,
-                  batch_size: int, percentile: float, alpha: float, quantize_lm_head: bool, rotate: str,
-                  keep_float: tuple[str, ...], gate: bool, target_ppl_ratio: float, target_top1: float,
+                  batch_size: int, percentile: float, hist_row_stride: int, alpha: float, quantize_lm_head: bool,
+                  rotate: str, keep_float: tuple[str, ...], gate: bool, target_ppl_ratio: float, target_top1: float,
                   graph_gb: float, device: str, force: bool) -> None:
     """INT8-calibrate a float32 EXPORT_DIR: Q/DQ ONNX, TensorRT calibration cache, calib.json."""
     from ..calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
@@ -78,6 +80,7 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
         _log(f"no --calib given: using the default calibration set {data}")
     calibrate(CalibConfig(export_dir=export_dir, data=data, out_dir=out_dir, method=method, num_samples=num_samples,
                           seq_len=seq_len, batch_size=batch_size, percentile=percentile,
+                          hist_row_stride=hist_row_stride,
                           smoothquant_alpha=alpha or None, quantize_lm_head=quantize_lm_head,
                           rotate=_rotate_kinds(rotate),
                           keep_float=list(keep_float), gate=gate, target_ppl_ratio=target_ppl_ratio,

@@ -76,14 +76,19 @@ class SeqState:
 
 
 class KVPools:
-    """Per-layer K and V pools, written in place."""
+    """Per-layer K and V pools, written in place.
+
+    All of them are views of one array ``data[2, num_layers, *pool_shape]`` (K then V), so a
+    step's new K/V of every layer, stacked the same way, are scattered into the pools and
+    blocks copied by one numpy operation each, not one per layer (``write_stacked``)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: np.typing.DTypeLike = np.float32):
         shape = pool_shape(num_blocks, block_size, kv_heads, head_dim)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.keys = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.data = np.zeros((2, num_layers, *shape), dtype=dtype)
+        self.keys = list(self.data[0])
+        self.values = list(self.data[1])
 
     def feeds(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -96,8 +101,7 @@ class KVPools:
         """Copy block src to block dst in every pool (destinations are distinct fresh blocks)."""
         if pairs:
             src, dst = (np.array(c, np.int64) for c in zip(*pairs))
-            for pool in (*self.keys, *self.values):
-                pool[:, dst] = pool[:, src]
+            self.data[:, :, :, dst] = self.data[:, :, :, src]
 
     def write(self, outputs: dict[str, np.ndarray], slots: SlotMap) -> None:
         """Scatter every layer's new K/V into the pools at the slots of the step."""
@@ -105,6 +109,11 @@ class KVPools:
             new_k, new_v = outputs[f"new_key.{i}"], outputs[f"new_value.{i}"]
             k[:, slots.block, slots.offset] = new_k[slots.batch, slots.token].swapaxes(0, 1)
             v[:, slots.block, slots.offset] = new_v[slots.batch, slots.token].swapaxes(0, 1)
+
+    def write_stacked(self, new: np.ndarray, slots: SlotMap) -> None:
+        """``write`` for new K/V stacked as ``[2, num_layers, batch, tokens, kv_heads, head_dim]``
+        (K then V, like ``data``): one scatter for all layers."""
+        self.data[:, :, :, slots.block, slots.offset] = new[:, :, slots.batch, slots.token].swapaxes(2, 3)
 
 
 @dataclass(frozen=True)

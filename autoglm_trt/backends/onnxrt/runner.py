@@ -2,7 +2,8 @@
 
 The pools are numpy arrays wrapped once as ``OrtValue`` (no copy on the CPU) and
 bound with I/O binding, so a step passes only the small per-step inputs; the new K/V are
-scattered into the pools in place with numpy fancy indexing. Outputs go into buffers we own.
+scattered into the pools in place with numpy fancy indexing, all layers at once: the new K/V
+outputs are bound to views of one stacked buffer. Outputs go into buffers we own.
 For decode steps the binding (pools and output buffers bound) is kept per batch size, so a
 decode step only rebinds its six small inputs; a prefill step's outputs (new K/V of up to
 max_batch x max_input_len tokens) are bound afresh and freed after the step.
@@ -36,6 +37,8 @@ class OrtRunner:
         self._bindings: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray], list[Any]]] = {}
 
     def _binding(self, batch: int, tokens: int, num_logits: int) -> tuple[Any, dict[str, np.ndarray], list[Any]]:
+        """An I/O binding for this shape, the output buffers by name (``kv``: the stacked new K/V
+        that ``new_key.<i>`` and ``new_value.<i>`` are views of) and their ``OrtValue``s."""
         key = (batch, tokens, num_logits)
         if key in self._bindings:
             return self._bindings[key]
@@ -44,12 +47,13 @@ class OrtRunner:
             binding.bind_ortvalue_input(name, value)
         s = self.spec
         outs = {"logits": np.empty((batch, num_logits, s.vocab_size), np.float32)}
+        kv = np.empty((2, s.num_layers, batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)
         for i in range(s.num_layers):
-            for kind in ("key", "value"):
-                outs[f"new_{kind}.{i}"] = np.empty((batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)
+            outs[f"new_key.{i}"], outs[f"new_value.{i}"] = kv[0, i], kv[1, i]
         values = [self._ort.OrtValue.ortvalue_from_numpy(arr) for arr in outs.values()]
         for name, value in zip(outs, values):
             binding.bind_ortvalue_output(name, value)
+        outs["kv"] = kv
         if tokens == 1:  # decode: small, and the same shapes recur every step
             if len(self._bindings) >= self.MAX_BINDINGS:
                 self._bindings.pop(next(iter(self._bindings)))
@@ -62,7 +66,7 @@ class OrtRunner:
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, arr)
         self.session.run_with_iobinding(binding)
-        self.pools.write(outs, slots)
+        self.pools.write_stacked(outs["kv"], slots)
         return outs["logits"][:, 0].copy()  # a decode buffer is reused by the next step of its shape
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Where a decode step of the SmolLM2 engines spends its time, measured on this machine.
+
+    python scripts/profile_decode.py [--engines engines/smollm2-int8,engines/smollm2-fp32] [--ctx 128]
+
+For each engine, at batch 1 and 8 with ``--ctx`` tokens of context (2 ONNX Runtime threads):
+1. the engine graph alone: ``session.run`` of ``model.opt.onnx`` on a decode step's inputs;
+2. its linears alone: a graph of the same GEMMs (shapes of every layer's QKV, o_proj, gate/up,
+   down and the LM head, INT8 where the engine's plan has INT8, with the kernels ONNX Runtime
+   picked for the engine: QuantizeLinear + MatMulIntegerToFloat, or MatMul) chained layer by
+   layer, random weights. Its time is the floor the rest of the graph sits on;
+3. ONNX Runtime's own profile of the engine graph: kernel time by operator type (profiling
+   adds a per-node cost, so shares are indicative);
+4. the whole runtime at batch 1: time per generated token and, of it, the time inside
+   ``run_with_iobinding``; the rest is Python, K/V write-back and sampling.
+Prints the CPU model and one JSON line per engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def session(model, threads: int, profile: str | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = threads, 3
+    if profile:
+        so.enable_profiling, so.profile_file_prefix = True, profile
+    return ort.InferenceSession(model if isinstance(model, (str, bytes)) else model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def decode_feeds(spec, batch: int, ctx: int, block_size: int = 16) -> dict[str, np.ndarray]:
+    nb = -(-ctx // block_size)
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": np.full((batch, 1), 5, np.int64), "position_ids": np.full((batch, 1), ctx, np.int64),
+             "context_lens": np.full(batch, ctx, np.int64), "query_lens": np.ones(batch, np.int64),
+             "block_tables": np.arange(batch * nb, dtype=np.int64).reshape(batch, nb),
+             "logits_indices": np.zeros((batch, 1), np.int64)}
+    shape = (spec.num_kv_heads, batch * nb, block_size, spec.head_dim)
+    for i in range(spec.num_layers):
+        feeds[f"past_key.{i}"] = rng.standard_normal(shape).astype(np.float32)
+        feeds[f"past_value.{i}"] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def run_ms(sess, feeds: dict[str, np.ndarray], runs: int = 40) -> float:
+    """Mean time of one run, the best of 5 repetitions of ``runs // 5`` runs."""
+    for _ in range(5):
+        sess.run(None, feeds)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(runs // 5):
+            sess.run(None, feeds)
+        best = min(best, (time.perf_counter() - t) / (runs // 5))
+    return best * 1e3
+
+
+def linears_graph(spec, int8: set[str], batch: int):
+    """The engine's GEMMs alone, chained: x -> (qkv, o_proj, gate/up on x; down on silu-free gate*up)
+    -> x + down, layer after layer, then the LM head."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+    d, f = spec.hidden_size, spec.intermediate_size
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+
+    def linear(x: str, k: int, n: int, name: str) -> str:
+        if name in int8:
+            inits.extend([numpy_helper.from_array(rng.integers(-127, 128, (k, n)).astype(np.int8), f"{name}.w"),
+                          numpy_helper.from_array(np.float32(0.02), f"{name}.as"),
+                          numpy_helper.from_array(np.uint8(128), f"{name}.zp"),
+                          numpy_helper.from_array(np.full(n, 1e-3, np.float32), f"{name}.ws")])
+            nodes.append(helper.make_node("QuantizeLinear", [x, f"{name}.as", f"{name}.zp"], [f"{name}.q"]))
+            nodes.append(helper.make_node("MatMulIntegerToFloat", [f"{name}.q", f"{name}.w", f"{name}.as", f"{name}.ws",
+                                                                   f"{name}.zp"], [name], domain="com.microsoft"))
+        else:
+            inits.append(numpy_helper.from_array((rng.standard_normal((k, n)) * 0.02).astype(np.float32), f"{name}.w"))
+            nodes.append(helper.make_node("MatMul", [x, f"{name}.w"], [name]))
+        return name
+
+    x = "x"
+    for i in range(spec.num_layers):
+        p = f"layers.{i}"
+        linear(x, d, qkv, f"{p}.qkv")
+        linear(x, d, d, f"{p}.o_proj")
+        gu = linear(x, d, 2 * f, f"{p}.gate_up")
+        nodes.append(helper.make_node("Split", [gu], [f"{p}.g", f"{p}.u"], axis=-1, num_outputs=2))
+        nodes.append(helper.make_node("Mul", [f"{p}.g", f"{p}.u"], [f"{p}.act"]))
+        down = linear(f"{p}.act", f, d, f"{p}.down")
+        nodes.append(helper.make_node("Add", [x, down], [f"{p}.res"]))
+        x = f"{p}.res"
+    out = linear(x, d, spec.vocab_size, "lm_head")
+    graph = helper.make_graph(nodes, "linears", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, d])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+def op_profile(path: Path, feeds: dict[str, np.ndarray], threads: int, runs: int = 30) -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        sess = session(str(path), threads, profile=os.path.join(tmp, "prof"))
+        for _ in range(runs):
+            sess.run(None, feeds)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    by_op: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            by_op[e["args"]["op_name"]] += e["dur"]
+            count[e["args"]["op_name"]] += 1
+    total = sum(by_op.values())
+    return {op: {"share": round(t / total, 3), "nodes": count[op] // runs}
+            for op, t in sorted(by_op.items(), key=lambda kv: -kv[1])}
+
+
+def runtime_split(engine_dir: Path, threads: int, gen: int = 96) -> dict[str, float]:
+    from autoglm_trt.runtime import Engine, SamplingParams
+
+    engine = Engine.load(engine_dir, threads=threads)
+    sess = engine.backend.session
+    inner = sess.run_with_iobinding
+    ort_s: list[float] = []
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        inner(*a, **k)
+        ort_s.append(time.perf_counter() - t)
+
+    sess.run_with_iobinding = timed
+    prompt = np.random.default_rng(1).integers(100, 40000, 32).tolist()
+    step_ms = []
+    for _ in range(3):
+        ort_s.clear()
+        r = engine.generate([prompt], SamplingParams(max_new_tokens=gen, ignore_eos=True))[0]
+        step_ms.append(float(np.median(np.diff(r.token_times))) * 1e3)
+        ort_ms = float(np.median(ort_s[1:])) * 1e3
+    engine.close()
+    step = min(step_ms)
+    return {"token_ms": round(step, 3), "inside_ort_ms": round(ort_ms, 3), "outside_ort_ms": round(step - ort_ms, 3)}
+
+
+def main() -> None:
+    from autoglm_trt.fileutil import cpu_model
+    from autoglm_trt.model.spec import spec_from_dict
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="engines/smollm2-int8,engines/smollm2-fp32")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    print(f"CPU: {cpu_model()}; {args.threads} ONNX Runtime threads; decode step at {args.ctx} tokens of context")
+    for name in args.engines.split(","):
+        path = ROOT / name
+        manifest = json.loads((path / "manifest.json").read_text())
+        spec = spec_from_dict(manifest["spec"])
+        calib = path / "calib.json"
+        linears = [f"layers.{i}.{k}" for i in range(spec.num_layers) for k in ("qkv", "o_proj", "gate_up", "down")]
+        linears.append("lm_head")
+        if calib.is_file():
+            record = json.loads(calib.read_text())
+            int8 = set(linears) - {f["linear"] for f in record["float_linears"]}
+        else:
+            int8 = set()
+        sess = session(str(path / "model.opt.onnx"), args.threads)
+        nodes = json.loads((path / "fusion_report.json").read_text())["nodes_after"]
+        row: dict = {"engine": name, "int8_linears": len(int8), "nodes": nodes}
+        for batch in (1, 8):
+            feeds = decode_feeds(spec, batch, args.ctx)
+            graph = run_ms(sess, feeds)
+            lin = run_ms(session(linears_graph(spec, int8, batch), args.threads),
+                         {"x": np.random.default_rng(2).standard_normal((batch, spec.hidden_size)).astype(np.float32)})
+            row[f"b{batch}"] = {"graph_ms": round(graph, 3), "linears_only_ms": round(lin, 3),
+                                "rest_ms": round(graph - lin, 3)}
+        row["profile_b1"] = op_profile(path / "model.opt.onnx", decode_feeds(spec, 1, args.ctx), args.threads)
+        row["runtime_b1"] = runtime_split(path, args.threads)
+        print(f"{name}: {row['nodes']} nodes, {len(int8)} INT8 linears")
+        for batch in (1, 8):
+            b = row[f"b{batch}"]
+            print(f"  batch {batch}: graph {b['graph_ms']:.2f} ms = linears alone {b['linears_only_ms']:.2f} ms "
+                  f"+ the rest {b['rest_ms']:.2f} ms")
+        top = ", ".join(f"{op} {v['share']:.0%} ({v['nodes']})" for op, v in list(row["profile_b1"].items())[:8])
+        print(f"  ONNX Runtime profile, batch 1 (share of kernel time, nodes): {top}")
+        rt = row["runtime_b1"]
+        print(f"  runtime, batch 1: {rt['token_ms']:.2f} ms a token, {rt['inside_ort_ms']:.2f} in ONNX Runtime, "
+              f"{rt['outside_ort_ms']:.2f} outside")
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
