@@ -13,6 +13,12 @@ For each engine, at batch 1 and 8 with ``--ctx`` tokens of context (2 ONNX Runti
    adds a per-node cost, so shares are indicative);
 4. the whole runtime at batch 1: time per generated token and, of it, the time inside
    ``run_with_iobinding``; the rest is Python, K/V write-back and sampling.
+With ``--experiments``, for the INT8 engine, two variants of its graph timed against it
+(timing only: their outputs are not the model's):
+- without the attention core: each layer's o_proj reads its input norm instead of the
+  attention output, and the nodes that no longer reach an output are dropped;
+- with ``MatMulNBits`` (8 bits, blocks of 32, ``accuracy_level`` 4: the kernel ONNX Runtime
+  GenAI's int8 models use) in place of each QuantizeLinear + MatMulIntegerToFloat pair.
 Prints the CPU model and one JSON line per engine.
 """
 
@@ -115,7 +121,9 @@ def linears_graph(spec, int8: set[str], batch: int):
 
 
 def op_profile(path: Path, feeds: dict[str, np.ndarray], threads: int, runs: int = 30) -> dict[str, dict]:
-    with tempfile.TemporaryDirectory() as tmp:
+    cache = ROOT / "engines" / ".cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # beside the engine: its data file is hard-linked
         sess = session(str(path), threads, profile=os.path.join(tmp, "prof"))
         for _ in range(runs):
             sess.run(None, feeds)
@@ -146,15 +154,87 @@ def runtime_split(engine_dir: Path, threads: int, gen: int = 96) -> dict[str, fl
 
     sess.run_with_iobinding = timed
     prompt = np.random.default_rng(1).integers(100, 40000, 32).tolist()
-    step_ms = []
+    runs = []  # (median ms a token, median ms in ONNX Runtime) of one generation: both from the same steps
     for _ in range(3):
         ort_s.clear()
         r = engine.generate([prompt], SamplingParams(max_new_tokens=gen, ignore_eos=True))[0]
-        step_ms.append(float(np.median(np.diff(r.token_times))) * 1e3)
-        ort_ms = float(np.median(ort_s[1:])) * 1e3
+        runs.append((float(np.median(np.diff(r.token_times))) * 1e3, float(np.median(ort_s[1:])) * 1e3))
     engine.close()
-    step = min(step_ms)
+    step, ort_ms = min(runs)
     return {"token_ms": round(step, 3), "inside_ort_ms": round(ort_ms, 3), "outside_ort_ms": round(step - ort_ms, 3)}
+
+
+def without_attention(model):
+    """The graph with every layer's o_proj fed its input norm, and the dead nodes dropped."""
+    for node in model.graph.node:
+        node.input[:] = [x[: -len(".attn")] + ".input_norm" if x.startswith("layers.") and x.endswith(".attn")
+                         else x for x in node.input]
+    needed, kept = {o.name for o in model.graph.output}, []
+    for node in reversed(model.graph.node):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(kept))
+    return model
+
+
+def with_matmul_nbits(model, block: int = 32):
+    """Each INT8 GEMM (QuantizeLinear -> [Reshape] -> MatMulIntegerToFloat) as one MatMulNBits on
+    the float input: the INT8 weights exactly (uint8 = int8 + 128, the channel's scale in every block)."""
+    from onnx import helper, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    replaced, nodes = set(), []
+    for node in model.graph.node:
+        if node.op_type != "MatMulIntegerToFloat":
+            nodes.append(node)
+            continue
+        chain, q = [], producer[node.input[0]]
+        while q.op_type != "QuantizeLinear":
+            chain.append(q)
+            q = producer[q.input[0]]
+        replaced.update(n.name for n in [q, *chain])
+        w = numpy_helper.to_array(inits[node.input[1]]).astype(np.int16)
+        scale = numpy_helper.to_array(inits[node.input[3]]).astype(np.float32)
+        k, n = w.shape
+        blocks = -(-k // block)
+        q8 = (np.pad(w.T, ((0, 0), (0, blocks * block - k))) + 128).astype(np.uint8).reshape(n, blocks, block)
+        model.graph.initializer.extend([numpy_helper.from_array(q8, f"{node.name}.nbits_w"), numpy_helper.from_array(
+            np.repeat(scale[:, None], blocks, axis=1).reshape(-1), f"{node.name}.nbits_s")])
+        x = q.input[0]
+        for r in reversed(chain):  # the rotation's reshapes, on the float tensor
+            nodes.append(helper.make_node("Reshape", [x, r.input[1]], [f"{r.output[0]}.f"], name=f"{r.name}.f"))
+            x = f"{r.output[0]}.f"
+        nodes.append(helper.make_node("MatMulNBits", [x, f"{node.name}.nbits_w", f"{node.name}.nbits_s"],
+                                      list(node.output), name=f"{node.name}.nbits", domain="com.microsoft", K=k, N=n,
+                                      bits=8, block_size=block, accuracy_level=4))
+    del model.graph.node[:]
+    model.graph.node.extend(n for n in nodes if n.name not in replaced)
+    return model
+
+
+def experiments(path: Path, spec, ctx: int, threads: int) -> dict:
+    import onnx
+
+    out = {}
+    cache = ROOT / "engines" / ".cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # beside the engine: its data file is hard-linked
+        variants = {"full": str(path / "model.opt.onnx")}
+        full = onnx.load(str(path / "model.opt.onnx"))  # (onnx refuses a data file with two links: before the link)
+        onnx.save(with_matmul_nbits(full), f"{tmp}/nbits.onnx", save_as_external_data=True, location="nbits.onnx.data")
+        variants["matmul_nbits"] = f"{tmp}/nbits.onnx"
+        light = onnx.load(str(path / "model.opt.onnx"), load_external_data=False)
+        onnx.save(without_attention(light), f"{tmp}/no_attention.onnx")  # weights: the engine's data file
+        os.link(path / "model.opt.onnx.data", f"{tmp}/model.opt.onnx.data")  # ONNX Runtime refuses symlinks out
+        variants["without_attention"] = f"{tmp}/no_attention.onnx"
+        for batch in (1, 8):
+            feeds = decode_feeds(spec, batch, ctx)
+            for name, model in variants.items():
+                out[f"{name}_b{batch}_ms"] = round(run_ms(session(model, threads), feeds), 3)
+    return out
 
 
 def main() -> None:
@@ -165,6 +245,7 @@ def main() -> None:
     ap.add_argument("--engines", default="engines/smollm2-int8,engines/smollm2-fp32")
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--experiments", action="store_true", help="also time the INT8 graph's variants (see above)")
     args = ap.parse_args()
     print(f"CPU: {cpu_model()}; {args.threads} ONNX Runtime threads; decode step at {args.ctx} tokens of context")
     for name in args.engines.split(","):
@@ -201,6 +282,12 @@ def main() -> None:
         rt = row["runtime_b1"]
         print(f"  runtime, batch 1: {rt['token_ms']:.2f} ms a token, {rt['inside_ort_ms']:.2f} in ONNX Runtime, "
               f"{rt['outside_ort_ms']:.2f} outside")
+        if args.experiments and int8:
+            row["experiments"] = ex = experiments(path, spec, args.ctx, args.threads)
+            for batch in (1, 8):
+                print(f"  batch {batch}: full graph {ex[f'full_b{batch}_ms']:.2f} ms, without the attention core "
+                      f"{ex[f'without_attention_b{batch}_ms']:.2f} ms, with MatMulNBits "
+                      f"{ex[f'matmul_nbits_b{batch}_ms']:.2f} ms")
         print(json.dumps(row))
 
 
