@@ -142,8 +142,6 @@ def _check_config(cfg: CalibConfig, export: ExportRecord) -> None:
     if export.dtype != "float32" or export.precision != "fp32":
         raise AutoGLMError(f"{cfg.export_dir} is not a float32 export; calibrate a float32 export "
                            "(autoglm-trt export CHECKPOINT -o DIR)")
-    if cfg.gate:
-        _check_gate_memory(cfg.export_dir)
 
 
 # The gate holds the switchable graph (float weights and their INT8 copies), the float
@@ -190,6 +188,8 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     reused, replace = _existing(cfg, msha, data_sha, log)
     if reused is not None:
         return reused
+    if cfg.gate:
+        _check_gate_memory(cfg.export_dir)
 
     log(f"calibrating {cfg.export_dir} with {len(windows.windows)} windows of {cfg.seq_len} tokens "
         f"({windows.total_tokens} tokens of text), method {cfg.method}, SmoothQuant "
