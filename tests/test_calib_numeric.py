@@ -212,3 +212,14 @@ def test_qdq_histograms_with_a_row_stride_take_each_position_in_one_window_of_st
     assert got.amax == want.amax
     with pytest.raises(ValueError, match="hist_row_stride"):
         Accumulator(ActivationStats(), SimpleNamespace(num_layers=0), ["q"], None, {}, row_stride=0)
+
+
+def test_abs_max_equals_the_max_of_the_absolute_values():
+    from autoglm_trt.calib.smooth import abs_max
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((64, 48)) * rng.uniform(0.1, 10, 48)).astype(np.float32)
+    x[3, 7], x[9, 7] = -40.0, 39.0  # a column whose largest magnitude is negative
+    for axis in (0, 1):
+        np.testing.assert_array_equal(abs_max(x, axis), np.abs(x).max(axis=axis))
+    assert abs_max(x, 0)[7] == 40.0

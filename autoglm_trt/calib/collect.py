@@ -26,6 +26,7 @@ from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..progress import Progress
 from .histogram import AbsHistogram, percentile_amax
+from .smooth import abs_max
 
 SAMPLE_ROWS = 256
 # The raw histograms feed only TensorRT's implicit-INT8 cache (the engines build from the Q/DQ
@@ -134,7 +135,7 @@ class Accumulator:
     def _first_batch(self, outs: list[np.ndarray]) -> None:
         stats = self.stats
         for name, x in zip(self.names, outs):
-            stats.chan_max[name] = np.abs(x.reshape(-1, x.shape[-1])).max(axis=0)
+            stats.chan_max[name] = abs_max(x.reshape(-1, x.shape[-1]), axis=0)
             rows = np.linspace(0, x.size // x.shape[-1] - 1, min(SAMPLE_ROWS, x.size // x.shape[-1])).astype(np.int64)
             stats.sample[name] = np.array(x.reshape(-1, x.shape[-1])[rows], np.float32)
         if self.smoothing is not None:

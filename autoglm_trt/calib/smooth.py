@@ -48,11 +48,16 @@ def weight_row_max(spec: ModelSpec, weights: WeightSource, layers: list[int] | N
     out = {}
     for i in range(spec.num_layers) if layers is None else layers:
         p = f"layers.{i}"
-        out[f"{p}.qkv"] = np.abs(weights.qkv(i)[0]).max(axis=1)
-        out[f"{p}.o_proj"] = np.abs(weights.o_proj(i)[0]).max(axis=1)
-        out[f"{p}.gate_up"] = np.abs(weights.gate_up(i)).max(axis=1)
-        out[f"{p}.down"] = np.abs(weights.down(i)).max(axis=1)
+        out[f"{p}.qkv"] = abs_max(weights.qkv(i)[0], axis=1)
+        out[f"{p}.o_proj"] = abs_max(weights.o_proj(i)[0], axis=1)
+        out[f"{p}.gate_up"] = abs_max(weights.gate_up(i), axis=1)
+        out[f"{p}.down"] = abs_max(weights.down(i), axis=1)
     return out
+
+
+def abs_max(x: np.ndarray, axis: int) -> np.ndarray:
+    """max |x| along ``axis``, exactly, as max(max x, -min x): two reductions and no |x| copy."""
+    return np.maximum(x.max(axis=axis), -x.min(axis=axis))
 
 
 def smoothing_scales(spec: ModelSpec, w_max: dict[str, np.ndarray], act_max: dict[str, np.ndarray],
