@@ -40,10 +40,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def session(model, threads: int, profile: str | None = None):
+    """A CPU session with the project's options (``graph.session``), ONNX Runtime profiling if asked."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.log_severity_level = threads, 3
+    from autoglm_trt.graph.session import session_options
+
+    so = session_options(threads)
     if profile:
         so.enable_profiling, so.profile_file_prefix = True, profile
     return ort.InferenceSession(model if isinstance(model, (str, bytes)) else model.SerializeToString(), so,
@@ -51,17 +53,16 @@ def session(model, threads: int, profile: str | None = None):
 
 
 def decode_feeds(spec, batch: int, ctx: int, block_size: int = 16) -> dict[str, np.ndarray]:
-    nb = -(-ctx // block_size)
-    rng = np.random.default_rng(0)
-    feeds = {"input_ids": np.full((batch, 1), 5, np.int64), "position_ids": np.full((batch, 1), ctx, np.int64),
-             "context_lens": np.full(batch, ctx, np.int64), "query_lens": np.ones(batch, np.int64),
-             "block_tables": np.arange(batch * nb, dtype=np.int64).reshape(batch, nb),
-             "logits_indices": np.zeros((batch, 1), np.int64)}
-    shape = (spec.num_kv_heads, batch * nb, block_size, spec.head_dim)
-    for i in range(spec.num_layers):
-        feeds[f"past_key.{i}"] = rng.standard_normal(shape).astype(np.float32)
-        feeds[f"past_value.{i}"] = rng.standard_normal(shape).astype(np.float32)
-    return feeds
+    """A decode step's inputs (``paged_kv.step_inputs``): ``batch`` sequences of ``ctx`` cached tokens
+    each, in blocks of their own, over pools of random K/V."""
+    from autoglm_trt.graph.paged_kv import KVPools, SeqState, blocks_needed, step_inputs
+
+    nb = blocks_needed(ctx + 1, block_size)
+    pools = KVPools(spec.num_layers, batch * nb, block_size, spec.num_kv_heads, spec.head_dim)
+    pools.data[:] = np.random.default_rng(0).standard_normal(pools.data.shape, np.float32)
+    states = [SeqState(ctx, list(range(b * nb, (b + 1) * nb))) for b in range(batch)]
+    feeds, _ = step_inputs([[5]] * batch, states, block_size)
+    return {**feeds, **pools.feeds()}
 
 
 def run_ms(sess, feeds: dict[str, np.ndarray], runs: int = 40) -> float:

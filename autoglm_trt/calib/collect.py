@@ -159,7 +159,7 @@ class Accumulator:
         kv_observe(stats.kv_hist, list(kv), list(kv.values()), self.v_scales)
         for name, x in zip(self.names, outs):
             # the raw rows first: smoothing and rotation change x
-            stats.raw_hist[name].add(self._rows(x, RAW_ROW_STRIDE, "raw", np.abs), in_place=True)
+            stats.raw_hist[name].add(self._rows(x, RAW_ROW_STRIDE, "raw", np.abs), in_place=True, nonnegative=True)
             if self.row_stride > 1 and x.ndim == 3:  # the rows taken, smoothed, in contiguous scratch
                 x = self._rows(x, self.row_stride, "rows", (lambda a, out, s=inv[name]: np.multiply(a, s, out=out))
                                if name in inv else (lambda a, out: np.copyto(out, a)))

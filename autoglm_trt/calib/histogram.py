@@ -111,11 +111,12 @@ class AbsHistogram:
         return self.width * self.num_bins
 
     def add(self, x: np.ndarray, scale: np.ndarray | None = None, in_place: bool = False,
-            scratch: np.ndarray | None = None) -> None:
+            scratch: np.ndarray | None = None, nonnegative: bool = False) -> None:
         """Add |x| (times ``scale`` along the last axis, if given) to the histogram.
 
         With ``in_place`` the caller's float32 array is used as scratch space (no copy); with
         ``scratch`` (a float32 array of x's shape) that one is, and x is left as it was.
+        ``nonnegative``: x is already |x| (the absolute-value pass is skipped).
         """
         a: np.ndarray = np.asarray(x, dtype=np.float32)
         absolute = scratch is not None and scratch.shape == a.shape and scratch.dtype == np.float32
@@ -130,7 +131,7 @@ class AbsHistogram:
             return
         if scale is not None:
             np.multiply(a, scale, out=a)
-        if not absolute or scale is not None:
+        if not (absolute or nonnegative) or scale is not None:
             np.abs(a, out=a)
         m = float(a.max())
         if not math.isfinite(m):
