@@ -12,7 +12,10 @@
    fp32 engine (its weight file) and the int8 engine (linear weights as calib.json counts them),
    the bandwidth measured in every round and each share the median of the rounds' shares;
 5. time to first token of a 1,000-token prompt (random token ids, a new prompt every time so no
-   prefix is cached): transformers' forward pass vs the fp32 and int8 engines' prefill.
+   prefix is cached): transformers' forward pass vs the fp32 and int8 engines' prefill;
+6. the native PagedAttention operator against the graph's own attention nodes
+   (``AUTOGLM_TRT_NATIVE=0``), same engines: int8 batch-1 decode and fp32 16-concurrent
+   aggregate. ``attention`` says which form the engines ran.
 Engines are built first if missing (engines/smollm2-fp32, engines/smollm2-int8).
 
 These 2-core machines are shared and their speed drifts by 10-20% within minutes, so every
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -136,6 +140,10 @@ def main() -> None:
     long_prompt = np.random.default_rng(1).integers(100, 40000, 480).tolist()
     engines = {"fp32": Engine.load(fp32), "int8": Engine.load(int8),
                "pool_64": Engine.load(fp32, num_blocks=64), "pool_4096": Engine.load(fp32, num_blocks=4096)}
+    # the same engines with the graph's own attention nodes instead of the native operator
+    os.environ["AUTOGLM_TRT_NATIVE"] = "0"
+    engines.update({"fp32_graph": Engine.load(fp32), "int8_graph": Engine.load(int8)})
+    del os.environ["AUTOGLM_TRT_NATIVE"]
     hf, hf_model = hf_decoder(args.gen)
     rng = np.random.default_rng(2)
     for e in engines.values():  # warm up
@@ -146,6 +154,8 @@ def main() -> None:
         "int8_tok_s": lambda: engine_decode_rate(engines["int8"], args.gen),
         "fp32_batch1_aggregate_tok_s": lambda: aggregate(engines["fp32"], 1, args.gen),
         "fp32_16x_aggregate_tok_s": lambda: aggregate(engines["fp32"], 16, args.gen),
+        "int8_graph_attention_tok_s": lambda: engine_decode_rate(engines["int8_graph"], args.gen),
+        "fp32_16x_graph_attention_tok_s": lambda: aggregate(engines["fp32_graph"], 16, args.gen),
         "pool_64_tok_s": lambda: engine_decode_rate(engines["pool_64"], 32, long_prompt),
         "pool_4096_tok_s": lambda: engine_decode_rate(engines["pool_4096"], 32, long_prompt),
         "hf_ttft_1000_ms": lambda: hf_ttft(hf_model, rng),
@@ -170,6 +180,9 @@ def main() -> None:
         "fp32_vs_hf": median(lambda m: m["fp32_tok_s"] / m["hf_fp32_tok_s"]),
         "int8_vs_hf": median(lambda m: m["int8_tok_s"] / m["hf_fp32_tok_s"]),
         "concurrency16_vs_1": median(lambda m: m["fp32_16x_aggregate_tok_s"] / m["fp32_batch1_aggregate_tok_s"]),
+        "int8_native_vs_graph_attention": median(lambda m: m["int8_tok_s"] / m["int8_graph_attention_tok_s"]),
+        "fp32_16x_native_vs_graph_attention": median(
+            lambda m: m["fp32_16x_aggregate_tok_s"] / m["fp32_16x_graph_attention_tok_s"]),
         "pool_4096_vs_64": median(lambda m: m["pool_64_tok_s"] / m["pool_4096_tok_s"]),  # step-time ratio
         "fp32_ttft_vs_hf": median(lambda m: m["fp32_ttft_1000_ms"] / m["hf_ttft_1000_ms"]),
         "int8_ttft_vs_hf": median(lambda m: m["int8_ttft_1000_ms"] / m["hf_ttft_1000_ms"]),
@@ -187,6 +200,7 @@ def main() -> None:
     from autoglm_trt.fileutil import cpu_model
 
     out["cpu"] = cpu_model()
+    out["attention"] = engines["int8"].backend.attention
     for k, v in out.items():
         print(f"{k:32s} {v:12.3f}" if isinstance(v, float) else f"{k:32s} {v:>12}")
     if args.json:

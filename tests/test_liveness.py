@@ -150,11 +150,12 @@ def test_close_fails_every_waiting_and_running_caller(tiny_engine):
         engine.generate(["after close"])
 
 
-def test_a_deadline_ends_a_request_with_its_text_so_far(tiny_engine):
-    with Engine.load(tiny_engine) as engine:
+def test_a_deadline_ends_a_request_with_its_text_so_far(slow_engine):
+    # the slow engine: 1,000 tokens take well over a second, the deadline is 50 ms
+    with Engine.load(slow_engine) as engine:
         [res], err = call_with_timeout(lambda: engine.generate(
-            ["slow"], SamplingParams(max_new_tokens=90, ignore_eos=True), timeout=0.02))
-        assert err is None and res.finish_reason == "timeout" and len(res.token_ids) < 90
+            ["slow"], SamplingParams(max_new_tokens=1000, ignore_eos=True), timeout=0.05))
+        assert err is None and res.finish_reason == "timeout" and len(res.token_ids) < 1000
         [res] = engine.generate(["fast"], SamplingParams(max_new_tokens=3, ignore_eos=True, timeout=60))
         assert res.finish_reason == "length"
         assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]

@@ -15,10 +15,10 @@ MAX_THREADS = 256
 
 
 def session_options(threads: int | None = None, optimize: bool = True, external_data_dir: Path | None = None,
-                    save_optimized: Path | None = None):
+                    save_optimized: Path | None = None, custom_ops: Path | None = None):
     """``SessionOptions``: threads (0 or None: ONNX Runtime's default, one per core), all graph
-    optimizations or none, where external weights lie (for a model passed as bytes), and where
-    to save the optimized model (its weights in ``<name>.data``)."""
+    optimizations or none, where external weights lie (for a model passed as bytes), where
+    to save the optimized model (its weights in ``<name>.data``), and a custom operator library."""
     import onnxruntime as ort
 
     from ..errors import AutoGLMError
@@ -39,6 +39,8 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                     f"{Path(save_optimized).name}.data")
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    if custom_ops is not None:
+        so.register_custom_ops_library(str(custom_ops))
     return so
 
 
@@ -46,7 +48,8 @@ DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 def make_session(model: Path | bytes, threads: int | None = None, optimize: bool = True,
-                 external_data_dir: Path | None = None, save_optimized: Path | None = None, device: str = "cpu"):
+                 external_data_dir: Path | None = None, save_optimized: Path | None = None, device: str = "cpu",
+                 custom_ops: Path | None = None):
     """An ``InferenceSession`` over a model file or serialized model bytes, on the CPU or (``device``
     "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider."""
     import onnxruntime as ort
@@ -60,7 +63,7 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
         raise AutoGLMError(f"device {device} needs ONNX Runtime's {provider}, which this onnxruntime "
                            f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}); "
                            "install onnxruntime-gpu for CUDA, or use the CPU")
-    so = session_options(threads, optimize, external_data_dir, save_optimized)
+    so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops)
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
 

@@ -7,6 +7,10 @@ outputs are bound to views of one stacked buffer. Outputs go into buffers we own
 For decode steps the binding (pools and output buffers bound) is kept per batch size, so a
 decode step only rebinds its six small inputs; a prefill step's outputs (new K/V of up to
 max_batch x max_input_len tokens) are bound afresh and freed after the step.
+
+Attention runs in the native ``PagedAttention`` operator where it can be built here
+(``native.py``, ``attention_op.py``): it reads the pools in place instead of gathering every
+layer's past into a new tensor on every step. ``attention`` says which form runs and why.
 """
 
 from __future__ import annotations
@@ -21,6 +25,26 @@ from ...graph.session import make_session
 from ...model.spec import ModelSpec
 
 
+def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int) -> tuple[Any, str]:
+    """The engine's session, with the native attention operator where possible, and which
+    attention runs: "native" or "graph (<why>)"."""
+    import onnx
+
+    from .attention_op import rewrite
+    from .native import paged_attention_library
+
+    library, why = paged_attention_library()
+    if library is not None and kv_dtype != np.float32:
+        library, why = None, f"the KV cache is {kv_dtype.name} (the native kernel reads float32)"
+    if library is not None:
+        model = onnx.load(str(model_path), load_external_data=False)
+        done, why = rewrite(model, spec.num_layers)
+        if done:
+            return make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
+                                custom_ops=library), "native"
+    return make_session(model_path, threads=threads), f"graph ({why})"
+
+
 class OrtRunner:
     MAX_BINDINGS = 64  # decode batch sizes kept bound
 
@@ -29,7 +53,7 @@ class OrtRunner:
         import onnxruntime as ort
 
         self._ort = ort
-        self.session = make_session(model_path, threads=threads)
+        self.session, self.attention = _session(model_path, spec, np.dtype(kv_dtype), threads)
         self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)

@@ -1,0 +1,90 @@
+"""The ONNX Runtime backend's native attention kernel: built on this machine, on first use.
+
+``paged_attention_library()`` compiles ``native/paged_attention.c`` (a custom operator
+library for ONNX Runtime's CPU execution provider) with the machine's C compiler, for this
+CPU (``-march=native``), into a cache directory, and returns its path; or ``None`` and the
+reason when it cannot (no compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner
+then keeps the engine graph's own attention nodes, which compute the same thing more slowly.
+
+The cache key is the source, the compiler and the CPU, so a changed kernel, compiler or
+machine (a home directory shared between machines of two CPU kinds) gets a build of its own.
+The library is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
+ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
+ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)
+
+_lock = threading.Lock()
+_result: dict[str, tuple[Path | None, str]] = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "autoglm-trt")
+    return Path(root) / "native"
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags (what ``-march=native`` compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def paged_attention_library() -> tuple[Path | None, str]:
+    """(path of the built library, "") or (None, why not). Built once per process and key."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"{ENV_SWITCH}=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc or clang) on PATH; install one (e.g. apt-get install gcc)"
+    with _lock:
+        if cc not in _result:
+            _result[cc] = _build(cc)
+        return _result[cc]
+
+
+def _build(cc: str) -> tuple[Path | None, str]:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"{cc} --version failed: {exc}"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
+    out = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if out.is_file():
+        return out, ""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        build = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                               timeout=300)
+        if build.returncode != 0:
+            os.unlink(tmp)
+            return None, f"{cc} could not build {SOURCE.name}: {build.stderr.strip()[-500:]}"
+        os.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"building {SOURCE.name} failed: {exc}"
+    return out, ""

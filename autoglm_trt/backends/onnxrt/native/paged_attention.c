@@ -1,0 +1,302 @@
+/* PagedAttention: a custom operator for ONNX Runtime's CPU execution provider.
+ *
+ * Attention of each sequence's new tokens over its past keys and values, read in place from
+ * the paged pools by its block table, and over the new tokens themselves (causal). It does
+ * what the engine graph's Gather + MatMul + mask + Softmax + MatMul nodes do, without copying
+ * the past out of the pool: the graph form gathers every layer's past K/V into a fresh tensor
+ * on every step, and that copy, not the arithmetic, is most of a decode step's attention.
+ *
+ * Inputs (float32 unless said):
+ *   0 q             [B, T, Hq, D]   queries after RoPE, already scaled by 1/sqrt(D)
+ *   1 k_new         [B, T, Hkv, D]  keys of the new tokens
+ *   2 v_new         [B, T, Hkv, D]  values of the new tokens
+ *   3 pool_k        [Hkv, NB, BS, D]
+ *   4 pool_v        [Hkv, NB, BS, D]
+ *   5 block_tables  [B, MB] int64
+ *   6 context_lens  [B] int64       tokens of each sequence already in the pools
+ *   7 query_lens    [B] int64       valid new tokens of each sequence (the rest is padding)
+ * Output:
+ *   0 attn          [B, T, Hq * D]  rows of padding tokens are zero
+ * Query head j reads KV head j / (Hq / Hkv), as in the graph's grouped layout.
+ *
+ * The library is built on the machine that uses it (``native.py``) and talks to ONNX Runtime
+ * through its C API, version 1 of the API table and version 8 of the custom operator
+ * struct, which every later ONNX Runtime keeps. The few declarations it needs are written
+ * here: the positions of the API functions in ``OrtApi`` are those of ONNX Runtime's
+ * ``onnxruntime_c_api.h`` (the table only ever grows at its end).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtValue OrtValue;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+
+enum { ELEM_FLOAT = 1, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
+
+/* positions in ONNX Runtime's OrtApi function table */
+enum {
+  API_CREATE_CUSTOM_OP_DOMAIN = 26,
+  API_CUSTOM_OP_DOMAIN_ADD = 27,
+  API_ADD_CUSTOM_OP_DOMAIN = 28,
+  API_GET_TENSOR_MUTABLE_DATA = 51,
+  API_GET_DIMENSIONS_COUNT = 61,
+  API_GET_DIMENSIONS = 62,
+  API_GET_TENSOR_TYPE_AND_SHAPE = 65,
+  API_KERNEL_CONTEXT_GET_INPUT = 90,
+  API_KERNEL_CONTEXT_GET_OUTPUT = 91,
+  API_RELEASE_STATUS = 93,
+  API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
+  API_KERNEL_CONTEXT_PARALLEL_FOR = 274, /* from version 18 of the table */
+};
+
+typedef struct {
+  const void *const *(*GetApi)(uint32_t version);
+  const char *(*GetVersionString)(void);
+} ApiBase;
+
+/* version 8 of OrtCustomOp: ONNX Runtime reads no field past GetOutputCharacteristic for it */
+typedef struct CustomOp {
+  uint32_t version;
+  void *(*CreateKernel)(const struct CustomOp *op, const void *api, const OrtKernelInfo *info);
+  const char *(*GetName)(const struct CustomOp *op);
+  const char *(*GetExecutionProviderType)(const struct CustomOp *op);
+  int (*GetInputType)(const struct CustomOp *op, size_t index);
+  size_t (*GetInputTypeCount)(const struct CustomOp *op);
+  int (*GetOutputType)(const struct CustomOp *op, size_t index);
+  size_t (*GetOutputTypeCount)(const struct CustomOp *op);
+  void (*KernelCompute)(void *kernel, OrtKernelContext *context);
+  void (*KernelDestroy)(void *kernel);
+  int (*GetInputCharacteristic)(const struct CustomOp *op, size_t index);
+  int (*GetOutputCharacteristic)(const struct CustomOp *op, size_t index);
+} CustomOp;
+
+static const void *const *api;
+static int has_parallel_for; /* the table is of version 18 or later: ONNX Runtime's threads run the work */
+
+#define API(index, type) ((type)api[index])
+typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
+typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
+typedef OrtStatus *(*MutableDataFn)(OrtValue *, void **);
+typedef OrtStatus *(*TypeAndShapeFn)(const OrtValue *, OrtTensorTypeAndShapeInfo **);
+typedef OrtStatus *(*DimsCountFn)(const OrtTensorTypeAndShapeInfo *, size_t *);
+typedef OrtStatus *(*DimsFn)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t);
+typedef void (*ReleaseInfoFn)(OrtTensorTypeAndShapeInfo *);
+typedef void (*ReleaseStatusFn)(OrtStatus *);
+typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
+typedef OrtStatus *(*DomainAddFn)(OrtCustomOpDomain *, const CustomOp *);
+typedef OrtStatus *(*AddDomainFn)(OrtSessionOptions *, OrtCustomOpDomain *);
+typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
+
+/* 1 when the call failed (its status is released) */
+static int failed(OrtStatus *status) {
+  if (status == NULL) return 0;
+  API(API_RELEASE_STATUS, ReleaseStatusFn)(status);
+  return 1;
+}
+
+/* an input's data and shape (at most 4 dims); 1 on failure */
+static int input(OrtKernelContext *ctx, size_t index, void **data, int64_t *dims, size_t want) {
+  const OrtValue *value = NULL;
+  OrtTensorTypeAndShapeInfo *info = NULL;
+  size_t count = 0;
+  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, index, &value)) || value == NULL) return 1;
+  if (failed(API(API_GET_TENSOR_TYPE_AND_SHAPE, TypeAndShapeFn)(value, &info))) return 1;
+  int bad = failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(info, &count)) || count != want ||
+            failed(API(API_GET_DIMENSIONS, DimsFn)(info, dims, count));
+  API(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseInfoFn)(info);
+  return bad || failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, data));
+}
+
+/* four dot products with one vector x: four independent sums, so they overlap in the pipeline */
+static void dot4(const float *x, const float *a, const float *b, const float *c, const float *d, int64_t n,
+                 float *out) {
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < n; i++) {
+    s0 += a[i] * x[i];
+    s1 += b[i] * x[i];
+    s2 += c[i] * x[i];
+    s3 += d[i] * x[i];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* scores[r * width] = qr[r] . key for every row r, four rows at a time */
+static void key_scores(const float *const *qr, int64_t rows, const float *key, int64_t D, float *scores,
+                       int64_t width) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    float s[4];
+    dot4(key, qr[r], qr[r + 1], qr[r + 2], qr[r + 3], D, s);
+    for (int i = 0; i < 4; i++) scores[(r + i) * width] = s[i];
+  }
+  if (r < rows) { /* the last 1..3 rows, the missing ones repeating the last */
+    float s[4];
+    const float *last = qr[rows - 1];
+    dot4(key, qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last, last, D, s);
+    for (int64_t i = 0; r + i < rows; i++) scores[(r + i) * width] = s[i];
+  }
+}
+
+static void axpy(float *out, float w, const float *x, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; d++) out[d] += w * x[d];
+}
+
+/* e^x for x <= 0, in a form the compiler vectorizes: x = (n + f) ln 2 with n an integer and
+ * |f| <= 1/2, 2^f from its Taylor series to degree 7 (relative error below 1e-7 there),
+ * times 2^n built in the exponent bits. Below -87 (2^-126) the result is 0. */
+static inline float exp_nonpositive(float x) {
+  const float t = x * 1.4426950408889634f;
+  const float n = __builtin_rintf(t), f = (t - n) * 0.6931471805599453f;
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  union { int32_t i; float f; } scale;
+  scale.i = ((int32_t)n + 127) << 23;
+  return t < -126.0f ? 0.0f : p * scale.f;
+}
+
+/* softmax of row[0:len] in place */
+static void softmax(float *row, int64_t len) {
+  float top = row[0], sum = 0.0f;
+#pragma omp simd reduction(max : top)
+  for (int64_t p = 0; p < len; p++) top = row[p] > top ? row[p] : top;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t p = 0; p < len; p++) {
+    row[p] = exp_nonpositive(row[p] - top);
+    sum += row[p];
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t p = 0; p < len; p++) row[p] *= inv;
+}
+
+/* one sequence, one KV head: ``rows`` query rows (valid new token t = r / G, query head
+ * h * G + r % G) at qr[r], their outputs at orow[r]; scores is [rows, ctx + qlen] scratch */
+static void attend(const float *const *qr, float *const *orow, int64_t rows, int64_t G, const float *k_new,
+                   const float *v_new, int64_t new_stride, const float *pool_k, const float *pool_v,
+                   const int64_t *table, int64_t ctx, int64_t qlen, int64_t NB, int64_t BS, int64_t D,
+                   float *scores) {
+  const int64_t width = ctx + qlen;
+  for (int64_t m = 0; m * BS < ctx; m++) {
+    const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0; /* never read outside the pool */
+    const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
+    const float *keys = pool_k + block * BS * D;
+    for (int64_t s = 0; s < n; s++) key_scores(qr, rows, keys + s * D, D, scores + m * BS + s, width);
+  }
+  for (int64_t j = 0; j < qlen; j++) /* rows of tokens t >= j */
+    key_scores(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
+  for (int64_t r = 0; r < rows; r++) softmax(scores + r * width, ctx + r / G + 1);
+  for (int64_t m = 0; m * BS < ctx; m++) {
+    const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;
+    const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
+    const float *values = pool_v + block * BS * D;
+    for (int64_t s = 0; s < n; s++)
+      for (int64_t r = 0; r < rows; r++) axpy(orow[r], scores[r * width + m * BS + s], values + s * D, D);
+  }
+  for (int64_t j = 0; j < qlen; j++)
+    for (int64_t r = j * G; r < rows; r++) axpy(orow[r], scores[r * width + ctx + j], v_new + j * new_stride, D);
+}
+
+typedef struct {
+  const float *q, *k_new, *v_new, *pool_k, *pool_v;
+  float *out;
+  const int64_t *tables, *ctx_lens, *q_lens;
+  int64_t T, Hq, Hkv, D, NB, BS, MB;
+} Job;
+
+/* work item i: sequence i / Hkv, KV head i % Hkv (each with scratch of its own) */
+static void run_item(void *data, size_t i) {
+  const Job *j = data;
+  const int64_t b = (int64_t)i / j->Hkv, h = (int64_t)i % j->Hkv, G = j->Hq / j->Hkv, T = j->T, D = j->D;
+  const int64_t c = j->ctx_lens[b], n = j->q_lens[b];
+  if (c < 0 || n < 1 || n > T || (c + j->BS - 1) / j->BS > j->MB) return; /* padding, or a table too short */
+  float *scores = malloc((size_t)(n * G * (c + n)) * sizeof(float));
+  const float **qr = malloc((size_t)(n * G) * sizeof(float *));
+  float **orow = malloc((size_t)(n * G) * sizeof(float *));
+  if (scores != NULL && qr != NULL && orow != NULL) {
+    for (int64_t r = 0; r < n * G; r++) {
+      const int64_t at = ((b * T + r / G) * j->Hq + h * G + r % G) * D;
+      qr[r] = j->q + at;
+      orow[r] = j->out + at;
+    }
+    const int64_t pool = h * j->NB * j->BS * D, step = (b * T * j->Hkv + h) * D;
+    attend(qr, orow, n * G, G, j->k_new + step, j->v_new + step, j->Hkv * D, j->pool_k + pool, j->pool_v + pool,
+           j->tables + b * j->MB, c, n, j->NB, j->BS, D, scores);
+  }
+  free(scores);
+  free(qr);
+  free(orow);
+}
+
+static void compute(void *kernel, OrtKernelContext *ctx) {
+  (void)kernel;
+  void *p[8];
+  int64_t qd[4], kd[4], vd[4], pk[4], pv[4], bt[2], cl[1], ql[1];
+  if (input(ctx, 0, &p[0], qd, 4) || input(ctx, 1, &p[1], kd, 4) || input(ctx, 2, &p[2], vd, 4) ||
+      input(ctx, 3, &p[3], pk, 4) || input(ctx, 4, &p[4], pv, 4) || input(ctx, 5, &p[5], bt, 2) ||
+      input(ctx, 6, &p[6], cl, 1) || input(ctx, 7, &p[7], ql, 1))
+    return;
+  const int64_t B = qd[0], T = qd[1], Hq = qd[2], D = qd[3], Hkv = pk[0], NB = pk[1], BS = pk[2], MB = bt[1];
+  int64_t out_dims[3] = {B, T, Hq * D};
+  OrtValue *out_value = NULL;
+  float *out = NULL;
+  if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, out_dims, 3, &out_value)) ||
+      failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&out)))
+    return;
+  memset(out, 0, (size_t)(B * T * Hq * D) * sizeof(float));
+  /* shapes the kernel cannot read safely leave the output zero (the loader checks them first) */
+  if (Hkv <= 0 || Hq % Hkv || kd[0] != B || kd[1] != T || kd[2] != Hkv || kd[3] != D || memcmp(vd, kd, sizeof kd) ||
+      memcmp(pv, pk, sizeof pk) || pk[3] != D || bt[0] != B || cl[0] != B || ql[0] != B)
+    return;
+  Job job = {p[0], p[1], p[2], p[3], p[4], out, p[5], p[6], p[7], T, Hq, Hkv, D, NB, BS, MB};
+  const size_t items = (size_t)(B * Hkv);
+  if (!has_parallel_for || items < 2 ||
+      failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, run_item, items, 0, &job)))
+    for (size_t i = 0; i < items; i++) run_item(&job, i);
+}
+
+static void *create_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
+  (void)op, (void)ort_api, (void)info;
+  return (void *)1; /* stateless */
+}
+static const char *op_name(const CustomOp *op) { (void)op; return "PagedAttention"; }
+static const char *op_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const CustomOp *op, size_t i) { (void)op; return i >= 5 ? ELEM_INT64 : ELEM_FLOAT; }
+static size_t input_count(const CustomOp *op) { (void)op; return 8; }
+static int output_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
+static size_t output_count(const CustomOp *op) { (void)op; return 1; }
+static void destroy_kernel(void *kernel) { (void)kernel; }
+static int required(const CustomOp *op, size_t i) { (void)op, (void)i; return 0; /* every input and output */ }
+
+static const CustomOp paged_attention = {8,           create_kernel, op_name, op_provider, input_type, input_count,
+                                         output_type, output_count,  compute, destroy_kernel, required, required};
+
+/* the entry point ``SessionOptions.register_custom_ops_library`` calls */
+OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const ApiBase *base) {
+  static OrtCustomOpDomain *domain; /* ONNX Runtime keeps using the domain: it is never freed */
+  const void *const *newer = base->GetApi(18);
+  has_parallel_for = newer != NULL;
+  api = newer != NULL ? newer : base->GetApi(1);
+  OrtStatus *status = NULL;
+  if (domain == NULL && (status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain)))
+    return status;
+  static int added;
+  if (!added && (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention))) return status;
+  added = 1;
+  return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
+}

@@ -1,0 +1,158 @@
+"""The native PagedAttention operator: against a numpy reference, in the engine graph, and its fallback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autoglm_trt.backends.onnxrt.native import paged_attention_library
+from autoglm_trt.graph.paged_kv import SeqState, step_inputs
+
+
+@pytest.fixture(scope="module")
+def library():
+    path, why = paged_attention_library()
+    if path is None:
+        pytest.skip(f"the native kernel cannot be built here: {why}")
+    return path
+
+
+def reference(q, k_new, v_new, pool_k, pool_v, tables, ctx, qlens):
+    """Attention of each valid new token over its past (read through the block table) and the new
+    tokens up to itself; padding rows stay zero."""
+    B, T, Hq, D = q.shape
+    Hkv, _, BS, _ = pool_k.shape
+    G = Hq // Hkv
+    out = np.zeros((B, T, Hq, D), np.float64)
+    for b in range(B):
+        pos = np.arange(ctx[b])
+        keys = np.concatenate([pool_k[:, tables[b][pos // BS], pos % BS], k_new[b].transpose(1, 0, 2)], axis=1)
+        values = np.concatenate([pool_v[:, tables[b][pos // BS], pos % BS], v_new[b].transpose(1, 0, 2)], axis=1)
+        for t in range(qlens[b]):
+            for h in range(Hq):
+                seen = ctx[b] + t + 1
+                s = keys[h // G, :seen].astype(np.float64) @ q[b, t, h]
+                p = np.exp(s - s.max())
+                out[b, t, h] = (p / p.sum()) @ values[h // G, :seen]
+    return out.reshape(B, T, Hq * D)
+
+
+def op_session(library, hq, hkv, d, nb, bs):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    names = ["q", "k", "v", "pk", "pv", "bt", "ctx", "ql"]
+    node = helper.make_node("PagedAttention", names, ["out"], domain="autoglm.trt")
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info("q", f, ["B", "T", hq, d]),
+              helper.make_tensor_value_info("k", f, ["B", "T", hkv, d]),
+              helper.make_tensor_value_info("v", f, ["B", "T", hkv, d]),
+              helper.make_tensor_value_info("pk", f, [hkv, nb, bs, d]),
+              helper.make_tensor_value_info("pv", f, [hkv, nb, bs, d]),
+              helper.make_tensor_value_info("bt", i, ["B", "M"]),
+              helper.make_tensor_value_info("ctx", i, ["B"]), helper.make_tensor_value_info("ql", i, ["B"])]
+    graph = helper.make_graph([node], "paged_attention", inputs, [helper.make_tensor_value_info("out", f, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 16), (2, 2, 8)])
+@pytest.mark.parametrize("ctx,qlens,t", [
+    ([0, 17, 40, 5], [1, 1, 1, 1], 1),  # decode, ragged contexts (one empty)
+    ([0, 17, 40], [5, 2, 1], 5),  # prefill chunks of different lengths, padded to 5
+    ([3, 0, 33], [4, 4, 4], 4),
+    ([300], [1], 1),  # a long context over many blocks
+])
+def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t):
+    rng = np.random.default_rng(hq * 100 + sum(ctx) + t)
+    nb, bs = 48, 8
+    pool_k = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
+    pool_v = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
+    B = len(ctx)
+    q = rng.standard_normal((B, t, hq, d), dtype=np.float32) * 0.3
+    k_new = rng.standard_normal((B, t, hkv, d), dtype=np.float32)
+    v_new = rng.standard_normal((B, t, hkv, d), dtype=np.float32)
+    tables = np.zeros((B, max(1, -(-max(ctx) // bs))), np.int64)
+    for b, c in enumerate(ctx):
+        n = -(-c // bs)
+        tables[b, :n] = rng.choice(nb, n, replace=False)  # blocks anywhere in the pool, in any order
+    out = op_session(library, hq, hkv, d, nb, bs).run(["out"], {
+        "q": q, "k": k_new, "v": v_new, "pk": pool_k, "pv": pool_v, "bt": tables,
+        "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64)})[0]
+    want = reference(q, k_new, v_new, pool_k, pool_v, tables, ctx, qlens)
+    assert out.shape == (B, t, hq * d)
+    np.testing.assert_allclose(out, want, atol=3e-6, rtol=1e-5)
+    for b, n in enumerate(qlens):
+        assert not out[b, n:].any(), "padding rows must be zero"
+
+
+def _runner(engine_dir, monkeypatch, native: bool):
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends import open_runner
+
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1" if native else "0")
+    return open_runner(Manifest.read(engine_dir), num_blocks=32, threads=1)
+
+
+def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine, library, monkeypatch):
+    """The tiny engine's logits with the native operator equal those of its own attention nodes,
+    for a prefill of two prompts of different lengths and then two decode steps."""
+    runners = [_runner(tiny_engine, monkeypatch, native) for native in (True, False)]
+    assert runners[0].attention == "native"
+    assert runners[1].attention == "graph (AUTOGLM_TRT_NATIVE=0)"
+    prompts = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
+    states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in runners]
+    new = prompts
+    for _ in range(3):
+        logits = []
+        for runner, st in zip(runners, states):
+            feeds, slots = step_inputs(new, st, runner.block_size)
+            logits.append(runner.step(feeds, slots))
+            for s, toks in zip(st, new):
+                s.num_computed_tokens += len(toks)
+        np.testing.assert_allclose(logits[0], logits[1], atol=2e-5, rtol=1e-4)
+        new = [[int(t)] for t in logits[1].argmax(axis=-1)]
+    for r in runners:
+        r.close()
+
+
+def test_the_rewrite_replaces_every_layers_attention(tiny_engine):
+    import onnx
+
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.attention_op import rewrite
+
+    manifest = Manifest.read(tiny_engine)
+    model = onnx.load(str(manifest.engine_path), load_external_data=False)
+    before = len(model.graph.node)
+    done, why = rewrite(model, manifest.spec.num_layers)
+    assert done, why
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("PagedAttention") == manifest.spec.num_layers
+    assert "Softmax" not in ops and len(ops) < before
+
+
+def test_a_graph_without_the_expected_tensors_is_left_alone(tiny_engine):
+    import onnx
+
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.attention_op import rewrite
+
+    manifest = Manifest.read(tiny_engine)
+    model = onnx.load(str(manifest.engine_path), load_external_data=False)
+    for node in model.graph.node:
+        node.output[:] = [o.replace("layers.1.q_grouped", "renamed") for o in node.output]
+    nodes = len(model.graph.node)
+    done, why = rewrite(model, manifest.spec.num_layers)
+    assert not done and "layers.1.q_grouped" in why and len(model.graph.node) == nodes
+
+
+def test_no_compiler_means_the_graph_attention(tiny_engine, monkeypatch):
+    from autoglm_trt.backends.onnxrt import native
+
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    runner = _runner(tiny_engine, monkeypatch, native=True)
+    assert runner.attention.startswith("graph (no C compiler")
+    runner.close()
