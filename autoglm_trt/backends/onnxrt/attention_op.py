@@ -3,7 +3,7 @@
 Input: the ONNX Runtime engine's graph (``model.opt.onnx``, loaded without its weights). Output:
 the same graph in which each layer's attention (Gather of the past from the pools, scores,
 mask, softmax, weighted sum: about 20 nodes) is one ``autoglm.trt.PagedAttention`` node
-(``native/paged_attention.c``) reading the pools in place, and the nodes no longer needed (the
+(``csrc/paged_attention.c``) reading the pools in place, and the nodes no longer needed (the
 attention mask) are dropped. Everything else, the INT8 GEMMs included, is untouched, and the
 portable graph that TensorRT builds never sees the operator.
 

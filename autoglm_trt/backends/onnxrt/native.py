@@ -1,6 +1,6 @@
 """The ONNX Runtime backend's native attention kernel: built on this machine, on first use.
 
-``paged_attention_library()`` compiles ``native/paged_attention.c`` (a custom operator
+``paged_attention_library()`` compiles ``csrc/paged_attention.c`` (a custom operator
 library for ONNX Runtime's CPU execution provider) with the machine's C compiler, for this
 CPU (``-march=native``), into a cache directory, and returns its path; or ``None`` and the
 reason when it cannot (no compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner
@@ -22,7 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
 ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
 ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)
@@ -68,10 +68,11 @@ def paged_attention_library() -> tuple[Path | None, str]:
 
 def _build(cc: str) -> tuple[Path | None, str]:
     try:
+        source = SOURCE.read_text()
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"{cc} --version failed: {exc}"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()]).encode())
+        return None, f"cannot read {SOURCE} or run {cc} --version: {exc}"
+    key = hashlib.sha256("\0".join([source, version, " ".join(FLAGS), _cpu_signature()]).encode())
     out = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
     if out.is_file():
         return out, ""
