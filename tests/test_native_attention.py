@@ -118,7 +118,7 @@ def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine,
         r.close()
 
 
-def test_the_rewrite_replaces_every_layers_attention(tiny_engine):
+def test_the_rewrite_gives_every_layer_the_operator_for_decode_steps(tiny_engine):
     import onnx
 
     from autoglm_trt.artifacts import Manifest
@@ -130,8 +130,12 @@ def test_the_rewrite_replaces_every_layers_attention(tiny_engine):
     done, why = rewrite(model, manifest.spec.num_layers)
     assert done, why
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("PagedAttention") == manifest.spec.num_layers
-    assert "Softmax" not in ops and len(ops) < before
+    branches = [n for n in model.graph.node if n.op_type == "If"]
+    assert len(branches) == manifest.spec.num_layers and "Softmax" not in ops and len(ops) < before
+    for node in branches:
+        then, other = (next(a.g for a in node.attribute if a.name == name) for name in ("then_branch", "else_branch"))
+        assert [n.op_type for n in then.node] == ["PagedAttention"]  # one new token per sequence
+        assert "Softmax" in [n.op_type for n in other.node]  # prefill: the graph's own attention
 
 
 def test_a_graph_without_the_expected_tensors_is_left_alone(tiny_engine):
