@@ -37,20 +37,22 @@ def reference(q, k_new, v_new, pool_k, pool_v, tables, ctx, qlens):
     return out.reshape(B, T, Hq * D)
 
 
-def op_session(library, hq, hkv, d, nb, bs):
+def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    names = ["q", "k", "v", "pk", "pv", "bt", "ctx", "ql"]
-    node = helper.make_node("PagedAttention", names, ["out"], domain="autoglm.trt")
-    f, i = TensorProto.FLOAT, TensorProto.INT64
+    names = ["q", "k", "v", "pk", "pv", "bt", "ctx", "ql"] + (["ks", "vs"] if int8_kv else [])
+    op = "PagedAttentionInt8KV" if int8_kv else "PagedAttention"
+    node = helper.make_node(op, names, ["out"], domain="autoglm.trt")
+    f, i, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8_kv else TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("q", f, ["B", "T", hq, d]),
               helper.make_tensor_value_info("k", f, ["B", "T", hkv, d]),
               helper.make_tensor_value_info("v", f, ["B", "T", hkv, d]),
-              helper.make_tensor_value_info("pk", f, [hkv, nb, bs, d]),
-              helper.make_tensor_value_info("pv", f, [hkv, nb, bs, d]),
+              helper.make_tensor_value_info("pk", pool, [hkv, nb, bs, d]),
+              helper.make_tensor_value_info("pv", pool, [hkv, nb, bs, d]),
               helper.make_tensor_value_info("bt", i, ["B", "M"]),
               helper.make_tensor_value_info("ctx", i, ["B"]), helper.make_tensor_value_info("ql", i, ["B"])]
+    inputs += [helper.make_tensor_value_info(n, f, [hkv]) for n in names[8:]]
     graph = helper.make_graph([node], "paged_attention", inputs, [helper.make_tensor_value_info("out", f, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
     so = ort.SessionOptions()
@@ -58,6 +60,7 @@ def op_session(library, hq, hkv, d, nb, bs):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.parametrize("int8_kv", [False, True], ids=["float-kv", "int8-kv"])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 16), (2, 2, 8)])
 @pytest.mark.parametrize("ctx,qlens,t", [
     ([0, 17, 40, 5], [1, 1, 1, 1], 1),  # decode, ragged contexts (one empty)
@@ -65,11 +68,17 @@ def op_session(library, hq, hkv, d, nb, bs):
     ([3, 0, 33], [4, 4, 4], 4),
     ([300], [1], 1),  # a long context over many blocks
 ])
-def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t):
+def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t, int8_kv):
     rng = np.random.default_rng(hq * 100 + sum(ctx) + t)
     nb, bs = 48, 8
     pool_k = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
     pool_v = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
+    feeds = {}
+    if int8_kv:  # int8 pools with a scale per KV head; the reference reads them dequantized
+        k_scales, v_scales = (rng.uniform(0.01, 0.05, hkv).astype(np.float32) for _ in range(2))
+        stored = [rng.integers(-127, 128, (hkv, nb, bs, d)).astype(np.int8) for _ in range(2)]
+        pool_k, pool_v = (x * sc[:, None, None, None] for x, sc in zip(stored, (k_scales, v_scales)))
+        feeds = {"pk": stored[0], "pv": stored[1], "ks": k_scales, "vs": v_scales}
     B = len(ctx)
     q = rng.standard_normal((B, t, hq, d), dtype=np.float32) * 0.3
     k_new = rng.standard_normal((B, t, hkv, d), dtype=np.float32)
@@ -78,12 +87,12 @@ def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t):
     for b, c in enumerate(ctx):
         n = -(-c // bs)
         tables[b, :n] = rng.choice(nb, n, replace=False)  # blocks anywhere in the pool, in any order
-    out = op_session(library, hq, hkv, d, nb, bs).run(["out"], {
+    out = op_session(library, hq, hkv, d, nb, bs, int8_kv).run(["out"], {
         "q": q, "k": k_new, "v": v_new, "pk": pool_k, "pv": pool_v, "bt": tables,
-        "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64)})[0]
+        "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64), **feeds})[0]
     want = reference(q, k_new, v_new, pool_k, pool_v, tables, ctx, qlens)
     assert out.shape == (B, t, hq * d)
-    np.testing.assert_allclose(out, want, atol=3e-6, rtol=1e-5)
+    np.testing.assert_allclose(out, want, atol=2e-5 if int8_kv else 3e-6, rtol=1e-5)  # int8 K/V values reach 6
     for b, n in enumerate(qlens):
         assert not out[b, n:].any(), "padding rows must be zero"
 
@@ -96,10 +105,21 @@ def _runner(engine_dir, monkeypatch, native: bool):
     return open_runner(Manifest.read(engine_dir), num_blocks=32, threads=1)
 
 
-def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine, library, monkeypatch):
+@pytest.fixture(scope="module")
+def int8_kv_engine(tiny_dir, tmp_path_factory):
+    from conftest import build_tiny_engine
+
+    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("native") / "int8-kv", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine, int8_kv_engine, library,
+                                                                     monkeypatch, kv):
     """The tiny engine's logits with the native operator equal those of its own attention nodes,
-    for a prefill of two prompts of different lengths and then two decode steps."""
-    runners = [_runner(tiny_engine, monkeypatch, native) for native in (True, False)]
+    for a prefill of two prompts of different lengths and then two decode steps (float32 and
+    INT8 KV cache)."""
+    engine = tiny_engine if kv == "float" else int8_kv_engine
+    runners = [_runner(engine, monkeypatch, native) for native in (True, False)]
     assert runners[0].attention == "native"
     assert runners[1].attention == "graph (AUTOGLM_TRT_NATIVE=0)"
     prompts = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
@@ -118,13 +138,14 @@ def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine,
         r.close()
 
 
-def test_the_rewrite_gives_every_layer_the_operator_for_decode_steps(tiny_engine):
+@pytest.mark.parametrize("kv,op", [("float", "PagedAttention"), ("int8", "PagedAttentionInt8KV")])
+def test_the_rewrite_gives_every_layer_the_operator_for_decode_steps(tiny_engine, int8_kv_engine, kv, op):
     import onnx
 
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends.onnxrt.attention_op import rewrite
 
-    manifest = Manifest.read(tiny_engine)
+    manifest = Manifest.read(tiny_engine if kv == "float" else int8_kv_engine)
     model = onnx.load(str(manifest.engine_path), load_external_data=False)
     before = len(model.graph.node)
     done, why = rewrite(model, manifest.spec.num_layers)
@@ -134,7 +155,7 @@ def test_the_rewrite_gives_every_layer_the_operator_for_decode_steps(tiny_engine
     assert len(branches) == manifest.spec.num_layers and "Softmax" not in ops and len(ops) < before
     for node in branches:
         then, other = (next(a.g for a in node.attribute if a.name == name) for name in ("then_branch", "else_branch"))
-        assert [n.op_type for n in then.node] == ["PagedAttention"]  # one new token per sequence
+        assert [n.op_type for n in then.node] == [op]  # one new token per sequence
         assert "Softmax" in [n.op_type for n in other.node]  # prefill: the graph's own attention
 
 

@@ -4,7 +4,8 @@ Input: the ONNX Runtime engine's graph (``model.opt.onnx``, loaded without its w
 the same graph in which each layer's attention (Gather of the past from the pools, scores,
 mask, softmax, weighted sum: about 20 nodes) sits in the else branch of an ``If`` whose then
 branch is one ``autoglm.trt.PagedAttention`` node (``csrc/paged_attention.c``) that reads the
-pools in place. The condition is "one new token per sequence": decode steps take the operator,
+pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache). The condition is "one new
+token per sequence": decode steps take the operator,
 prefill steps keep the graph's nodes, whose GEMMs are faster over many new tokens than the
 operator's dot products (a 1,000-token prompt took 1.5x as long through the operator). An
 ``If`` costs about a microsecond. Everything else, the INT8 GEMMs included, is untouched, and
@@ -24,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 DOMAIN = "autoglm.trt"
-OP = "PagedAttention"
+OP, OP_INT8_KV = "PagedAttention", "PagedAttentionInt8KV"
 
 
 def _attention_nodes(i: int, producer: dict, consumers: dict) -> list | None:
@@ -43,6 +44,20 @@ def _attention_nodes(i: int, producer: dict, consumers: dict) -> list | None:
     return list(found.values()) if f"layers.{i}.attn" in names else None
 
 
+def _kv_inputs(i: int, outputs: dict, producer: dict, initializers: set) -> tuple | None:
+    """(operator, new K, new V, [K scales, V scales]) of layer ``i``: float32 K/V, or the INT8 KV
+    cache of ``graph/kv_int8.py`` (float ``new_key.<i>.float`` quantized to the int8 output with
+    per-head scales ``new_key.<i>.kv_scale``), or None."""
+    k, v = f"new_key.{i}", f"new_value.{i}"
+    if outputs.get(k) == outputs.get(v) == TensorProto.FLOAT:
+        return OP, k, v, []
+    scales = [f"{k}.kv_scale", f"{v}.kv_scale"]
+    if outputs.get(k) == outputs.get(v) == TensorProto.INT8 and all(s in initializers for s in scales) and \
+            all(producer.get(f"{x}.float") is not None and producer[f"{x}.float"].op_type != "Cast" for x in (k, v)):
+        return OP_INT8_KV, f"{k}.float", f"{v}.float", scales
+    return None
+
+
 def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
     """Rewrite ``model`` in place; (True, "") or (False, why it was left as it was)."""
     graph = model.graph
@@ -58,12 +73,13 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
         core = _attention_nodes(i, producer, consumers)
         if grouped is None or core is None:
             return False, f"layer {i}'s attention is not the layers.{i}.q_grouped ... layers.{i}.attn nodes expected"
-        if any(outputs.get(f"new_{kv}.{i}") != TensorProto.FLOAT for kv in ("key", "value")):
-            return False, "the graph's K/V are not float32"
         q = grouped.input[0]
         if q in producer and producer[q].op_type == "Cast":
             return False, "the graph computes attention in float16"
-        plans.append((i, q, core))
+        kv = _kv_inputs(i, outputs, producer, {t.name for t in graph.initializer})
+        if kv is None:
+            return False, f"layer {i}'s K/V are neither float32 nor this project's INT8 KV cache"
+        plans.append((i, q, core, kv))
     cond = [helper.make_node("Shape", ["input_ids"], ["native.ids_shape"], name="native.ids_shape"),
             helper.make_node("Gather", ["native.ids_shape", "native.one"], ["native.new_tokens"], name="native.new_tokens",
                              axis=0),
@@ -71,9 +87,9 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
     graph.initializer.append(helper.make_tensor("native.one", TensorProto.INT64, [], [1]))
     branch_of: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
-    for i, q, core in plans:
-        native = helper.make_node(OP, [q, f"new_key.{i}", f"new_value.{i}", f"past_key.{i}", f"past_value.{i}",
-                                       "block_tables", "context_lens", "query_lens"], [f"layers.{i}.attn_native"],
+    for i, q, core, (op, k, v, scales) in plans:
+        native = helper.make_node(op, [q, k, v, f"past_key.{i}", f"past_value.{i}", "block_tables", "context_lens",
+                                       "query_lens", *scales], [f"layers.{i}.attn_native"],
                                   name=f"layers.{i}.paged_attention", domain=DOMAIN)
         nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in {id(c) for c in core}]
         for n in nodes:

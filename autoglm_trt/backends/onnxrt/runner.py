@@ -34,8 +34,8 @@ def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int
     from .native import paged_attention_library
 
     library, why = paged_attention_library()
-    if library is not None and kv_dtype != np.float32:
-        library, why = None, f"the KV cache is {kv_dtype.name} (the native kernel reads float32)"
+    if library is not None and kv_dtype not in (np.float32, np.int8):
+        library, why = None, f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
     if library is not None:
         model = onnx.load(str(model_path), load_external_data=False)
         done, why = rewrite(model, spec.num_layers)

@@ -19,6 +19,11 @@
  *   0 attn          [B, T, Hq * D]  rows of padding tokens are zero
  * Query head j reads KV head j / (Hq / Hkv), as in the graph's grouped layout.
  *
+ * PagedAttentionInt8KV: the same for an INT8 KV cache. Inputs 3 and 4 are int8 pools, and
+ *   8 k_scales     [Hkv]           the pools' symmetric scales of each KV head (value = int8 * scale)
+ *   9 v_scales     [Hkv]
+ * The new tokens' K and V (inputs 1 and 2) stay float, as in the graph.
+ *
  * The library is built on the machine that uses it (``native.py``) and talks to ONNX Runtime
  * through its C API, version 1 of the API table and version 8 of the custom operator
  * struct, which every later ONNX Runtime keeps. The few declarations it needs are written
@@ -39,7 +44,7 @@ typedef struct OrtSessionOptions OrtSessionOptions;
 typedef struct OrtCustomOpDomain OrtCustomOpDomain;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
 
-enum { ELEM_FLOAT = 1, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
+enum { ELEM_FLOAT = 1, ELEM_INT8 = 3, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
 
 /* positions in ONNX Runtime's OrtApi function table */
 enum {
@@ -115,41 +120,44 @@ static int input(OrtKernelContext *ctx, size_t index, void **data, int64_t *dims
   return bad || failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, data));
 }
 
-/* four dot products with one vector x: four independent sums, so they overlap in the pipeline */
-static void dot4(const float *x, const float *a, const float *b, const float *c, const float *d, int64_t n,
-                 float *out) {
-  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t i = 0; i < n; i++) {
-    s0 += a[i] * x[i];
-    s1 += b[i] * x[i];
-    s2 += c[i] * x[i];
-    s3 += d[i] * x[i];
+/* Row operations on a key or value row of element type T (float32, or int8 of an INT8 KV pool,
+ * whose scale the caller applies): four dot products with one row x (four independent sums,
+ * so they overlap in the pipeline), the scores of every query row against one key row, four
+ * rows at a time, and out += w * x. */
+#define DEFINE_ROW_OPS(SUFFIX, T)                                                                          \
+  static void dot4_##SUFFIX(const T *x, const float *a, const float *b, const float *c, const float *d,   \
+                            int64_t n, float *out) {                                                       \
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                      \
+    _Pragma("omp simd reduction(+ : s0, s1, s2, s3)") for (int64_t i = 0; i < n; i++) {                   \
+      const float v = (float)x[i];                                                                         \
+      s0 += a[i] * v;                                                                                      \
+      s1 += b[i] * v;                                                                                      \
+      s2 += c[i] * v;                                                                                      \
+      s3 += d[i] * v;                                                                                      \
+    }                                                                                                      \
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;                                                    \
+  }                                                                                                        \
+  static void key_scores_##SUFFIX(const float *const *qr, int64_t rows, const T *key, int64_t D,          \
+                                  float *scores, int64_t width) {                                          \
+    int64_t r = 0;                                                                                         \
+    for (; r + 4 <= rows; r += 4) {                                                                        \
+      float s[4];                                                                                          \
+      dot4_##SUFFIX(key, qr[r], qr[r + 1], qr[r + 2], qr[r + 3], D, s);                                    \
+      for (int i = 0; i < 4; i++) scores[(r + i) * width] = s[i];                                          \
+    }                                                                                                      \
+    if (r < rows) { /* the last 1..3 rows, the missing ones repeating the last */                          \
+      float s[4];                                                                                          \
+      const float *last = qr[rows - 1];                                                                    \
+      dot4_##SUFFIX(key, qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last, last, D, \
+                    s);                                                                                    \
+      for (int64_t i = 0; r + i < rows; i++) scores[(r + i) * width] = s[i];                               \
+    }                                                                                                      \
+  }                                                                                                        \
+  static void axpy_##SUFFIX(float *out, float w, const T *x, int64_t n) {                                  \
+    _Pragma("omp simd") for (int64_t d = 0; d < n; d++) out[d] += w * (float)x[d];                         \
   }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
-}
-
-/* scores[r * width] = qr[r] . key for every row r, four rows at a time */
-static void key_scores(const float *const *qr, int64_t rows, const float *key, int64_t D, float *scores,
-                       int64_t width) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    float s[4];
-    dot4(key, qr[r], qr[r + 1], qr[r + 2], qr[r + 3], D, s);
-    for (int i = 0; i < 4; i++) scores[(r + i) * width] = s[i];
-  }
-  if (r < rows) { /* the last 1..3 rows, the missing ones repeating the last */
-    float s[4];
-    const float *last = qr[rows - 1];
-    dot4(key, qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last, last, D, s);
-    for (int64_t i = 0; r + i < rows; i++) scores[(r + i) * width] = s[i];
-  }
-}
-
-static void axpy(float *out, float w, const float *x, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; d++) out[d] += w * x[d];
-}
+DEFINE_ROW_OPS(f32, float)
+DEFINE_ROW_OPS(i8, int8_t)
 
 /* e^x for x <= 0, in a form the compiler vectorizes: x = (n + f) ln 2 with n an integer and
  * |f| <= 1/2, 2^f from its Taylor series to degree 7 (relative error below 1e-7 there),
@@ -186,37 +194,54 @@ static void softmax(float *row, int64_t len) {
 }
 
 /* one sequence, one KV head: ``rows`` query rows (valid new token t = r / G, query head
- * h * G + r % G) at qr[r], their outputs at orow[r]; scores is [rows, ctx + qlen] scratch */
+ * h * G + r % G) at qr[r], their outputs at orow[r]; scores is [rows, ctx + qlen] scratch.
+ * The pools hold float32, or int8 with this head's scales k_scale and v_scale. */
 static void attend(const float *const *qr, float *const *orow, int64_t rows, int64_t G, const float *k_new,
-                   const float *v_new, int64_t new_stride, const float *pool_k, const float *pool_v,
-                   const int64_t *table, int64_t ctx, int64_t qlen, int64_t NB, int64_t BS, int64_t D,
-                   float *scores) {
+                   const float *v_new, int64_t new_stride, const void *pool_k, const void *pool_v, int int8,
+                   float k_scale, float v_scale, const int64_t *table, int64_t ctx, int64_t qlen, int64_t NB,
+                   int64_t BS, int64_t D, float *scores) {
   const int64_t width = ctx + qlen;
   for (int64_t m = 0; m * BS < ctx; m++) {
     const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0; /* never read outside the pool */
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
-    const float *keys = pool_k + block * BS * D;
-    for (int64_t s = 0; s < n; s++) key_scores(qr, rows, keys + s * D, D, scores + m * BS + s, width);
+    for (int64_t s = 0; s < n; s++) {
+      const int64_t at = (block * BS + s) * D;
+      if (int8)
+        key_scores_i8(qr, rows, (const int8_t *)pool_k + at, D, scores + m * BS + s, width);
+      else
+        key_scores_f32(qr, rows, (const float *)pool_k + at, D, scores + m * BS + s, width);
+    }
   }
+  if (int8)
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t p = 0; p < ctx; p++) scores[r * width + p] *= k_scale;
   for (int64_t j = 0; j < qlen; j++) /* rows of tokens t >= j */
-    key_scores(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
+    key_scores_f32(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
   for (int64_t r = 0; r < rows; r++) softmax(scores + r * width, ctx + r / G + 1);
   for (int64_t m = 0; m * BS < ctx; m++) {
     const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
-    const float *values = pool_v + block * BS * D;
-    for (int64_t s = 0; s < n; s++)
-      for (int64_t r = 0; r < rows; r++) axpy(orow[r], scores[r * width + m * BS + s], values + s * D, D);
+    for (int64_t s = 0; s < n; s++) {
+      const int64_t at = (block * BS + s) * D, p = m * BS + s;
+      for (int64_t r = 0; r < rows; r++) {
+        if (int8)
+          axpy_i8(orow[r], scores[r * width + p] * v_scale, (const int8_t *)pool_v + at, D);
+        else
+          axpy_f32(orow[r], scores[r * width + p], (const float *)pool_v + at, D);
+      }
+    }
   }
   for (int64_t j = 0; j < qlen; j++)
-    for (int64_t r = j * G; r < rows; r++) axpy(orow[r], scores[r * width + ctx + j], v_new + j * new_stride, D);
+    for (int64_t r = j * G; r < rows; r++) axpy_f32(orow[r], scores[r * width + ctx + j], v_new + j * new_stride, D);
 }
 
 typedef struct {
-  const float *q, *k_new, *v_new, *pool_k, *pool_v;
+  const float *q, *k_new, *v_new;
+  const void *pool_k, *pool_v;
   float *out;
   const int64_t *tables, *ctx_lens, *q_lens;
   int64_t T, Hq, Hkv, D, NB, BS, MB;
+  const float *k_scales, *v_scales; /* per KV head, for int8 pools; NULL for float32 pools */
 } Job;
 
 /* work item i: sequence i / Hkv, KV head i % Hkv (each with scratch of its own) */
@@ -234,8 +259,11 @@ static void run_item(void *data, size_t i) {
       qr[r] = j->q + at;
       orow[r] = j->out + at;
     }
-    const int64_t pool = h * j->NB * j->BS * D, step = (b * T * j->Hkv + h) * D;
-    attend(qr, orow, n * G, G, j->k_new + step, j->v_new + step, j->Hkv * D, j->pool_k + pool, j->pool_v + pool,
+    const int int8 = j->k_scales != NULL;
+    const size_t pool = (size_t)(h * j->NB * j->BS * D) * (int8 ? sizeof(int8_t) : sizeof(float));
+    const int64_t step = (b * T * j->Hkv + h) * D;
+    attend(qr, orow, n * G, G, j->k_new + step, j->v_new + step, j->Hkv * D, (const char *)j->pool_k + pool,
+           (const char *)j->pool_v + pool, int8, int8 ? j->k_scales[h] : 1.0f, int8 ? j->v_scales[h] : 1.0f,
            j->tables + b * j->MB, c, n, j->NB, j->BS, D, scores);
   }
   free(scores);
@@ -243,13 +271,15 @@ static void run_item(void *data, size_t i) {
   free(orow);
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) {
-  (void)kernel;
-  void *p[8];
-  int64_t qd[4], kd[4], vd[4], pk[4], pv[4], bt[2], cl[1], ql[1];
+/* both operators: inputs 0..7 as documented at the top; with int8 pools, 8 and 9 are the K and V
+ * scales of each KV head */
+static void run(OrtKernelContext *ctx, int int8) {
+  void *p[10];
+  int64_t qd[4], kd[4], vd[4], pk[4], pv[4], bt[2], cl[1], ql[1], ks[1] = {0}, vs[1] = {0};
   if (input(ctx, 0, &p[0], qd, 4) || input(ctx, 1, &p[1], kd, 4) || input(ctx, 2, &p[2], vd, 4) ||
       input(ctx, 3, &p[3], pk, 4) || input(ctx, 4, &p[4], pv, 4) || input(ctx, 5, &p[5], bt, 2) ||
-      input(ctx, 6, &p[6], cl, 1) || input(ctx, 7, &p[7], ql, 1))
+      input(ctx, 6, &p[6], cl, 1) || input(ctx, 7, &p[7], ql, 1) ||
+      (int8 && (input(ctx, 8, &p[8], ks, 1) || input(ctx, 9, &p[9], vs, 1))))
     return;
   const int64_t B = qd[0], T = qd[1], Hq = qd[2], D = qd[3], Hkv = pk[0], NB = pk[1], BS = pk[2], MB = bt[1];
   int64_t out_dims[3] = {B, T, Hq * D};
@@ -261,23 +291,34 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
   memset(out, 0, (size_t)(B * T * Hq * D) * sizeof(float));
   /* shapes the kernel cannot read safely leave the output zero (the loader checks them first) */
   if (Hkv <= 0 || Hq % Hkv || kd[0] != B || kd[1] != T || kd[2] != Hkv || kd[3] != D || memcmp(vd, kd, sizeof kd) ||
-      memcmp(pv, pk, sizeof pk) || pk[3] != D || bt[0] != B || cl[0] != B || ql[0] != B)
+      memcmp(pv, pk, sizeof pk) || pk[3] != D || bt[0] != B || cl[0] != B || ql[0] != B ||
+      (int8 && (ks[0] != Hkv || vs[0] != Hkv)))
     return;
-  Job job = {p[0], p[1], p[2], p[3], p[4], out, p[5], p[6], p[7], T, Hq, Hkv, D, NB, BS, MB};
+  Job job = {p[0], p[1], p[2], p[3], p[4], out, p[5], p[6], p[7], T, Hq, Hkv, D, NB, BS, MB,
+             int8 ? p[8] : NULL, int8 ? p[9] : NULL};
   const size_t items = (size_t)(B * Hkv);
   if (!has_parallel_for || items < 2 ||
       failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, run_item, items, 0, &job)))
     for (size_t i = 0; i < items; i++) run_item(&job, i);
 }
 
+static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run(ctx, 0); }
+static void compute_int8(void *kernel, OrtKernelContext *ctx) { (void)kernel, run(ctx, 1); }
+
 static void *create_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
   (void)op, (void)ort_api, (void)info;
   return (void *)1; /* stateless */
 }
 static const char *op_name(const CustomOp *op) { (void)op; return "PagedAttention"; }
+static const char *op_name_int8(const CustomOp *op) { (void)op; return "PagedAttentionInt8KV"; }
 static const char *op_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) { (void)op; return i >= 5 ? ELEM_INT64 : ELEM_FLOAT; }
 static size_t input_count(const CustomOp *op) { (void)op; return 8; }
+static int input_type_int8(const CustomOp *op, size_t i) {
+  (void)op;
+  return i == 3 || i == 4 ? ELEM_INT8 : i >= 5 && i <= 7 ? ELEM_INT64 : ELEM_FLOAT;
+}
+static size_t input_count_int8(const CustomOp *op) { (void)op; return 10; }
 static int output_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
 static size_t output_count(const CustomOp *op) { (void)op; return 1; }
 static void destroy_kernel(void *kernel) { (void)kernel; }
@@ -285,6 +326,9 @@ static int required(const CustomOp *op, size_t i) { (void)op, (void)i; return 0;
 
 static const CustomOp paged_attention = {8,           create_kernel, op_name, op_provider, input_type, input_count,
                                          output_type, output_count,  compute, destroy_kernel, required, required};
+static const CustomOp paged_attention_int8 = {
+    8, create_kernel, op_name_int8, op_provider, input_type_int8, input_count_int8, output_type, output_count,
+    compute_int8, destroy_kernel, required, required};
 
 /* the entry point ``SessionOptions.register_custom_ops_library`` calls */
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const ApiBase *base) {
@@ -293,10 +337,11 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const ApiBase *base) {
   has_parallel_for = newer != NULL;
   api = newer != NULL ? newer : base->GetApi(1);
   OrtStatus *status = NULL;
-  if (domain == NULL && (status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain)))
-    return status;
-  static int added;
-  if (!added && (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention))) return status;
-  added = 1;
+  if (domain == NULL) {
+    if ((status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention_int8)))
+      return status;
+  }
   return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
 }
