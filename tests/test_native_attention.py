@@ -181,3 +181,22 @@ def test_no_compiler_means_the_graph_attention(tiny_engine, monkeypatch):
     runner = _runner(tiny_engine, monkeypatch, native=True)
     assert runner.attention.startswith("graph (no C compiler")
     runner.close()
+
+
+def test_the_library_is_built_once_and_kept(library, monkeypatch):
+    from autoglm_trt.backends.onnxrt import native
+
+    stamp = library.stat().st_mtime_ns
+    monkeypatch.setattr(native, "_result", {})  # a new process: the cached file is found, not rebuilt
+    again, why = native.paged_attention_library()
+    assert again == library and why == "" and library.stat().st_mtime_ns == stamp
+
+
+def test_doctor_says_which_attention_decode_steps_run(tiny_engine, library, monkeypatch):
+    from conftest import run_cli
+
+    r = run_cli("doctor", str(tiny_engine))
+    assert r.returncode == 0 and f"native PagedAttention operator ({library})" in r.stdout
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    r = run_cli("doctor", str(tiny_engine))
+    assert r.returncode == 0 and "the graph's own nodes, slower (AUTOGLM_TRT_NATIVE=0)" in r.stdout

@@ -210,4 +210,10 @@ def doctor_cmd(engine_dir: Path) -> None:
             click.echo(f"ok       {what}")
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
+    if manifest.backend == "onnxruntime":
+        from ..backends.onnxrt.native import paged_attention_library
+
+        library, why = paged_attention_library()
+        click.echo(f"info     decode attention: native PagedAttention operator ({library})" if library else
+                   f"info     decode attention: the graph's own nodes, slower ({why})")
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")
