@@ -8,9 +8,11 @@ For decode steps the binding (pools and output buffers bound) is kept per batch 
 decode step only rebinds its six small inputs; a prefill step's outputs (new K/V of up to
 max_batch x max_input_len tokens) are bound afresh and freed after the step.
 
-Attention runs in the native ``PagedAttention`` operator where it can be built here
-(``native.py``, ``attention_op.py``): it reads the pools in place instead of gathering every
-layer's past into a new tensor on every step. ``attention`` says which form runs and why.
+The graph is rewritten for ONNX Runtime as it is loaded: decode steps' attention runs in the
+native ``PagedAttention`` operator where it can be built here (``native.py``,
+``attention_op.py``), reading the pools in place instead of gathering every layer's past into
+a new tensor on every step (``attention`` says which form runs and why), and each residual Add
++ RMSNorm is one node (``fusions.py``).
 """
 
 from __future__ import annotations
@@ -26,23 +28,26 @@ from ...model.spec import ModelSpec
 
 
 def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int) -> tuple[Any, str]:
-    """The engine's session, with the native attention operator where possible, and which
-    attention runs: "native" or "graph (<why>)"."""
+    """The engine's session, the graph rewritten for ONNX Runtime when it is loaded (the native
+    attention operator where possible, residual + RMSNorm fused), and which attention decode
+    steps run: "native" or "graph (<why>)"."""
     import onnx
 
     from .attention_op import rewrite
+    from .fusions import skip_rms_norm
     from .native import paged_attention_library
 
+    model = onnx.load(str(model_path), load_external_data=False)
     library, why = paged_attention_library()
     if library is not None and kv_dtype not in (np.float32, np.int8):
         library, why = None, f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
     if library is not None:
-        model = onnx.load(str(model_path), load_external_data=False)
         done, why = rewrite(model, spec.num_layers)
-        if done:
-            return make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
-                                custom_ops=library), "native"
-    return make_session(model_path, threads=threads), f"graph ({why})"
+        library = library if done else None
+    skip_rms_norm(model)
+    session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
+                           custom_ops=library)
+    return session, "native" if library is not None else f"graph ({why})"
 
 
 class OrtRunner:
