@@ -5,11 +5,11 @@ the same graph in which each layer's attention (Gather of the past from the pool
 mask, softmax, weighted sum: about 20 nodes) sits in the else branch of an ``If`` whose then
 branch is one ``autoglm.trt.PagedAttention`` node (``csrc/paged_attention.c``) that reads the
 pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache). The condition is "one new
-token per sequence": decode steps take the operator,
-prefill steps keep the graph's nodes, whose GEMMs are faster over many new tokens than the
-operator's dot products (a 1,000-token prompt took 1.5x as long through the operator). An
-``If`` costs about a microsecond. Everything else, the INT8 GEMMs included, is untouched, and
-the portable graph that TensorRT builds never sees the operator.
+token per sequence": decode steps take the operator; prefill steps keep the graph's nodes,
+whose GEMMs are faster over many new tokens than the operator's dot products (a 1,000-token
+prompt took 1.5x as long through the operator). An ``If`` costs about a microsecond.
+Everything else, the INT8 GEMMs included, is untouched, and the portable graph that TensorRT
+builds never sees the operator.
 
 Per layer ``i`` the graph names what the operator needs: the queries after RoPE are the input
 of ``layers.<i>.q_grouped``, the new keys and values are the outputs ``new_key.<i>`` and
@@ -91,7 +91,8 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
         native = helper.make_node(op, [q, k, v, f"past_key.{i}", f"past_value.{i}", "block_tables", "context_lens",
                                        "query_lens", *scales], [f"layers.{i}.attn_native"],
                                   name=f"layers.{i}.paged_attention", domain=DOMAIN)
-        nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in {id(c) for c in core}]
+        core_ids = {id(c) for c in core}
+        nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in core_ids]
         for n in nodes:
             n.output[:] = [f"layers.{i}.attn_graph" if o == f"layers.{i}.attn" else o for o in n.output]
         out = lambda name: [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)]
@@ -100,7 +101,7 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
             then_branch=helper.make_graph([native], f"layers_{i}_native", [], out(f"layers.{i}.attn_native")),
             else_branch=helper.make_graph(nodes, f"layers_{i}_graph", [], out(f"layers.{i}.attn_graph")))
         branch_of[id(producer[f"layers.{i}.attn"])] = branch
-        dropped.update(id(c) for c in core)
+        dropped.update(core_ids)
     kept = [branch_of.get(id(n), n) for n in graph.node if id(n) not in dropped or id(n) in branch_of]
     del graph.node[:]
     graph.node.extend(cond + kept)

@@ -289,7 +289,8 @@ static void run(OrtKernelContext *ctx, int int8) {
       failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&out)))
     return;
   memset(out, 0, (size_t)(B * T * Hq * D) * sizeof(float));
-  /* shapes the kernel cannot read safely leave the output zero (the loader checks them first) */
+  /* shapes the kernel cannot read safely leave the output zero (the engine graph never makes them:
+   * version 8 of the operator struct has no way to return an error) */
   if (Hkv <= 0 || Hq % Hkv || kd[0] != B || kd[1] != T || kd[2] != Hkv || kd[3] != D || memcmp(vd, kd, sizeof kd) ||
       memcmp(pv, pk, sizeof pk) || pk[3] != D || bt[0] != B || cl[0] != B || ql[0] != B ||
       (int8 && (ks[0] != Hkv || vs[0] != Hkv)))
