@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Decode-step time with the native PagedAttention operator against the graph's own attention.
+"""Decode-step time with the native operators against the graph's own nodes.
 
     python scripts/bench_attention.py [--engine engines/smollm2-int8] [--contexts 128,1000] [--batches 1,8,16]
 
-Both sessions are the ONNX Runtime runner's (``OrtRunner``), loaded once with the operator and
-once with ``AUTOGLM_TRT_NATIVE=0``; everything else in their graphs is the same. Each step is
+Both sessions are the ONNX Runtime runner's (``OrtRunner``), loaded once with the native
+operators (``PagedAttention`` for decode steps; ``HadamardQuantize`` for each INT8 linear's
+input rotation and quantization) and once with ``AUTOGLM_TRT_NATIVE=0``; everything else in
+their graphs (the residual + RMSNorm fusion included) is the same. Each step is
 one decode step (one new token per sequence) of ``batch`` sequences with ``context`` cached
 tokens each, over pools of random K/V, 2 ONNX Runtime threads. Rounds interleave the two;
 the figures are medians over rounds and each ratio the median of the per-round ratios. Prints

@@ -1,10 +1,11 @@
-"""The ONNX Runtime backend's native attention kernel: built on this machine, on first use.
+"""The ONNX Runtime backend's native operators: built on this machine, on first use.
 
-``paged_attention_library()`` compiles ``csrc/paged_attention.c`` (a custom operator
-library for ONNX Runtime's CPU execution provider) with the machine's C compiler, for this
-CPU (``-march=native``), into a cache directory, and returns its path; or ``None`` and the
-reason when it cannot (no compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner
-then keeps the engine graph's own attention nodes, which compute the same thing more slowly.
+``paged_attention_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
+Runtime's CPU execution provider: ``PagedAttention``, ``PagedAttentionInt8KV``,
+``HadamardQuantize``) with the machine's C compiler, for this CPU (``-march=native``), into a
+cache directory, and returns its path; or ``None`` and the reason when it cannot (no
+compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner then keeps the engine
+graph's own nodes, which compute the same things more slowly.
 
 The cache key is the source, the compiler and the CPU, so a changed kernel, compiler or
 machine (a home directory shared between machines of two CPU kinds) gets a build of its own.
@@ -22,8 +23,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("ort_api.h", "register.c", "paged_attention.c", "hadamard_quantize.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden"]
 ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
 ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)
 
@@ -68,10 +70,10 @@ def paged_attention_library() -> tuple[Path | None, str]:
 
 def _build(cc: str) -> tuple[Path | None, str]:
     try:
-        source = SOURCE.read_text()
+        source = "\0".join((CSRC / name).read_text() for name in SOURCES)
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"cannot read {SOURCE} or run {cc} --version: {exc}"
+        return None, f"cannot read the sources in {CSRC} or run {cc} --version: {exc}"
     key = hashlib.sha256("\0".join([source, version, " ".join(FLAGS), _cpu_signature()]).encode())
     out = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
     if out.is_file():
@@ -80,12 +82,12 @@ def _build(cc: str) -> tuple[Path | None, str]:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
         os.close(fd)
-        build = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                               timeout=300)
+        units = [str(CSRC / name) for name in SOURCES if name.endswith(".c")]
+        build = subprocess.run([cc, *FLAGS, "-o", tmp, *units, "-lm"], capture_output=True, text=True, timeout=300)
         if build.returncode != 0:
             os.unlink(tmp)
-            return None, f"{cc} could not build {SOURCE.name}: {build.stderr.strip()[-500:]}"
+            return None, f"{cc} could not build the native operators: {build.stderr.strip()[-500:]}"
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"building {SOURCE.name} failed: {exc}"
+        return None, f"building the native operators failed: {exc}"
     return out, ""

@@ -28,26 +28,30 @@ from ...model.spec import ModelSpec
 
 
 def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int) -> tuple[Any, str]:
-    """The engine's session, the graph rewritten for ONNX Runtime when it is loaded (the native
-    attention operator where possible, residual + RMSNorm fused), and which attention decode
+    """The engine's session, the graph rewritten for ONNX Runtime when it is loaded (where the
+    native library builds: the attention operator for decode steps and the INT8 linears'
+    rotation + quantization; always: residual + RMSNorm fused), and which attention decode
     steps run: "native" or "graph (<why>)"."""
     import onnx
 
     from .attention_op import rewrite
-    from .fusions import skip_rms_norm
+    from .fusions import hadamard_quantize, skip_rms_norm
     from .native import paged_attention_library
 
     model = onnx.load(str(model_path), load_external_data=False)
     library, why = paged_attention_library()
-    if library is not None and kv_dtype not in (np.float32, np.int8):
-        library, why = None, f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
+    native_attention = False
     if library is not None:
-        done, why = rewrite(model, spec.num_layers)
-        library = library if done else None
+        if kv_dtype in (np.float32, np.int8):
+            native_attention, why = rewrite(model, spec.num_layers)
+        else:
+            why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
+        if not hadamard_quantize(model) and not native_attention:
+            library = None
     skip_rms_norm(model)
     session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
                            custom_ops=library)
-    return session, "native" if library is not None else f"graph ({why})"
+    return session, "native" if native_attention else f"graph ({why})"
 
 
 class OrtRunner:

@@ -23,102 +23,12 @@
  *   8 k_scales     [Hkv]           the pools' symmetric scales of each KV head (value = int8 * scale)
  *   9 v_scales     [Hkv]
  * The new tokens' K and V (inputs 1 and 2) stay float, as in the graph.
- *
- * The library is built on the machine that uses it (``native.py``) and talks to ONNX Runtime
- * through its C API, version 1 of the API table and version 8 of the custom operator
- * struct, which every later ONNX Runtime keeps. The few declarations it needs are written
- * here: the positions of the API functions in ``OrtApi`` are those of ONNX Runtime's
- * ``onnxruntime_c_api.h`` (the table only ever grows at its end).
  */
 #include <math.h>
-#include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtValue OrtValue;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
-
-enum { ELEM_FLOAT = 1, ELEM_INT8 = 3, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
-
-/* positions in ONNX Runtime's OrtApi function table */
-enum {
-  API_CREATE_CUSTOM_OP_DOMAIN = 26,
-  API_CUSTOM_OP_DOMAIN_ADD = 27,
-  API_ADD_CUSTOM_OP_DOMAIN = 28,
-  API_GET_TENSOR_MUTABLE_DATA = 51,
-  API_GET_DIMENSIONS_COUNT = 61,
-  API_GET_DIMENSIONS = 62,
-  API_GET_TENSOR_TYPE_AND_SHAPE = 65,
-  API_KERNEL_CONTEXT_GET_INPUT = 90,
-  API_KERNEL_CONTEXT_GET_OUTPUT = 91,
-  API_RELEASE_STATUS = 93,
-  API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
-  API_KERNEL_CONTEXT_PARALLEL_FOR = 274, /* from version 18 of the table */
-};
-
-typedef struct {
-  const void *const *(*GetApi)(uint32_t version);
-  const char *(*GetVersionString)(void);
-} ApiBase;
-
-/* version 8 of OrtCustomOp: ONNX Runtime reads no field past GetOutputCharacteristic for it */
-typedef struct CustomOp {
-  uint32_t version;
-  void *(*CreateKernel)(const struct CustomOp *op, const void *api, const OrtKernelInfo *info);
-  const char *(*GetName)(const struct CustomOp *op);
-  const char *(*GetExecutionProviderType)(const struct CustomOp *op);
-  int (*GetInputType)(const struct CustomOp *op, size_t index);
-  size_t (*GetInputTypeCount)(const struct CustomOp *op);
-  int (*GetOutputType)(const struct CustomOp *op, size_t index);
-  size_t (*GetOutputTypeCount)(const struct CustomOp *op);
-  void (*KernelCompute)(void *kernel, OrtKernelContext *context);
-  void (*KernelDestroy)(void *kernel);
-  int (*GetInputCharacteristic)(const struct CustomOp *op, size_t index);
-  int (*GetOutputCharacteristic)(const struct CustomOp *op, size_t index);
-} CustomOp;
-
-static const void *const *api;
-static int has_parallel_for; /* the table is of version 18 or later: ONNX Runtime's threads run the work */
-
-#define API(index, type) ((type)api[index])
-typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
-typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
-typedef OrtStatus *(*MutableDataFn)(OrtValue *, void **);
-typedef OrtStatus *(*TypeAndShapeFn)(const OrtValue *, OrtTensorTypeAndShapeInfo **);
-typedef OrtStatus *(*DimsCountFn)(const OrtTensorTypeAndShapeInfo *, size_t *);
-typedef OrtStatus *(*DimsFn)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t);
-typedef void (*ReleaseInfoFn)(OrtTensorTypeAndShapeInfo *);
-typedef void (*ReleaseStatusFn)(OrtStatus *);
-typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
-typedef OrtStatus *(*DomainAddFn)(OrtCustomOpDomain *, const CustomOp *);
-typedef OrtStatus *(*AddDomainFn)(OrtSessionOptions *, OrtCustomOpDomain *);
-typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
-
-/* 1 when the call failed (its status is released) */
-static int failed(OrtStatus *status) {
-  if (status == NULL) return 0;
-  API(API_RELEASE_STATUS, ReleaseStatusFn)(status);
-  return 1;
-}
-
-/* an input's data and shape (at most 4 dims); 1 on failure */
-static int input(OrtKernelContext *ctx, size_t index, void **data, int64_t *dims, size_t want) {
-  const OrtValue *value = NULL;
-  OrtTensorTypeAndShapeInfo *info = NULL;
-  size_t count = 0;
-  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, index, &value)) || value == NULL) return 1;
-  if (failed(API(API_GET_TENSOR_TYPE_AND_SHAPE, TypeAndShapeFn)(value, &info))) return 1;
-  int bad = failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(info, &count)) || count != want ||
-            failed(API(API_GET_DIMENSIONS, DimsFn)(info, dims, count));
-  API(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseInfoFn)(info);
-  return bad || failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, data));
-}
+#include "ort_api.h"
 
 /* Row operations on a key or value row of element type T (float32, or int8 of an INT8 KV pool,
  * whose scale the caller applies): four dot products with one row x (four independent sums,
@@ -306,13 +216,8 @@ static void run(OrtKernelContext *ctx, int int8) {
 static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run(ctx, 0); }
 static void compute_int8(void *kernel, OrtKernelContext *ctx) { (void)kernel, run(ctx, 1); }
 
-static void *create_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
-  (void)op, (void)ort_api, (void)info;
-  return (void *)1; /* stateless */
-}
 static const char *op_name(const CustomOp *op) { (void)op; return "PagedAttention"; }
 static const char *op_name_int8(const CustomOp *op) { (void)op; return "PagedAttentionInt8KV"; }
-static const char *op_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) { (void)op; return i >= 5 ? ELEM_INT64 : ELEM_FLOAT; }
 static size_t input_count(const CustomOp *op) { (void)op; return 8; }
 static int input_type_int8(const CustomOp *op, size_t i) {
@@ -320,29 +225,10 @@ static int input_type_int8(const CustomOp *op, size_t i) {
   return i == 3 || i == 4 ? ELEM_INT8 : i >= 5 && i <= 7 ? ELEM_INT64 : ELEM_FLOAT;
 }
 static size_t input_count_int8(const CustomOp *op) { (void)op; return 10; }
-static int output_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
-static size_t output_count(const CustomOp *op) { (void)op; return 1; }
-static void destroy_kernel(void *kernel) { (void)kernel; }
-static int required(const CustomOp *op, size_t i) { (void)op, (void)i; return 0; /* every input and output */ }
 
-static const CustomOp paged_attention = {8,           create_kernel, op_name, op_provider, input_type, input_count,
-                                         output_type, output_count,  compute, destroy_kernel, required, required};
-static const CustomOp paged_attention_int8 = {
-    8, create_kernel, op_name_int8, op_provider, input_type_int8, input_count_int8, output_type, output_count,
-    compute_int8, destroy_kernel, required, required};
+const CustomOp paged_attention = {8,           stateless_kernel, op_name,  cpu_provider, input_type, input_count,
+                                  float_output, one_output,       compute,  destroy_kernel, required, required};
+const CustomOp paged_attention_int8 = {8,           stateless_kernel, op_name_int8, cpu_provider, input_type_int8,
+                                       input_count_int8, float_output, one_output, compute_int8, destroy_kernel,
+                                       required,         required};
 
-/* the entry point ``SessionOptions.register_custom_ops_library`` calls */
-OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const ApiBase *base) {
-  static OrtCustomOpDomain *domain; /* ONNX Runtime keeps using the domain: it is never freed */
-  const void *const *newer = base->GetApi(18);
-  has_parallel_for = newer != NULL;
-  api = newer != NULL ? newer : base->GetApi(1);
-  OrtStatus *status = NULL;
-  if (domain == NULL) {
-    if ((status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention_int8)))
-      return status;
-  }
-  return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
-}

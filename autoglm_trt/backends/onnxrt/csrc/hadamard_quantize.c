@@ -1,0 +1,104 @@
+/* HadamardQuantize: an INT8 linear's input rotation and quantization in one operator.
+ *
+ * The engine graph rotates the input of each INT8 linear by a block Hadamard matrix and then
+ * quantizes it (graph/quant.py): Reshape to blocks of b, MatMul by the normalized Sylvester
+ * matrix H (b x b), QuantizeLinear, Reshape back: four nodes, and a b x b GEMM per block.
+ * This operator does the same with a fast Walsh-Hadamard transform (b log2 b additions per
+ * block instead of b * b multiply-adds) and writes the quantized bytes directly.
+ *
+ * Inputs:
+ *   0 x           float32 [..., n]   n a multiple of b
+ *   1 hadamard    float32 [b, b]     the graph's H; only its size is read (H is Sylvester's,
+ *                                    normalized by 1/sqrt(b): graph/hadamard.py)
+ *   2 scale       float32 scalar     QuantizeLinear's
+ *   3 zero_point  uint8 scalar
+ * Output:
+ *   0 y           uint8 [..., n]     saturate(round_half_even((x R) / scale) + zero_point)
+ */
+#include <math.h>
+#include <string.h>
+
+#include "ort_api.h"
+
+#define MAX_DIMS 8
+
+/* in-place fast Walsh-Hadamard transform of v[0:b] (Sylvester order), unnormalized */
+static void fwht(float *v, int64_t b) {
+  for (int64_t h = 1; h < b; h *= 2)
+    for (int64_t i = 0; i < b; i += 2 * h)
+#pragma omp simd
+      for (int64_t j = i; j < i + h; j++) {
+        const float a = v[j], c = v[j + h];
+        v[j] = a + c;
+        v[j + h] = a - c;
+      }
+}
+
+typedef struct {
+  const float *x;
+  uint8_t *y;
+  int64_t n, b;
+  float factor; /* 1 / (sqrt(b) * scale) */
+  float zero;
+} Rows;
+
+/* row i: every block rotated, then quantized */
+static void rotate_row(void *data, size_t i) {
+  const Rows *r = data;
+  float buf[4096];
+  const float *x = r->x + (int64_t)i * r->n;
+  uint8_t *y = r->y + (int64_t)i * r->n;
+  for (int64_t at = 0; at < r->n; at += r->b) {
+    memcpy(buf, x + at, (size_t)r->b * sizeof(float));
+    fwht(buf, r->b);
+#pragma omp simd
+    for (int64_t j = 0; j < r->b; j++) {
+      const float q = rintf(buf[j] * r->factor) + r->zero;
+      y[at + j] = (uint8_t)(q < 0.0f ? 0.0f : q > 255.0f ? 255.0f : q);
+    }
+  }
+}
+
+static void compute(void *kernel, OrtKernelContext *ctx) {
+  (void)kernel;
+  const OrtValue *value = NULL;
+  OrtTensorTypeAndShapeInfo *info = NULL;
+  size_t rank = 0;
+  int64_t dims[MAX_DIMS], hd[2], none[1];
+  void *x, *h, *scale, *zero;
+  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, 0, &value)) || value == NULL ||
+      failed(API(API_GET_TENSOR_TYPE_AND_SHAPE, TypeAndShapeFn)(value, &info)))
+    return;
+  const int bad = failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(info, &rank)) || rank < 1 || rank > MAX_DIMS ||
+                  failed(API(API_GET_DIMENSIONS, DimsFn)(info, dims, rank));
+  API(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseInfoFn)(info);
+  if (bad || failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, &x)) ||
+      input(ctx, 1, &h, hd, 2) || input(ctx, 2, &scale, none, 0) || input(ctx, 3, &zero, none, 0))
+    return;
+  OrtValue *out_value = NULL;
+  uint8_t *y = NULL;
+  if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, dims, rank, &out_value)) ||
+      failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&y)))
+    return;
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
+  const int64_t n = dims[rank - 1], b = hd[0];
+  const float s = *(const float *)scale;
+  /* a size the graph never makes (the rewrite uses this only on its hadamard_<b> blocks): zeros */
+  if (b < 1 || b > 4096 || (b & (b - 1)) || hd[1] != b || n % b || !(s > 0.0f)) {
+    memset(y, 0, (size_t)(rows * n));
+    return;
+  }
+  Rows job = {x, y, n, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero};
+  if (!has_parallel_for || rows < 16 ||
+      failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, rotate_row, (size_t)rows, 0, &job)))
+    for (int64_t i = 0; i < rows; i++) rotate_row(&job, (size_t)i);
+}
+
+static const char *op_name(const CustomOp *op) { (void)op; return "HadamardQuantize"; }
+static int input_type(const CustomOp *op, size_t i) { (void)op; return i == 3 ? ELEM_UINT8 : ELEM_FLOAT; }
+static size_t input_count(const CustomOp *op) { (void)op; return 4; }
+static int uint8_output(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_UINT8; }
+
+const CustomOp hadamard_quantize = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
+                                    uint8_output, one_output,       compute, destroy_kernel, required, required};

@@ -1,0 +1,112 @@
+/* The part of ONNX Runtime's C API these operators use, declared here, and helpers they share.
+ *
+ * No ONNX Runtime C headers can be installed on the machines this project targets (they are in
+ * neither the PyPI wheels nor Debian 12), so the library declares the little it needs: the
+ * positions of the functions it calls in the ``OrtApi`` table (those of ONNX Runtime's
+ * ``onnxruntime_c_api.h``; the table only ever grows at its end, so a position never changes),
+ * and version 8 of the custom operator struct, which every later ONNX Runtime accepts.
+ * The library is built on the machine that uses it (``native.py``).
+ */
+#ifndef AUTOGLM_ORT_API_H
+#define AUTOGLM_ORT_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtValue OrtValue;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+
+enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT8 = 3, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
+
+/* positions in ONNX Runtime's OrtApi function table */
+enum {
+  API_CREATE_CUSTOM_OP_DOMAIN = 26,
+  API_CUSTOM_OP_DOMAIN_ADD = 27,
+  API_ADD_CUSTOM_OP_DOMAIN = 28,
+  API_GET_TENSOR_MUTABLE_DATA = 51,
+  API_GET_DIMENSIONS_COUNT = 61,
+  API_GET_DIMENSIONS = 62,
+  API_GET_TENSOR_TYPE_AND_SHAPE = 65,
+  API_KERNEL_CONTEXT_GET_INPUT = 90,
+  API_KERNEL_CONTEXT_GET_OUTPUT = 91,
+  API_RELEASE_STATUS = 93,
+  API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
+  API_KERNEL_CONTEXT_PARALLEL_FOR = 274, /* from version 18 of the table */
+};
+
+typedef struct {
+  const void *const *(*GetApi)(uint32_t version);
+  const char *(*GetVersionString)(void);
+} ApiBase;
+
+/* version 8 of OrtCustomOp: ONNX Runtime reads no field past GetOutputCharacteristic for it */
+typedef struct CustomOp {
+  uint32_t version;
+  void *(*CreateKernel)(const struct CustomOp *op, const void *api, const OrtKernelInfo *info);
+  const char *(*GetName)(const struct CustomOp *op);
+  const char *(*GetExecutionProviderType)(const struct CustomOp *op);
+  int (*GetInputType)(const struct CustomOp *op, size_t index);
+  size_t (*GetInputTypeCount)(const struct CustomOp *op);
+  int (*GetOutputType)(const struct CustomOp *op, size_t index);
+  size_t (*GetOutputTypeCount)(const struct CustomOp *op);
+  void (*KernelCompute)(void *kernel, OrtKernelContext *context);
+  void (*KernelDestroy)(void *kernel);
+  int (*GetInputCharacteristic)(const struct CustomOp *op, size_t index);
+  int (*GetOutputCharacteristic)(const struct CustomOp *op, size_t index);
+} CustomOp;
+
+/* set by RegisterCustomOps (register.c) */
+extern const void *const *api;
+extern int has_parallel_for; /* the table is of version 18 or later: ONNX Runtime's threads run the work */
+
+#define API(index, type) ((type)api[index])
+typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
+typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
+typedef OrtStatus *(*MutableDataFn)(OrtValue *, void **);
+typedef OrtStatus *(*TypeAndShapeFn)(const OrtValue *, OrtTensorTypeAndShapeInfo **);
+typedef OrtStatus *(*DimsCountFn)(const OrtTensorTypeAndShapeInfo *, size_t *);
+typedef OrtStatus *(*DimsFn)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t);
+typedef void (*ReleaseInfoFn)(OrtTensorTypeAndShapeInfo *);
+typedef void (*ReleaseStatusFn)(OrtStatus *);
+typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
+typedef OrtStatus *(*DomainAddFn)(OrtCustomOpDomain *, const CustomOp *);
+typedef OrtStatus *(*AddDomainFn)(OrtSessionOptions *, OrtCustomOpDomain *);
+typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
+
+/* 1 when the call failed (its status is released) */
+static inline int failed(OrtStatus *status) {
+  if (status == NULL) return 0;
+  API(API_RELEASE_STATUS, ReleaseStatusFn)(status);
+  return 1;
+}
+
+/* an input's data and its shape, which must have ``want`` dims; 1 on failure */
+static inline int input(OrtKernelContext *ctx, size_t index, void **data, int64_t *dims, size_t want) {
+  const OrtValue *value = NULL;
+  OrtTensorTypeAndShapeInfo *info = NULL;
+  size_t count = 0;
+  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, index, &value)) || value == NULL) return 1;
+  if (failed(API(API_GET_TENSOR_TYPE_AND_SHAPE, TypeAndShapeFn)(value, &info))) return 1;
+  int bad = failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(info, &count)) || count != want ||
+            failed(API(API_GET_DIMENSIONS, DimsFn)(info, dims, count));
+  API(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseInfoFn)(info);
+  return bad || failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, data));
+}
+
+
+/* the trivial callbacks every operator here shares */
+void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info);
+const char *cpu_provider(const CustomOp *op);
+void destroy_kernel(void *kernel);
+int required(const CustomOp *op, size_t index);
+size_t one_output(const CustomOp *op);
+int float_output(const CustomOp *op, size_t index);
+
+extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize;
+
+#endif

@@ -1,0 +1,33 @@
+/* The library's entry point, and the callbacks its operators share. */
+#include "ort_api.h"
+
+const void *const *api;
+int has_parallel_for;
+
+void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
+  (void)op, (void)ort_api, (void)info;
+  return (void *)1; /* the operators keep no state: any non-null kernel */
+}
+const char *cpu_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+void destroy_kernel(void *kernel) { (void)kernel; }
+int required(const CustomOp *op, size_t i) { (void)op, (void)i; return 0; /* every input and output */ }
+size_t one_output(const CustomOp *op) { (void)op; return 1; }
+int float_output(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
+
+/* the entry point ``SessionOptions.register_custom_ops_library`` calls */
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                  const ApiBase *base) {
+  static OrtCustomOpDomain *domain; /* ONNX Runtime keeps using the domain: it is never freed */
+  const void *const *newer = base->GetApi(18);
+  has_parallel_for = newer != NULL;
+  api = newer != NULL ? newer : base->GetApi(1);
+  OrtStatus *status = NULL;
+  if (domain == NULL) {
+    if ((status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention_int8)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &hadamard_quantize)))
+      return status;
+  }
+  return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
+}
