@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autoglm_trt.backends.onnxrt.native import paged_attention_library
+from autoglm_trt.backends.onnxrt.native import native_library
 from autoglm_trt.graph.paged_kv import SeqState, step_inputs
 
 
 @pytest.fixture(scope="module")
 def library():
-    path, why = paged_attention_library()
+    path, why = native_library()
     if path is None:
         pytest.skip(f"the native kernel cannot be built here: {why}")
     return path
@@ -188,7 +188,7 @@ def test_the_library_is_built_once_and_kept(library, monkeypatch):
 
     stamp = library.stat().st_mtime_ns
     monkeypatch.setattr(native, "_result", {})  # a new process: the cached file is found, not rebuilt
-    again, why = native.paged_attention_library()
+    again, why = native.native_library()
     assert again == library and why == "" and library.stat().st_mtime_ns == stamp
 
 
@@ -200,3 +200,16 @@ def test_doctor_says_which_attention_decode_steps_run(tiny_engine, library, monk
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
     r = run_cli("doctor", str(tiny_engine))
     assert r.returncode == 0 and "the graph's own nodes, slower (AUTOGLM_TRT_NATIVE=0)" in r.stdout
+
+
+def test_a_library_that_does_not_load_means_the_graph_attention(tiny_engine, monkeypatch, tmp_path):
+    from autoglm_trt.backends.onnxrt import native
+
+    bogus = tmp_path / "broken.so"
+    bogus.write_text("not a shared library")
+    monkeypatch.setattr(native, "native_library", lambda: (bogus, ""))
+    runner = _runner(tiny_engine, monkeypatch, native=True)
+    assert runner.attention.startswith(f"graph (the native library {bogus} did not load")
+    feeds, slots = step_inputs([[5, 9, 3]], [SeqState(0, [0])], runner.block_size)
+    assert np.isfinite(runner.step(feeds, slots)).all()
+    runner.close()

@@ -61,9 +61,9 @@ def test_rotation_and_quantization_become_one_native_node(tmp_path):
     import pytest
 
     from autoglm_trt.backends.onnxrt.fusions import hadamard_quantize
-    from autoglm_trt.backends.onnxrt.native import paged_attention_library
+    from autoglm_trt.backends.onnxrt.native import native_library
 
-    library, why = paged_attention_library()
+    library, why = native_library()
     if library is None:
         pytest.skip(f"the native operators cannot be built here: {why}")
     rng = np.random.default_rng(3)

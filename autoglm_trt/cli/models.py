@@ -211,9 +211,12 @@ def doctor_cmd(engine_dir: Path) -> None:
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
     if manifest.backend == "onnxruntime":
-        from ..backends.onnxrt.native import paged_attention_library
+        from ..backends.onnxrt.native import native_library
 
-        library, why = paged_attention_library()
-        click.echo(f"info     decode attention: native PagedAttention operator ({library})" if library else
-                   f"info     decode attention: the graph's own nodes, slower ({why})")
+        library, why = native_library()
+        if library is not None and manifest.kv["dtype"] not in ("float32", "int8"):
+            why = f"the KV cache is {manifest.kv['dtype']}; the native kernel reads float32 or int8"
+        native = library is not None and not why
+        click.echo("info     decode attention: " + (f"native PagedAttention operator ({library})" if native
+                                                    else f"the graph's own nodes, slower ({why})"))
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")

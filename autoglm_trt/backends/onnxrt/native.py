@@ -1,6 +1,6 @@
 """The ONNX Runtime backend's native operators: built on this machine, on first use.
 
-``paged_attention_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
+``native_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
 Runtime's CPU execution provider: ``PagedAttention``, ``PagedAttentionInt8KV``,
 ``HadamardQuantize``) with the machine's C compiler, for this CPU (``-march=native``), into a
 cache directory, and returns its path; or ``None`` and the reason when it cannot (no
@@ -55,7 +55,7 @@ def _compiler() -> str | None:
     return None
 
 
-def paged_attention_library() -> tuple[Path | None, str]:
+def native_library() -> tuple[Path | None, str]:
     """(path of the built library, "") or (None, why not). Built once per process and key."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None, f"{ENV_SWITCH}=0"
@@ -75,7 +75,7 @@ def _build(cc: str) -> tuple[Path | None, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"cannot read the sources in {CSRC} or run {cc} --version: {exc}"
     key = hashlib.sha256("\0".join([source, version, " ".join(FLAGS), _cpu_signature()]).encode())
-    out = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / f"autoglm_native-{key.hexdigest()[:16]}.so"
     if out.is_file():
         return out, ""
     try:

@@ -8,11 +8,13 @@ For decode steps the binding (pools and output buffers bound) is kept per batch 
 decode step only rebinds its six small inputs; a prefill step's outputs (new K/V of up to
 max_batch x max_input_len tokens) are bound afresh and freed after the step.
 
-The graph is rewritten for ONNX Runtime as it is loaded: decode steps' attention runs in the
-native ``PagedAttention`` operator where it can be built here (``native.py``,
-``attention_op.py``), reading the pools in place instead of gathering every layer's past into
-a new tensor on every step (``attention`` says which form runs and why), and each residual Add
-+ RMSNorm is one node (``fusions.py``).
+The graph is rewritten for ONNX Runtime as it is loaded. Where the native library can be
+built here (``native.py``): decode steps' attention runs in the ``PagedAttention`` operator
+(``attention_op.py``), reading the pools in place instead of gathering every layer's past into
+a new tensor on every step (``attention`` says which form runs and why), and each INT8
+linear's input rotation + quantization is one ``HadamardQuantize``. Always: each residual Add
++ RMSNorm is one node (``fusions.py``). If the library does not load, the graph's own nodes
+run and ``attention`` says why.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int
 
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
-    from .native import paged_attention_library
+    from .native import native_library
 
     model = onnx.load(str(model_path), load_external_data=False)
-    library, why = paged_attention_library()
+    library, why = native_library()
     native_attention = False
     if library is not None:
         if kv_dtype in (np.float32, np.int8):
@@ -49,8 +51,16 @@ def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int
         if not hadamard_quantize(model) and not native_attention:
             library = None
     skip_rms_norm(model)
-    session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
-                           custom_ops=library)
+    try:
+        session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
+                               custom_ops=library)
+    except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
+        if library is None:
+            raise
+        model = onnx.load(str(model_path), load_external_data=False)
+        skip_rms_norm(model)
+        session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent)
+        return session, f"graph (the native library {library} did not load: {exc})"
     return session, "native" if native_attention else f"graph ({why})"
 
 
