@@ -61,19 +61,11 @@ static void rotate_row(void *data, size_t i) {
 
 static void compute(void *kernel, OrtKernelContext *ctx) {
   (void)kernel;
-  const OrtValue *value = NULL;
-  OrtTensorTypeAndShapeInfo *info = NULL;
   size_t rank = 0;
   int64_t dims[MAX_DIMS], hd[2], none[1];
   void *x, *h, *scale, *zero;
-  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, 0, &value)) || value == NULL ||
-      failed(API(API_GET_TENSOR_TYPE_AND_SHAPE, TypeAndShapeFn)(value, &info)))
-    return;
-  const int bad = failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(info, &rank)) || rank < 1 || rank > MAX_DIMS ||
-                  failed(API(API_GET_DIMENSIONS, DimsFn)(info, dims, rank));
-  API(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseInfoFn)(info);
-  if (bad || failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, &x)) ||
-      input(ctx, 1, &h, hd, 2) || input(ctx, 2, &scale, none, 0) || input(ctx, 3, &zero, none, 0))
+  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || input(ctx, 1, &h, hd, 2) ||
+      input(ctx, 2, &scale, none, 0) || input(ctx, 3, &zero, none, 0))
     return;
   OrtValue *out_value = NULL;
   uint8_t *y = NULL;

@@ -85,19 +85,24 @@ static inline int failed(OrtStatus *status) {
   return 1;
 }
 
-/* an input's data and its shape, which must have ``want`` dims; 1 on failure */
-static inline int input(OrtKernelContext *ctx, size_t index, void **data, int64_t *dims, size_t want) {
+/* an input's data, its shape (at most ``most`` dims) and its rank; 1 on failure */
+static inline int input_of_rank(OrtKernelContext *ctx, size_t index, void **data, int64_t *dims, size_t most,
+                                size_t *rank) {
   const OrtValue *value = NULL;
   OrtTensorTypeAndShapeInfo *info = NULL;
-  size_t count = 0;
   if (failed(API(API_KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, index, &value)) || value == NULL) return 1;
   if (failed(API(API_GET_TENSOR_TYPE_AND_SHAPE, TypeAndShapeFn)(value, &info))) return 1;
-  int bad = failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(info, &count)) || count != want ||
-            failed(API(API_GET_DIMENSIONS, DimsFn)(info, dims, count));
+  int bad = failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(info, rank)) || *rank > most ||
+            failed(API(API_GET_DIMENSIONS, DimsFn)(info, dims, *rank));
   API(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseInfoFn)(info);
   return bad || failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, data));
 }
 
+/* an input's data and its shape, which must have ``want`` dims; 1 on failure */
+static inline int input(OrtKernelContext *ctx, size_t index, void **data, int64_t *dims, size_t want) {
+  size_t rank = 0;
+  return input_of_rank(ctx, index, data, dims, want, &rank) || rank != want;
+}
 
 /* the trivial callbacks every operator here shares */
 void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info);
