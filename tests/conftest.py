@@ -49,14 +49,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autoglm_trt", *args], capture_output=True, text=True, cwd=ROOT)
 
 
-def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", **config) -> Path:
-    """A tiny fp32 ONNX Runtime engine (batch 8, prompts of 48, sequences of 96, 64 blocks of 8)."""
+def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", precision: str = "fp32", calib: Path | None = None,
+                      **config) -> Path:
+    """A tiny ONNX Runtime engine (fp32 unless said; batch 8, prompts of 48, sequences of 96, 64
+    blocks of 8)."""
     from autoglm_trt.builder.config import BuildConfig
     from autoglm_trt.builder.pipeline import BuildRequest, build_engine
 
     settings = {"max_batch_size": 8, "max_input_len": 48, "max_seq_len": 96, "kv_num_blocks": 64, "kv_block_size": 8,
                 **config}
-    build_engine(BuildRequest(tiny_dir(family), out, precision="fp32", backend="onnxruntime",
+    build_engine(BuildRequest(tiny_dir(family), out, precision=precision, calib=calib, backend="onnxruntime",
                               config=BuildConfig(**settings), cache_dir=out.parent / ".cache"), log=lambda m: None)
     return out
 
@@ -64,6 +66,14 @@ def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", **config) -> P
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_dir, tmp_path_factory):
     return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("eng") / "tiny-fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_int8_engine(tiny_dir, tmp_path_factory):
+    """The tiny Llama as an INT8 engine, calibrated on a little English text."""
+    data = tmp_path_factory.mktemp("tiny-calib")
+    (data / "a.txt").write_text("The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 300)
+    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("eng8") / "tiny-int8", precision="int8", calib=data)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

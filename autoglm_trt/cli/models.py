@@ -219,4 +219,9 @@ def doctor_cmd(engine_dir: Path) -> None:
         native = library is not None and not why
         click.echo("info     decode attention: " + (f"native PagedAttention operator ({library})" if native
                                                     else f"the graph's own nodes, slower ({why})"))
+        if manifest.precision == "int8":
+            from ..backends.onnxrt.native import int8_kernel
+
+            click.echo("info     INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)"
+                                                    if library is not None else "ONNX Runtime's MatMulIntegerToFloat"))
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")

@@ -15,10 +15,13 @@ MAX_THREADS = 256
 
 
 def session_options(threads: int | None = None, optimize: bool = True, external_data_dir: Path | None = None,
-                    save_optimized: Path | None = None, custom_ops: Path | None = None):
+                    save_optimized: Path | None = None, custom_ops: Path | None = None,
+                    initializers: dict | None = None):
     """``SessionOptions``: threads (0 or None: ONNX Runtime's default, one per core), all graph
     optimizations or none, where external weights lie (for a model passed as bytes), where
-    to save the optimized model (its weights in ``<name>.data``), and a custom operator library."""
+    to save the optimized model (its weights in ``<name>.data``), a custom operator library, and
+    initializers (``OrtValue``s by name) that ONNX Runtime copies in when it loads the model
+    (``add_external_initializers``: the graph declares each as external data of its type and shape)."""
     import onnxruntime as ort
 
     from ..errors import AutoGLMError
@@ -41,6 +44,8 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     if custom_ops is not None:
         so.register_custom_ops_library(str(custom_ops))
+    if initializers:
+        so.add_external_initializers(list(initializers), list(initializers.values()))
     return so
 
 
@@ -49,9 +54,10 @@ DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 def make_session(model: Path | bytes, threads: int | None = None, optimize: bool = True,
                  external_data_dir: Path | None = None, save_optimized: Path | None = None, device: str = "cpu",
-                 custom_ops: Path | None = None):
+                 custom_ops: Path | None = None, initializers: dict[str, np.ndarray] | None = None):
     """An ``InferenceSession`` over a model file or serialized model bytes, on the CPU or (``device``
-    "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider."""
+    "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider.
+    ``initializers``: arrays by name, see ``session_options``."""
     import onnxruntime as ort
 
     from ..errors import AutoGLMError
@@ -63,7 +69,8 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
         raise AutoGLMError(f"device {device} needs ONNX Runtime's {provider}, which this onnxruntime "
                            f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}); "
                            "install onnxruntime-gpu for CUDA, or use the CPU")
-    so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops)
+    values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in (initializers or {}).items()}
+    so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops, values)
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
 

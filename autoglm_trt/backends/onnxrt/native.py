@@ -2,7 +2,7 @@
 
 ``native_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
 Runtime's CPU execution provider: ``PagedAttention``, ``PagedAttentionInt8KV``,
-``HadamardQuantize``) with the machine's C compiler, for this CPU (``-march=native``), into a
+``HadamardQuantize``, ``Int8Linear``) with the machine's C compiler, for this CPU (``-march=native``), into a
 cache directory, and returns its path; or ``None`` and the reason when it cannot (no
 compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner then keeps the engine
 graph's own nodes, which compute the same things more slowly.
@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ort_api.h", "register.c", "paged_attention.c", "hadamard_quantize.c")
+SOURCES = ("ort_api.h", "rotate.h", "register.c", "paged_attention.c", "hadamard_quantize.c", "int8_linear.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden"]
 ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
 ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)
@@ -55,26 +55,37 @@ def _compiler() -> str | None:
     return None
 
 
-def native_library() -> tuple[Path | None, str]:
-    """(path of the built library, "") or (None, why not). Built once per process and key."""
+def native_library(extra_flags: tuple[str, ...] = ()) -> tuple[Path | None, str]:
+    """(path of the built library, "") or (None, why not). Built once per process and key.
+    ``extra_flags`` (tests): more compiler flags, e.g. ``-mno-avx512f`` for the AVX2 kernels."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None, f"{ENV_SWITCH}=0"
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (cc, gcc or clang) on PATH; install one (e.g. apt-get install gcc)"
     with _lock:
-        if cc not in _result:
-            _result[cc] = _build(cc)
-        return _result[cc]
+        key = " ".join([cc, *extra_flags])
+        if key not in _result:
+            _result[key] = _build(cc, FLAGS + list(extra_flags))
+        return _result[key]
 
 
-def _build(cc: str) -> tuple[Path | None, str]:
+def int8_kernel(library: Path) -> str:
+    """Which instructions the library's INT8 GEMM uses: "avx512-vnni", "avx2" or "portable C"."""
+    import ctypes
+
+    fn = ctypes.CDLL(str(library)).AutoglmInt8Kernel
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def _build(cc: str, flags: list[str]) -> tuple[Path | None, str]:
     try:
         source = "\0".join((CSRC / name).read_text() for name in SOURCES)
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"cannot read the sources in {CSRC} or run {cc} --version: {exc}"
-    key = hashlib.sha256("\0".join([source, version, " ".join(FLAGS), _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([source, version, " ".join(flags), _cpu_signature()]).encode())
     out = cache_dir() / f"autoglm_native-{key.hexdigest()[:16]}.so"
     if out.is_file():
         return out, ""
@@ -83,7 +94,7 @@ def _build(cc: str) -> tuple[Path | None, str]:
         fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
         os.close(fd)
         units = [str(CSRC / name) for name in SOURCES if name.endswith(".c")]
-        build = subprocess.run([cc, *FLAGS, "-o", tmp, *units, "-lm"], capture_output=True, text=True, timeout=300)
+        build = subprocess.run([cc, *flags, "-o", tmp, *units, "-lm"], capture_output=True, text=True, timeout=300)
         if build.returncode != 0:
             os.unlink(tmp)
             return None, f"{cc} could not build the native operators: {build.stderr.strip()[-500:]}"

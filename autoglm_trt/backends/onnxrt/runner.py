@@ -12,8 +12,9 @@ The graph is rewritten for ONNX Runtime as it is loaded. Where the native librar
 built here (``native.py``): decode steps' attention runs in the ``PagedAttention`` operator
 (``attention_op.py``), reading the pools in place instead of gathering every layer's past into
 a new tensor on every step (``attention`` says which form runs and why), and each INT8
-linear's input rotation + quantization is one ``HadamardQuantize``. Always: each residual Add
-+ RMSNorm is one node (``fusions.py``). If the library does not load, the graph's own nodes
+linear (its input rotation + quantization, GEMM and scaling) is one ``Int8Linear`` over
+weights repacked for the CPU's 8-bit dot products (``linear_op.py``). Always: each residual
+Add + RMSNorm is one node (``fusions.py``). If the library does not load, the graph's own nodes
 run and ``attention`` says why.
 """
 
@@ -31,29 +32,32 @@ from ...model.spec import ModelSpec
 
 def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int) -> tuple[Any, str]:
     """The engine's session, the graph rewritten for ONNX Runtime when it is loaded (where the
-    native library builds: the attention operator for decode steps and the INT8 linears'
-    rotation + quantization; always: residual + RMSNorm fused), and which attention decode
-    steps run: "native" or "graph (<why>)"."""
+    native library builds: the attention operator for decode steps and the INT8 linears;
+    always: residual + RMSNorm fused), and which attention decode steps run: "native" or
+    "graph (<why>)"."""
     import onnx
 
+    from . import linear_op
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
     from .native import native_library
 
     model = onnx.load(str(model_path), load_external_data=False)
     library, why = native_library()
-    native_attention = False
+    native_attention, packed = False, {}
     if library is not None:
         if kv_dtype in (np.float32, np.int8):
             native_attention, why = rewrite(model, spec.num_layers)
         else:
             why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
-        if not hadamard_quantize(model) and not native_attention:
+        if hadamard_quantize(model):
+            packed = linear_op.rewrite(model, model_path.parent)
+        elif not native_attention:
             library = None
     skip_rms_norm(model)
     try:
         session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
-                               custom_ops=library)
+                               custom_ops=library, initializers=packed)
     except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
         if library is None:
             raise

@@ -19,20 +19,9 @@
 #include <string.h>
 
 #include "ort_api.h"
+#include "rotate.h"
 
 #define MAX_DIMS 8
-
-/* in-place fast Walsh-Hadamard transform of v[0:b] (Sylvester order), unnormalized */
-static void fwht(float *v, int64_t b) {
-  for (int64_t h = 1; h < b; h *= 2)
-    for (int64_t i = 0; i < b; i += 2 * h)
-#pragma omp simd
-      for (int64_t j = i; j < i + h; j++) {
-        const float a = v[j], c = v[j + h];
-        v[j] = a + c;
-        v[j + h] = a - c;
-      }
-}
 
 typedef struct {
   const float *x;
@@ -45,18 +34,7 @@ typedef struct {
 /* row i: every block rotated, then quantized */
 static void rotate_row(void *data, size_t i) {
   const Rows *r = data;
-  float buf[4096];
-  const float *x = r->x + (int64_t)i * r->n;
-  uint8_t *y = r->y + (int64_t)i * r->n;
-  for (int64_t at = 0; at < r->n; at += r->b) {
-    memcpy(buf, x + at, (size_t)r->b * sizeof(float));
-    fwht(buf, r->b);
-#pragma omp simd
-    for (int64_t j = 0; j < r->b; j++) {
-      const float q = rintf(buf[j] * r->factor) + r->zero;
-      y[at + j] = (uint8_t)(q < 0.0f ? 0.0f : q > 255.0f ? 255.0f : q);
-    }
-  }
+  rotate_quantize(r->x + (int64_t)i * r->n, r->y + (int64_t)i * r->n, r->n, r->b, r->factor, r->zero);
 }
 
 static void compute(void *kernel, OrtKernelContext *ctx) {
@@ -77,7 +55,7 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
   const int64_t n = dims[rank - 1], b = hd[0];
   const float s = *(const float *)scale;
   /* a size the graph never makes (the rewrite uses this only on its hadamard_<b> blocks): zeros */
-  if (b < 1 || b > 4096 || (b & (b - 1)) || hd[1] != b || n % b || !(s > 0.0f)) {
+  if (!valid_block(b, n) || hd[1] != b || !(s > 0.0f)) {
     memset(y, 0, (size_t)(rows * n));
     return;
   }

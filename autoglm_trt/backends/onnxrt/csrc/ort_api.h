@@ -21,7 +21,7 @@ typedef struct OrtSessionOptions OrtSessionOptions;
 typedef struct OrtCustomOpDomain OrtCustomOpDomain;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
 
-enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT8 = 3, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
+enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT8 = 3, ELEM_INT32 = 6, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
 
 /* positions in ONNX Runtime's OrtApi function table */
 enum {
@@ -112,6 +112,7 @@ int required(const CustomOp *op, size_t index);
 size_t one_output(const CustomOp *op);
 int float_output(const CustomOp *op, size_t index);
 
-extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize;
+extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, int8_linear;
+extern const char int8_linear_kernel[]; /* which dot-product instructions Int8Linear was built for */
 
 #endif

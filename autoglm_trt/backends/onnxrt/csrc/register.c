@@ -26,8 +26,12 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     if ((status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention_int8)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &hadamard_quantize)))
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &hadamard_quantize)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear)))
       return status;
   }
   return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
 }
+
+/* which instructions the INT8 GEMM was built for ("avx512-vnni", "avx2" or "portable C"), for doctor */
+__attribute__((visibility("default"))) const char *AutoglmInt8Kernel(void) { return int8_linear_kernel; }

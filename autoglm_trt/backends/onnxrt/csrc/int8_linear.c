@@ -1,0 +1,202 @@
+/* Int8Linear: an INT8 linear in one operator: the input's block-Hadamard rotation and uint8
+ * quantization (as HadamardQuantize), the integer product with weights packed for the CPU's
+ * dot-product instructions, and the dequantization (as MatMulIntegerToFloat, whose result it
+ * equals: the integer sums are exact and the scaling is the same float product).
+ *
+ * ONNX Runtime's MatMulIntegerToFloat reads the weights at about half the machine's memory
+ * bandwidth when one row (a batch-1 decode step) multiplies them; a decode step of an INT8
+ * engine is mostly that. The packed layout lets one 64-byte load feed 16 outputs x 4 inputs.
+ *
+ * Inputs:
+ *   0 x             float32 [..., K]
+ *   1 hadamard      float32 [b, b]          only its size is read (as in HadamardQuantize)
+ *   2 act_scale     float32 scalar          the input's quantization scale
+ *   3 act_zero      uint8 scalar            and zero point
+ *   4 weight        int8 [N16, K4, 16, 4]   W[k, n] at [n / 16, k / 4, n % 16, k % 4]; zero
+ *                                           past N and past K (K4 = ceil(K / 4))
+ *   5 col_sums      int32 [N16 * 16]        sum over k of W[k, n]
+ *   6 weight_scale  float32 [N]
+ * Output:
+ *   0 y             float32 [..., N]        (sum_k (xq[k] - zero) W[k, n]) * (act_scale * weight_scale[n])
+ * Shapes that do not fit together (the rewrite in fusions.py never makes them) give zeros.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_api.h"
+#include "rotate.h"
+
+#define MAX_DIMS 8
+
+static inline int32_t quad(const uint8_t *x) { /* four input bytes as one 32-bit lane */
+  int32_t v;
+  memcpy(&v, x, 4);
+  return v;
+}
+
+/* tile(): sums[r * 16 + i] = sum_k x[r][k] * W[k, 16 t + i] for rows r < rows <= ROWS of one
+ * 16-column tile w (K4 * 64 bytes), with whatever dot-product instructions this CPU has. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ROWS 4
+static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums) {
+  if (rows == 1) { /* a decode step: two chains of accumulation, so the loads overlap */
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 2 <= k4; k += 2) {
+      a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(quad(x[0] + 4 * k)), _mm512_loadu_si512(w + 64 * k));
+      b = _mm512_dpbusd_epi32(b, _mm512_set1_epi32(quad(x[0] + 4 * k + 4)), _mm512_loadu_si512(w + 64 * k + 64));
+    }
+    if (k < k4) a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(quad(x[0] + 4 * k)), _mm512_loadu_si512(w + 64 * k));
+    _mm512_storeu_si512(sums, _mm512_add_epi32(a, b));
+    return;
+  }
+  const uint8_t *r0 = x[0], *r1 = x[1], *r2 = x[2], *r3 = x[3]; /* rows past ``rows`` repeat row 0 */
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t k = 0; k < k4; k++) {
+    const __m512i v = _mm512_loadu_si512(w + 64 * k);
+    a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(quad(r0 + 4 * k)), v);
+    a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(quad(r1 + 4 * k)), v);
+    a2 = _mm512_dpbusd_epi32(a2, _mm512_set1_epi32(quad(r2 + 4 * k)), v);
+    a3 = _mm512_dpbusd_epi32(a3, _mm512_set1_epi32(quad(r3 + 4 * k)), v);
+  }
+  const __m512i a[4] = {a0, a1, a2, a3};
+  for (int r = 0; r < rows; r++) _mm512_storeu_si512(sums + 16 * r, a[r]);
+}
+const char int8_linear_kernel[] = "avx512-vnni";
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define ROWS 2
+/* no 8-bit dot product: weights widened to int16, and pairs multiplied and added exactly
+ * (vpmaddwd); each 256-bit sum holds 4 columns x 2 partial sums */
+static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums) {
+  const uint8_t *r1 = x[1]; /* row 0 again when rows is 1 */
+  __m256i a[2][4];
+  for (int r = 0; r < 2; r++)
+    for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < k4; k++) {
+    const __m256i x0 = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(quad(x[0] + 4 * k))));
+    const __m256i x1 = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(quad(r1 + 4 * k))));
+    for (int c = 0; c < 4; c++) {
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 64 * k + 16 * c)));
+      a[0][c] = _mm256_add_epi32(a[0][c], _mm256_madd_epi16(v, x0));
+      a[1][c] = _mm256_add_epi32(a[1][c], _mm256_madd_epi16(v, x1));
+    }
+  }
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < 4; c++) {
+      int32_t part[8];
+      _mm256_storeu_si256((__m256i *)part, a[r][c]);
+      for (int i = 0; i < 4; i++) sums[16 * r + 4 * c + i] = part[2 * i] + part[2 * i + 1];
+    }
+}
+const char int8_linear_kernel[] = "avx2";
+#else
+#define ROWS 1
+static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums) {
+  (void)rows;
+  for (int i = 0; i < 16; i++) {
+    int32_t s = 0;
+    for (int64_t k = 0; k < k4; k++)
+      for (int j = 0; j < 4; j++) s += (int32_t)x[0][4 * k + j] * (int32_t)w[64 * k + 4 * i + j];
+    sums[i] = s;
+  }
+}
+const char int8_linear_kernel[] = "portable C";
+#endif
+
+typedef struct {
+  const float *x;
+  uint8_t *xq; /* rows x kp quantized inputs */
+  int64_t rows, k, kp, b;
+  float factor, zero;
+  const int8_t *w;
+  const int32_t *col_sums;
+  const float *w_scale;
+  float a_scale;
+  int64_t n;
+  float *y;
+} Job;
+
+static void quantize_row(void *data, size_t i) {
+  const Job *j = data;
+  uint8_t *row = j->xq + (int64_t)i * j->kp;
+  rotate_quantize(j->x + (int64_t)i * j->k, row, j->k, j->b, j->factor, j->zero);
+  memset(row + j->k, 0, (size_t)(j->kp - j->k)); /* the weights are zero there */
+}
+
+/* every row's 16 outputs of column tile t */
+static void column_tile(void *data, size_t t) {
+  const Job *j = data;
+  const int8_t *w = j->w + (int64_t)t * (j->kp * 16);
+  const int32_t zero = (int32_t)j->zero;
+  int32_t sums[ROWS * 16];
+  const int64_t first = (int64_t)t * 16, count = j->n - first < 16 ? j->n - first : 16;
+  for (int64_t r = 0; r < j->rows; r += ROWS) {
+    const int rows = (int)(j->rows - r < ROWS ? j->rows - r : ROWS);
+    const uint8_t *x[ROWS];
+    for (int i = 0; i < ROWS; i++) x[i] = j->xq + (r + (i < rows ? i : 0)) * j->kp;
+    tile(x, rows, w, j->kp / 4, sums);
+    for (int i = 0; i < rows; i++) {
+      float *y = j->y + (r + i) * j->n + first;
+      for (int64_t c = 0; c < count; c++)
+        y[c] = (float)(sums[16 * i + c] - zero * j->col_sums[first + c]) * (j->a_scale * j->w_scale[first + c]);
+    }
+  }
+}
+
+static void run(OrtKernelContext *ctx, ParallelForFn parallel, void (*fn)(void *, size_t), size_t count,
+                size_t enough, Job *job) {
+  if (count < enough || parallel == NULL || failed(parallel(ctx, fn, count, 0, job)))
+    for (size_t i = 0; i < count; i++) fn(job, i);
+}
+
+static void compute(void *kernel, OrtKernelContext *ctx) {
+  (void)kernel;
+  size_t rank = 0;
+  int64_t dims[MAX_DIMS], hd[2], none[1], wd[4], cd[1], sd[1];
+  void *x, *h, *scale, *zero, *w, *col_sums, *w_scale;
+  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || input(ctx, 1, &h, hd, 2) ||
+      input(ctx, 2, &scale, none, 0) || input(ctx, 3, &zero, none, 0) || input(ctx, 4, &w, wd, 4) ||
+      input(ctx, 5, &col_sums, cd, 1) || input(ctx, 6, &w_scale, sd, 1))
+    return;
+  const int64_t k = dims[rank - 1], n = sd[0];
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
+  dims[rank - 1] = n;
+  OrtValue *out_value = NULL;
+  float *y = NULL;
+  if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, dims, rank, &out_value)) ||
+      failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&y)))
+    return;
+  const float s = *(const float *)scale;
+  const int64_t b = hd[0], kp = 4 * wd[1];
+  if (!valid_block(b, k) || hd[1] != b || !(s > 0.0f) || wd[2] != 16 || wd[3] != 4 || kp < k || kp - k >= 4 ||
+      n > 16 * wd[0] || n <= 16 * (wd[0] - 1) || cd[0] != 16 * wd[0]) {
+    memset(y, 0, (size_t)(rows * n) * sizeof(float));
+    return;
+  }
+  if (rows == 0) return;
+  uint8_t *xq = malloc((size_t)(rows * kp));
+  if (xq == NULL) {
+    memset(y, 0, (size_t)(rows * n) * sizeof(float));
+    return;
+  }
+  Job job = {x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
+             w, col_sums, w_scale, *(const float *)scale, n, y};
+  ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
+  run(ctx, parallel, quantize_row, (size_t)rows, 16, &job);
+  run(ctx, parallel, column_tile, (size_t)wd[0], 2, &job);
+  free(xq);
+}
+
+static const char *op_name(const CustomOp *op) { (void)op; return "Int8Linear"; }
+static int input_type(const CustomOp *op, size_t i) {
+  (void)op;
+  static const int types[] = {ELEM_FLOAT, ELEM_FLOAT, ELEM_FLOAT, ELEM_UINT8, ELEM_INT8, ELEM_INT32, ELEM_FLOAT};
+  return types[i];
+}
+static size_t input_count(const CustomOp *op) { (void)op; return 7; }
+
+const CustomOp int8_linear = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
+                              float_output, one_output,       compute, destroy_kernel, required, required};

@@ -1,0 +1,121 @@
+"""Give the engine graph's INT8 linears the native ``Int8Linear`` operator.
+
+Input: the ONNX Runtime engine's graph after ``fusions.hadamard_quantize``, where each INT8
+linear is a ``HadamardQuantize`` (rotation + uint8 quantization of its input) read only by a
+``com.microsoft.MatMulIntegerToFloat`` with int8 weights ``[K, N]``, per-column scales and zero
+weight zero points. Output: each such pair as one ``autoglm.trt.Int8Linear``
+(``csrc/int8_linear.c``), whose weights are repacked (``pack_weights``) so that one 64-byte load
+feeds 16 outputs x 4 inputs of the CPU's 8-bit dot-product instruction. The packed weights are
+not serialized into the graph: they come back as arrays for
+``SessionOptions.add_external_initializers`` (``graph.session``), and the graph declares them as
+external data of their type and shape. The original weights leave the graph, so the session
+holds one copy of them, as before.
+
+Like every rewrite in this package it is for ONNX Runtime alone, made when the engine is
+loaded; the saved engine and the graph TensorRT builds keep ``MatMulIntegerToFloat``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .attention_op import DOMAIN
+
+OP = "Int8Linear"
+PLACEHOLDER = "autoglm-trt-packed-weights"  # no such file: ONNX Runtime is handed the arrays instead
+
+
+def pack_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 ``w [K, N]`` as ``[ceil(N/16), ceil(K/4), 16, 4]`` (``W[k, n]`` at ``[n // 16, k // 4,
+    n % 16, k % 4]``, zeros past ``N`` and ``K``) and its column sums, int32 ``[16 * ceil(N/16)]``."""
+    if w.dtype != np.int8 or w.ndim != 2:
+        raise ValueError(f"expected int8 weights [K, N], got {w.dtype} {w.shape}")
+    k, n = w.shape
+    kp, np_ = -(-k // 4) * 4, -(-n // 16) * 16
+    padded = np.zeros((kp, np_), np.int8)
+    padded[:k, :n] = w
+    packed = padded.reshape(kp // 4, 4, np_ // 16, 16).transpose(2, 0, 3, 1)
+    return np.ascontiguousarray(packed), padded.sum(axis=0, dtype=np.int32)
+
+
+def rewrite(model: onnx.ModelProto, weights_dir: Path) -> dict[str, np.ndarray]:
+    """Fuse in place, reading the int8 weights (external data under ``weights_dir``, or inline);
+    the packed weights and column sums by initializer name (empty: nothing fused)."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    old = list(graph.node)  # holds the nodes' wrappers, so the id()s below stay theirs
+    readers: dict[str, int] = {}
+    for node in old:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    rotation = {n.output[0]: n for n in old if n.op_type == "HadamardQuantize" and n.domain == DOMAIN}
+
+    def array(t: onnx.TensorProto) -> np.ndarray:
+        return numpy_helper.to_array(t, base_dir=str(weights_dir))
+
+    def weights(name: str) -> np.ndarray | None:
+        t = inits.get(name)
+        return array(t) if t is not None and t.data_type == TensorProto.INT8 and len(t.dims) == 2 else None
+
+    def fusable(mm: onnx.NodeProto) -> onnx.NodeProto | None:
+        rot = rotation.get(mm.input[0]) if mm.op_type == "MatMulIntegerToFloat" else None
+        if rot is None or len(mm.input) != 6 or readers.get(mm.input[0]) != 1 or mm.input[2] != rot.input[2]:
+            return None
+        zero_w, scale_w = inits.get(mm.input[5]), inits.get(mm.input[3])
+        if zero_w is None or scale_w is None or np.any(array(zero_w)) or \
+                scale_w.data_type != TensorProto.FLOAT or len(scale_w.dims) != 1:
+            return None
+        zero_mm, zero_rot = inits.get(mm.input[4]), inits.get(rot.input[3])
+        if zero_mm is None or zero_rot is None or not np.array_equal(array(zero_mm), array(zero_rot)):
+            return None
+        return rot
+
+    arrays: dict[str, np.ndarray] = {}
+    replaced: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for mm in old:
+        rot = fusable(mm)
+        w = weights(mm.input[1]) if rot is not None else None
+        if rot is None or w is None:
+            continue
+        packed_name, sums_name = f"{mm.input[1]}.packed", f"{mm.input[1]}.col_sums"
+        if packed_name not in arrays:
+            arrays[packed_name], arrays[sums_name] = pack_weights(w)
+        replaced[id(mm)] = helper.make_node(
+            OP, [rot.input[0], rot.input[1], rot.input[2], rot.input[3], packed_name, sums_name, mm.input[3]],
+            [mm.output[0]], name=f"{mm.name}.int8_linear", domain=DOMAIN)
+        dropped.add(id(rot))
+    if not replaced:
+        return {}
+    nodes = [replaced.get(id(n), n) for n in old if id(n) not in dropped]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = _inputs(graph)
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    for name, arr in arrays.items():  # declared as external data, which add_external_initializers supplies
+        t = graph.initializer.add()
+        t.name, t.data_type, t.data_location = name, helper.np_dtype_to_tensor_dtype(arr.dtype), TensorProto.EXTERNAL
+        t.dims.extend(arr.shape)
+        for key, value in (("location", PLACEHOLDER), ("offset", "0"), ("length", str(arr.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return arrays
+
+
+def _inputs(graph: onnx.GraphProto) -> set[str]:
+    """Every name the graph's nodes read, those of nodes in subgraphs (``If`` branches) included."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                names |= _inputs(attr.g)
+    return names

@@ -1,0 +1,179 @@
+"""The native Int8Linear operator: its weight packing, its kernels against exact integer
+arithmetic (every instruction set this CPU can run), and the rewrite of an INT8 engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoglm_trt.backends.onnxrt.linear_op import pack_weights, rewrite
+from autoglm_trt.backends.onnxrt.native import int8_kernel, native_library
+
+
+def test_packed_weights_put_each_weight_where_the_kernel_reads_it():
+    rng = np.random.default_rng(0)
+    w = rng.integers(-128, 128, (7, 19)).astype(np.int8)  # K = 7, N = 19: both padded
+    packed, sums = pack_weights(w)
+    assert packed.shape == (2, 2, 16, 4) and packed.dtype == np.int8 and packed.flags.c_contiguous
+    for k in range(8):
+        for n in range(32):
+            want = w[k, n] if k < 7 and n < 19 else 0
+            assert packed[n // 16, k // 4, n % 16, k % 4] == want, (k, n)
+    assert sums.dtype == np.int32 and sums.tolist() == w.astype(np.int32).sum(0).tolist() + [0] * 13
+    with pytest.raises(ValueError, match="int8 weights"):
+        pack_weights(w.astype(np.int16))
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+KERNELS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
+
+
+@pytest.fixture(scope="module", params=list(KERNELS))
+def kernel_library(request):
+    """The library built for this CPU, and where the CPU allows, built again for the AVX2 and the
+    portable C kernels, so each of the three is checked on a machine that has AVX-512."""
+    name = request.param
+    if name == "avx2" and not _cpu_has("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    if name == "portable" and not _cpu_has("avx2"):
+        pytest.skip("the portable kernel is built here by turning x86 extensions off")
+    path, why = native_library(KERNELS[name])
+    if path is None:
+        pytest.skip(f"the native operators cannot be built here: {why}")
+    kernel = int8_kernel(path)
+    if name == "avx2":
+        assert kernel == "avx2"
+    if name == "portable":
+        assert kernel == "portable C"
+    return path
+
+
+def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w: np.ndarray, w_scale: np.ndarray):
+    """x -> HadamardQuantize -> q, and x -> Int8Linear -> y, in one session."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from autoglm_trt.graph.hadamard import hadamard
+    from autoglm_trt.graph.session import make_session
+
+    packed, sums = pack_weights(w)
+    inits = [numpy_helper.from_array(np.array(hadamard(b)), "h"), numpy_helper.from_array(np.float32(scale), "s"),
+             numpy_helper.from_array(np.uint8(zero), "z"), numpy_helper.from_array(packed, "wp"),
+             numpy_helper.from_array(sums, "cs"), numpy_helper.from_array(w_scale, "ws")]
+    nodes = [helper.make_node("HadamardQuantize", ["x", "h", "s", "z"], ["q"], domain="autoglm.trt"),
+             helper.make_node("Int8Linear", ["x", "h", "s", "z", "wp", "cs", "ws"], ["y"], domain="autoglm.trt")]
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
+                              [helper.make_tensor_value_info("q", TensorProto.UINT8, None),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
+    return make_session(model.SerializeToString(), threads=2, custom_ops=library)
+
+
+@pytest.mark.parametrize("rows,k,n,b", [
+    (1, 576, 960, 64),  # a decode step of SmolLM2's QKV
+    (8, 576, 40, 64),  # a batch: rows in groups of the kernel's width
+    (5, 1536, 576, 128),
+    (37, 64, 40, 16),  # enough rows for ONNX Runtime's threads; N not a multiple of 16
+    (3, 12, 7, 4),  # K and N both padded
+    (0, 64, 32, 64),  # no rows at all
+])
+def test_kernel_equals_exact_integer_arithmetic(kernel_library, rows, k, n, b):
+    """y = float32(sum_k (q[k] - zero) W[k, n]) * (scale * w_scale[n]) with the quantized input q of
+    HadamardQuantize, exactly: the integer sums are exact and the float product is the same one."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    w = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    w_scale = rng.uniform(1e-3, 1e-2, n).astype(np.float32)
+    scale, zero = 0.03, 128
+    x = (rng.standard_normal((1, rows, k)) * rng.uniform(0.1, 4.0, k)).astype(np.float32)  # some saturate
+    q, y = _linear_session(kernel_library, k, n, b, scale, zero, w, w_scale).run(None, {"x": x})
+    assert y.shape == (1, rows, n) and y.dtype == np.float32
+    if rows:
+        assert (q == 0).any() and (q == 255).any()
+    acc = (q.astype(np.int64) - zero) @ w.astype(np.int64)
+    want = acc.astype(np.float32) * (np.float32(scale) * w_scale)
+    np.testing.assert_array_equal(y, want)
+
+
+def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_int8_engine, monkeypatch):
+    import onnx
+
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends import open_runner
+    from autoglm_trt.backends.onnxrt import linear_op
+    from autoglm_trt.backends.onnxrt.fusions import hadamard_quantize
+    from autoglm_trt.graph.paged_kv import SeqState, step_inputs
+
+    if native_library()[0] is None:
+        pytest.skip(f"the native operators cannot be built here: {native_library()[1]}")
+    manifest = Manifest.read(tiny_int8_engine)
+    model = onnx.load(str(manifest.engine_path), load_external_data=False)
+    hadamard_quantize(model)
+    linears = sum(n.op_type == "MatMulIntegerToFloat" for n in model.graph.node)
+    weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"}
+    assert linears >= 4 * manifest.spec.num_layers
+    arrays = rewrite(model, manifest.dir)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Int8Linear") == linears and "MatMulIntegerToFloat" not in ops and "HadamardQuantize" not in ops
+    inits = {t.name: t for t in model.graph.initializer}
+    assert not weights & set(inits), "the unpacked weights must leave the graph"
+    assert len(arrays) == 2 * len(weights)
+    for name, arr in arrays.items():  # declared as external data of the arrays' type and shape
+        assert list(inits[name].dims) == list(arr.shape) and inits[name].data_location == onnx.TensorProto.EXTERNAL
+
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
+    fused = open_runner(manifest, num_blocks=32, threads=1)
+    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir: {})
+    plain = open_runner(manifest, num_blocks=32, threads=1)
+    prompts = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
+    states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in range(2)]
+    new = prompts
+    for _ in range(3):  # a prefill of two prompts, then two decode steps
+        logits = []
+        for runner, st in zip((fused, plain), states):
+            feeds, slots = step_inputs(new, st, runner.block_size)
+            logits.append(runner.step(feeds, slots))
+            for s, toks in zip(st, new):
+                s.num_computed_tokens += len(toks)
+        # ONNX Runtime's own INT8 GEMM may saturate 16-bit pair sums on CPUs without VNNI
+        np.testing.assert_allclose(logits[0], logits[1], atol=1e-3 * np.abs(logits[1]).max(), rtol=0)
+        new = [[int(t)] for t in logits[1].argmax(axis=-1)]
+    fused.close()
+    plain.close()
+
+
+def test_a_linear_with_weight_zero_points_is_left_alone():
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(np.ones((64, 64), np.float32), "h"),
+             numpy_helper.from_array(np.float32(0.1), "s"), numpy_helper.from_array(np.uint8(128), "z"),
+             numpy_helper.from_array(rng.integers(-128, 128, (64, 32)).astype(np.int8), "w"),
+             numpy_helper.from_array(np.full(32, 0.01, np.float32), "ws"),
+             numpy_helper.from_array(np.full(32, 3, np.int8), "wz")]  # not zero: not what the kernel computes
+    nodes = [helper.make_node("HadamardQuantize", ["x", "h", "s", "z"], ["q"], domain="autoglm.trt"),
+             helper.make_node("MatMulIntegerToFloat", ["q", "w", "s", "ws", "z", "wz"], ["y"], domain="com.microsoft")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph)
+    assert rewrite(model, Path(".")) == {} and [n.op_type for n in model.graph.node] == ["HadamardQuantize",
+                                                                                           "MatMulIntegerToFloat"]
+
+
+def test_doctor_says_which_int8_kernel_runs(tiny_int8_engine, monkeypatch):
+    from conftest import run_cli
+
+    library, why = native_library()
+    if library is None:
+        pytest.skip(f"the native operators cannot be built here: {why}")
+    r = run_cli("doctor", str(tiny_int8_engine))
+    assert r.returncode == 0 and f"INT8 linears: native Int8Linear operator ({int8_kernel(library)} kernel)" in r.stdout
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    r = run_cli("doctor", str(tiny_int8_engine))
+    assert r.returncode == 0 and "INT8 linears: ONNX Runtime's MatMulIntegerToFloat" in r.stdout
