@@ -94,7 +94,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path) -> dict[str, np.ndarray]:
     nodes = [replaced.get(id(n), n) for n in old if id(n) not in dropped]
     del graph.node[:]
     graph.node.extend(nodes)
-    used = _inputs(graph)
+    used = graph_inputs(graph)
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
@@ -110,12 +110,17 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _inputs(graph: onnx.GraphProto) -> set[str]:
+def graph_inputs(graph: onnx.GraphProto) -> set[str]:
     """Every name the graph's nodes read, those of nodes in subgraphs (``If`` branches) included."""
     names: set[str] = set()
     for node in graph.node:
         names.update(node.input)
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                names |= _inputs(attr.g)
+                names |= graph_inputs(attr.g)
     return names
+
+
+def other_input(node: onnx.NodeProto, name: str) -> str:
+    """The input of a two-input node that is not ``name``."""
+    return node.input[1] if node.input[0] == name else node.input[0]

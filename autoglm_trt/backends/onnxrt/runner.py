@@ -37,7 +37,7 @@ def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int
     "graph (<why>)"."""
     import onnx
 
-    from . import linear_op
+    from . import linear_op, rope_op
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
     from .native import native_library
@@ -50,9 +50,10 @@ def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int
             native_attention, why = rewrite(model, spec.num_layers)
         else:
             why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
+        fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads)
         if hadamard_quantize(model):
             packed = linear_op.rewrite(model, model_path.parent)
-        elif not native_attention:
+        elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)
     try:

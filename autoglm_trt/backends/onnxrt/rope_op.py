@@ -1,0 +1,90 @@
+"""Give the engine graph the native ``RopeQKV`` operator: each layer's QKV split and rope in one node.
+
+Per layer ``i`` the engine graph (``graph/decoder.py``) splits the fused QKV projection and
+applies rope in eight nodes: ``Split`` (outputs ``layers.<i>.qkv_split_0`` and ``_1``),
+``Reshape`` to heads, ``x * cos + (x @ R) * sin`` (``Mul``, ``MatMul``, ``Mul``, ``Add``), ``Split``
+into queries and keys (axis 2), and ``Reshape`` of the values. At batch 1 each node costs more
+in ONNX Runtime's dispatch than in arithmetic. ``rewrite`` replaces the eight with one
+``autoglm.trt.RopeQKV`` (``csrc/rope_qkv.c``) whose outputs are the same three tensors, equal
+to the graph's. A layer whose nodes do not have this shape (or whose intermediate tensors have
+other readers) is left as it is. For ONNX Runtime alone, made when the engine is loaded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .attention_op import DOMAIN
+from .linear_op import graph_inputs, other_input
+
+OP = "RopeQKV"
+HEADS = "rope_qkv.heads"  # int64 [query heads, KV heads]
+
+
+def rewrite(model: onnx.ModelProto, num_layers: int, num_heads: int, num_kv_heads: int) -> int:
+    """Fuse in place; the number of layers fused."""
+    graph = model.graph
+    old = list(graph.node)  # holds the nodes' wrappers, so the id()s below stay theirs
+    producer = {o: n for n in old for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in old:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    in_branches = {name for n in old for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
+                   for name in graph_inputs(a.g)}
+    inits = {t.name: t for t in graph.initializer}
+
+    def only_reader(name: str, op: str) -> onnx.NodeProto | None:
+        found = readers.get(name, [])
+        return found[0] if len(found) == 1 and found[0].op_type == op and name not in in_branches else None
+
+    def layer(i: int) -> tuple[list[onnx.NodeProto], onnx.NodeProto] | None:
+        split = producer.get(f"layers.{i}.qkv_split_0")
+        if split is None or split.op_type != "Split" or list(split.output) != [f"layers.{i}.qkv_split_0",
+                                                                               f"layers.{i}.qkv_split_1"]:
+            return None
+        to_heads, v_heads = only_reader(split.output[0], "Reshape"), only_reader(split.output[1], "Reshape")
+        if to_heads is None or v_heads is None:
+            return None
+        qk = to_heads.output[0]
+        uses = {n.op_type: n for n in readers.get(qk, [])}
+        if len(readers.get(qk, [])) != 2 or set(uses) != {"Mul", "MatMul"} or qk in in_branches:
+            return None
+        turn, by_cos = uses["MatMul"], uses["Mul"]
+        rotate = inits.get(turn.input[1])
+        if turn.input[0] != qk or rotate is None or rotate.data_type != TensorProto.FLOAT or len(rotate.dims) != 2:
+            return None
+        by_sin = only_reader(turn.output[0], "Mul")
+        add = only_reader(by_cos.output[0], "Add")
+        if by_sin is None or add is None or set(add.input) != {by_cos.output[0], by_sin.output[0]} or \
+                only_reader(by_sin.output[0], "Add") is not add:
+            return None
+        heads = only_reader(add.output[0], "Split")
+        if heads is None or len(heads.output) != 2 or not any(a.name == "axis" and a.i == 2 for a in heads.attribute):
+            return None
+        cos, sin = other_input(by_cos, qk), other_input(by_sin, turn.output[0])
+        node = helper.make_node(OP, [split.input[0], cos, sin, turn.input[1], HEADS],
+                                [heads.output[0], heads.output[1], v_heads.output[0]],
+                                name=f"layers.{i}.rope_qkv", domain=DOMAIN)
+        return [split, to_heads, v_heads, turn, by_cos, by_sin, add, heads], node
+
+    replaced: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for i in range(num_layers):
+        found = layer(i)
+        if found is not None:
+            nodes, node = found
+            replaced[id(nodes[0])] = node
+            dropped.update(id(n) for n in nodes[1:])
+    if not replaced:
+        return 0
+    nodes = [replaced.get(id(n), n) for n in old if id(n) not in dropped]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if HEADS not in inits:
+        graph.initializer.append(numpy_helper.from_array(np.array([num_heads, num_kv_heads], np.int64), HEADS))
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return len(replaced)
