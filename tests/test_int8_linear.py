@@ -76,6 +76,21 @@ def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w:
     return make_session(model.SerializeToString(), threads=2, custom_ops=library)
 
 
+def rotated_quantized(x: np.ndarray, b: int, scale: float, zero: int) -> np.ndarray:
+    """HadamardQuantize in numpy float32, butterfly by butterfly as the C transform does it:
+    at stage h each pair (a, c) = (v[j], v[j + h]) becomes (a + c, a - c)."""
+    v = x.astype(np.float32).reshape(*x.shape[:-1], x.shape[-1] // b, b)
+    h = 1
+    while h < b:
+        pairs = v.reshape(*v.shape[:-1], b // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        v = np.stack([a + c, a - c], axis=-2).reshape(v.shape)
+        h *= 2
+    factor = np.float32(1.0) / (np.sqrt(np.float32(b)) * np.float32(scale))
+    q = np.rint(v * factor) + np.float32(zero)
+    return np.clip(q, 0, 255).astype(np.uint8).reshape(x.shape)
+
+
 @pytest.mark.parametrize("rows,k,n,b", [
     (1, 576, 960, 64),  # a decode step of SmolLM2's QKV
     (8, 576, 40, 64),  # a batch: rows in groups of the kernel's width
@@ -96,6 +111,7 @@ def test_kernel_equals_exact_integer_arithmetic(kernel_library, rows, k, n, b):
     assert y.shape == (1, rows, n) and y.dtype == np.float32
     if rows:
         assert (q == 0).any() and (q == 255).any()
+    np.testing.assert_array_equal(q, rotated_quantized(x, b, scale, zero))  # every build's transform: same bits
     acc = (q.astype(np.int64) - zero) @ w.astype(np.int64)
     want = acc.astype(np.float32) * (np.float32(scale) * w_scale)
     np.testing.assert_array_equal(y, want)

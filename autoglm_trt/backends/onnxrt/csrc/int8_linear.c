@@ -185,7 +185,7 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
   Job job = {x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
              w, col_sums, w_scale, *(const float *)scale, n, y};
   ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
-  run(ctx, parallel, quantize_row, (size_t)rows, 16, &job);
+  run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
   run(ctx, parallel, column_tile, (size_t)wd[0], 2, &job);
   free(xq);
 }
