@@ -13,9 +13,10 @@
    the bandwidth measured in every round and each share the median of the rounds' shares;
 5. time to first token of a 1,000-token prompt (random token ids, a new prompt every time so no
    prefix is cached): transformers' forward pass vs the fp32 and int8 engines' prefill;
-6. the native PagedAttention operator against the graph's own attention nodes
+6. the native operators (attention, INT8 linears, rope) against the graph's own nodes
    (``AUTOGLM_TRT_NATIVE=0``), same engines: int8 batch-1 decode and fp32 16-concurrent
-   aggregate. ``attention`` says which form the engines ran.
+   aggregate. ``attention`` says which form the engines ran;
+7. 16 concurrent requests on the int8 engine too.
 Engines are built first if missing (engines/smollm2-fp32, engines/smollm2-int8).
 
 These 2-core machines are shared and their speed drifts by 10-20% within minutes, so every
@@ -154,6 +155,7 @@ def main() -> None:
         "int8_tok_s": lambda: engine_decode_rate(engines["int8"], args.gen),
         "fp32_batch1_aggregate_tok_s": lambda: aggregate(engines["fp32"], 1, args.gen),
         "fp32_16x_aggregate_tok_s": lambda: aggregate(engines["fp32"], 16, args.gen),
+        "int8_16x_aggregate_tok_s": lambda: aggregate(engines["int8"], 16, args.gen),
         "int8_graph_attention_tok_s": lambda: engine_decode_rate(engines["int8_graph"], args.gen),
         "fp32_16x_graph_attention_tok_s": lambda: aggregate(engines["fp32_graph"], 16, args.gen),
         "pool_64_tok_s": lambda: engine_decode_rate(engines["pool_64"], 32, long_prompt),

@@ -193,3 +193,26 @@ def test_doctor_says_which_int8_kernel_runs(tiny_int8_engine, monkeypatch):
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
     r = run_cli("doctor", str(tiny_int8_engine))
     assert r.returncode == 0 and "INT8 linears: ONNX Runtime's MatMulIntegerToFloat" in r.stdout
+
+
+def test_inspect_prints_the_decode_step_as_onnx_runtime_runs_it(tiny_int8_engine, monkeypatch):
+    import json
+
+    from conftest import run_cli
+
+    from autoglm_trt.artifacts import Manifest
+
+    if native_library()[0] is None:
+        pytest.skip(f"the native operators cannot be built here: {native_library()[1]}")
+    layers = Manifest.read(tiny_int8_engine).spec.num_layers
+    r = run_cli("inspect", str(tiny_int8_engine), "--json")
+    assert r.returncode == 0, r.stderr
+    decode = json.loads(r.stdout)["decode_graph"]
+    ops = decode["nodes_by_op"]
+    assert ops["PagedAttention"] == ops["RopeQKV"] == layers and ops["Int8Linear"] >= 4 * layers
+    assert "MatMulIntegerToFloat" not in ops and decode["nodes"] == sum(ops.values()) < decode["saved_nodes"]
+    text = run_cli("inspect", str(tiny_int8_engine)).stdout
+    assert f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here" in text
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    plain = json.loads(run_cli("inspect", str(tiny_int8_engine), "--json").stdout)["decode_graph"]
+    assert "Int8Linear" not in plain["nodes_by_op"] and plain["nodes"] > decode["nodes"]

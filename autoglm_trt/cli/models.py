@@ -184,10 +184,26 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
 
     manifest = Manifest.read(engine_dir)
     report = load_report(engine_dir)
+    decode = _decode_graph(manifest, report) if manifest.backend == "onnxruntime" else None
     if as_json:
-        click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report}, indent=1))
-    else:
-        click.echo(summary(manifest.data, report))
+        click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report, "decode_graph": decode}, indent=1))
+        return
+    click.echo(summary(manifest.data, report))
+    if decode is not None:
+        ops = sorted(decode["nodes_by_op"].items(), key=lambda kv: -kv[1])
+        click.echo(f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here (the saved graph's "
+                   f"{decode['saved_nodes']}, rewritten when loaded): " + ", ".join(f"{op} x{n}" for op, n in ops[:8]))
+
+
+def _decode_graph(manifest, report: dict | None) -> dict:
+    """Node counts of one decode step of an ONNX Runtime engine as the runner loads it here."""
+    import numpy as np
+
+    from ..backends.onnxrt.runner import decode_nodes, load_rewritten
+
+    model, _, _, _, _ = load_rewritten(manifest.engine_path, manifest.spec, np.dtype(manifest.kv["dtype"]))
+    counts = decode_nodes(model)
+    return {"nodes": sum(counts.values()), "nodes_by_op": counts, "saved_nodes": (report or {}).get("nodes_after")}
 
 
 @cli.command("doctor")

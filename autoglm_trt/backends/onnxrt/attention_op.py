@@ -25,6 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 DOMAIN = "autoglm.trt"
+DECODE_CONDITION = "native.decode"  # true when every sequence has one new token
 OP, OP_INT8_KV = "PagedAttention", "PagedAttentionInt8KV"
 
 
@@ -83,7 +84,7 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
     cond = [helper.make_node("Shape", ["input_ids"], ["native.ids_shape"], name="native.ids_shape"),
             helper.make_node("Gather", ["native.ids_shape", "native.one"], ["native.new_tokens"], name="native.new_tokens",
                              axis=0),
-            helper.make_node("Equal", ["native.new_tokens", "native.one"], ["native.decode"], name="native.decode")]
+            helper.make_node("Equal", ["native.new_tokens", "native.one"], [DECODE_CONDITION], name=DECODE_CONDITION)]
     graph.initializer.append(helper.make_tensor("native.one", TensorProto.INT64, [], [1]))
     branch_of: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
@@ -97,7 +98,7 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
             n.output[:] = [f"layers.{i}.attn_graph" if o == f"layers.{i}.attn" else o for o in n.output]
         out = lambda name: [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)]
         branch = helper.make_node(
-            "If", ["native.decode"], [f"layers.{i}.attn"], name=f"layers.{i}.attention",
+            "If", [DECODE_CONDITION], [f"layers.{i}.attn"], name=f"layers.{i}.attention",
             then_branch=helper.make_graph([native], f"layers_{i}_native", [], out(f"layers.{i}.attn_native")),
             else_branch=helper.make_graph(nodes, f"layers_{i}_graph", [], out(f"layers.{i}.attn_graph")))
         branch_of[id(producer[f"layers.{i}.attn"])] = branch

@@ -30,11 +30,11 @@ from ...graph.session import make_session
 from ...model.spec import ModelSpec
 
 
-def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int) -> tuple[Any, str]:
-    """The engine's session, the graph rewritten for ONNX Runtime when it is loaded (where the
-    native library builds: the attention operator for decode steps and the INT8 linears;
-    always: residual + RMSNorm fused), and which attention decode steps run: "native" or
-    "graph (<why>)"."""
+def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype) -> tuple[Any, dict, Path | None, bool, str]:
+    """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
+    native library builds: decode-step attention, each layer's QKV split + rope, the INT8
+    linears; always: residual + RMSNorm fused. Returns (model, packed weights by name, the
+    library or None, whether decode steps run the attention operator, why not)."""
     import onnx
 
     from . import linear_op, rope_op
@@ -56,6 +56,33 @@ def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int
         elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)
+    return model, packed, library, native_attention, why
+
+
+def decode_nodes(model: Any) -> dict[str, int]:
+    """Node count by operator of a decode step of a graph from ``load_rewritten``: the decode
+    branch of each ``If`` on ``native.decode`` in place of the ``If``."""
+    from collections import Counter
+
+    from .attention_op import DECODE_CONDITION
+
+    counts: Counter = Counter()
+    for node in model.graph.node:
+        if node.op_type == "If" and list(node.input) == [DECODE_CONDITION]:
+            counts.update(n.op_type for a in node.attribute if a.name == "then_branch" for n in a.g.node)
+        else:
+            counts[node.op_type] += 1
+    return dict(counts)
+
+
+def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int) -> tuple[Any, str]:
+    """The engine's session over ``load_rewritten``'s graph, and which attention decode steps
+    run: "native" or "graph (<why>)"."""
+    import onnx
+
+    from .fusions import skip_rms_norm
+
+    model, packed, library, native_attention, why = load_rewritten(model_path, spec, kv_dtype)
     try:
         session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
                                custom_ops=library, initializers=packed)
