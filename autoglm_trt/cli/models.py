@@ -201,7 +201,7 @@ def _decode_graph(manifest, report: dict | None) -> dict:
 
     from ..backends.onnxrt.runner import decode_nodes, load_rewritten
 
-    model, _, _, _, _ = load_rewritten(manifest.engine_path, manifest.spec, np.dtype(manifest.kv["dtype"]))
+    model, _, _, _, _ = load_rewritten(manifest.engine_path, manifest.spec, np.dtype(manifest.kv["dtype"]), pack=False)
     counts = decode_nodes(model)
     return {"nodes": sum(counts.values()), "nodes_by_op": counts, "saved_nodes": (report or {}).get("nodes_after")}
 

@@ -42,9 +42,11 @@ def pack_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(packed), padded.sum(axis=0, dtype=np.int32)
 
 
-def rewrite(model: onnx.ModelProto, weights_dir: Path) -> dict[str, np.ndarray]:
+def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dict[str, np.ndarray]:
     """Fuse in place, reading the int8 weights (external data under ``weights_dir``, or inline);
-    the packed weights and column sums by initializer name (empty: nothing fused)."""
+    the packed weights and column sums by initializer name (empty: nothing fused). With
+    ``pack`` False (``inspect``, which only counts nodes) no weight is read or packed and the
+    graph is left unloadable."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     old = list(graph.node)  # holds the nodes' wrappers, so the id()s below stay theirs
@@ -57,9 +59,9 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path) -> dict[str, np.ndarray]:
     def array(t: onnx.TensorProto) -> np.ndarray:
         return numpy_helper.to_array(t, base_dir=str(weights_dir))
 
-    def weights(name: str) -> np.ndarray | None:
+    def int8_matrix(name: str) -> bool:
         t = inits.get(name)
-        return array(t) if t is not None and t.data_type == TensorProto.INT8 and len(t.dims) == 2 else None
+        return t is not None and t.data_type == TensorProto.INT8 and len(t.dims) == 2
 
     def fusable(mm: onnx.NodeProto) -> onnx.NodeProto | None:
         rot = rotation.get(mm.input[0]) if mm.op_type == "MatMulIntegerToFloat" else None
@@ -79,12 +81,11 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path) -> dict[str, np.ndarray]:
     dropped: set[int] = set()
     for mm in old:
         rot = fusable(mm)
-        w = weights(mm.input[1]) if rot is not None else None
-        if rot is None or w is None:
+        if rot is None or not int8_matrix(mm.input[1]):
             continue
         packed_name, sums_name = f"{mm.input[1]}.packed", f"{mm.input[1]}.col_sums"
-        if packed_name not in arrays:
-            arrays[packed_name], arrays[sums_name] = pack_weights(w)
+        if pack and packed_name not in arrays:
+            arrays[packed_name], arrays[sums_name] = pack_weights(array(inits[mm.input[1]]))
         replaced[id(mm)] = helper.make_node(
             OP, [rot.input[0], rot.input[1], rot.input[2], rot.input[3], packed_name, sums_name, mm.input[3]],
             [mm.output[0]], name=f"{mm.name}.int8_linear", domain=DOMAIN)
@@ -94,6 +95,8 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path) -> dict[str, np.ndarray]:
     nodes = [replaced.get(id(n), n) for n in old if id(n) not in dropped]
     del graph.node[:]
     graph.node.extend(nodes)
+    if not pack:
+        return {}
     used = graph_inputs(graph)
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]

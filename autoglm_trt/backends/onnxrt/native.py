@@ -2,8 +2,8 @@
 
 ``native_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
 Runtime's CPU execution provider: ``PagedAttention``, ``PagedAttentionInt8KV``,
-``HadamardQuantize``, ``Int8Linear``, ``RopeQKV``) with the machine's C compiler, for this CPU (``-march=native``), into a
-cache directory, and returns its path; or ``None`` and the reason when it cannot (no
+``HadamardQuantize``, ``Int8Linear``, ``RopeQKV``) with the machine's C compiler, for this
+CPU (``-march=native``), into a cache directory, and returns its path; or ``None`` and the reason when it cannot (no
 compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner then keeps the engine
 graph's own nodes, which compute the same things more slowly.
 
@@ -24,7 +24,8 @@ import threading
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ort_api.h", "rotate.h", "register.c", "paged_attention.c", "hadamard_quantize.c", "int8_linear.c", "rope_qkv.c")
+SOURCES = ("ort_api.h", "rotate.h", "register.c", "paged_attention.c", "hadamard_quantize.c", "int8_linear.c",
+           "rope_qkv.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden"]
 ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
 ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)

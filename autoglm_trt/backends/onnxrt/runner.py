@@ -30,11 +30,13 @@ from ...graph.session import make_session
 from ...model.spec import ModelSpec
 
 
-def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype) -> tuple[Any, dict, Path | None, bool, str]:
+def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
+                   pack: bool = True) -> tuple[Any, dict, Path | None, bool, str]:
     """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
     native library builds: decode-step attention, each layer's QKV split + rope, the INT8
     linears; always: residual + RMSNorm fused. Returns (model, packed weights by name, the
-    library or None, whether decode steps run the attention operator, why not)."""
+    library or None, whether decode steps run the attention operator, why not). ``pack``
+    False: the nodes only, for counting (``linear_op.rewrite``)."""
     import onnx
 
     from . import linear_op, rope_op
@@ -52,7 +54,7 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype) -> tup
             why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
         fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads)
         if hadamard_quantize(model):
-            packed = linear_op.rewrite(model, model_path.parent)
+            packed = linear_op.rewrite(model, model_path.parent, pack)
         elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)
