@@ -145,7 +145,7 @@ def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_in
 
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
     fused = open_runner(manifest, num_blocks=32, threads=1)
-    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir: {})
+    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True: {})
     plain = open_runner(manifest, num_blocks=32, threads=1)
     prompts = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
     states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in range(2)]
