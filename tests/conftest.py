@@ -101,6 +101,36 @@ def slow_engine(tmp_path_factory):
                              max_batch_size=1, max_input_len=64, max_seq_len=2048, kv_num_blocks=300, kv_block_size=8)
 
 
+@pytest.fixture(scope="session")
+def library():
+    """The native operator library built for this machine (skips where it cannot be built)."""
+    from autoglm_trt.backends.onnxrt.native import native_library
+
+    path, why = native_library()
+    if path is None:
+        pytest.skip(f"the native operators cannot be built here: {why}")
+    return path
+
+
+def logits_over_steps(runners, steps: int = 3):
+    """The same prefill of two prompts (11 and 3 tokens) on each runner, then ``steps - 1``
+    greedy decode steps (the next tokens from the last runner's logits): each step's logits,
+    one array per runner."""
+    from autoglm_trt.graph.paged_kv import SeqState, step_inputs
+
+    states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in runners]
+    new = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
+    for _ in range(steps):
+        logits = []
+        for runner, st in zip(runners, states):
+            feeds, slots = step_inputs(new, st, runner.block_size)
+            logits.append(runner.step(feeds, slots))
+            for s, toks in zip(st, new):
+                s.num_computed_tokens += len(toks)
+        yield logits
+        new = [[int(t)] for t in logits[-1].argmax(axis=-1)]
+
+
 def free_port() -> int:
     from autoglm_trt.fileutil import free_port as pick
 

@@ -119,12 +119,12 @@ def test_kernel_equals_exact_integer_arithmetic(kernel_library, rows, k, n, b):
 
 def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_int8_engine, monkeypatch):
     import onnx
+    from conftest import logits_over_steps
 
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
     from autoglm_trt.backends.onnxrt import linear_op
     from autoglm_trt.backends.onnxrt.fusions import hadamard_quantize
-    from autoglm_trt.graph.paged_kv import SeqState, step_inputs
 
     if native_library()[0] is None:
         pytest.skip(f"the native operators cannot be built here: {native_library()[1]}")
@@ -147,19 +147,9 @@ def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_in
     fused = open_runner(manifest, num_blocks=32, threads=1)
     monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True: {})
     plain = open_runner(manifest, num_blocks=32, threads=1)
-    prompts = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
-    states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in range(2)]
-    new = prompts
-    for _ in range(3):  # a prefill of two prompts, then two decode steps
-        logits = []
-        for runner, st in zip((fused, plain), states):
-            feeds, slots = step_inputs(new, st, runner.block_size)
-            logits.append(runner.step(feeds, slots))
-            for s, toks in zip(st, new):
-                s.num_computed_tokens += len(toks)
+    for with_op, without in logits_over_steps([fused, plain]):  # a prefill of two prompts, then two decode steps
         # ONNX Runtime's own INT8 GEMM may saturate 16-bit pair sums on CPUs without VNNI
-        np.testing.assert_allclose(logits[0], logits[1], atol=1e-3 * np.abs(logits[1]).max(), rtol=0)
-        new = [[int(t)] for t in logits[1].argmax(axis=-1)]
+        np.testing.assert_allclose(with_op, without, atol=1e-3 * np.abs(without).max(), rtol=0)
     fused.close()
     plain.close()
 

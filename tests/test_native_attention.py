@@ -5,16 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autoglm_trt.backends.onnxrt.native import native_library
 from autoglm_trt.graph.paged_kv import SeqState, step_inputs
-
-
-@pytest.fixture(scope="module")
-def library():
-    path, why = native_library()
-    if path is None:
-        pytest.skip(f"the native kernel cannot be built here: {why}")
-    return path
 
 
 def reference(q, k_new, v_new, pool_k, pool_v, tables, ctx, qlens):
@@ -122,18 +113,10 @@ def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine,
     runners = [_runner(engine, monkeypatch, native) for native in (True, False)]
     assert runners[0].attention == "native"
     assert runners[1].attention == "graph (AUTOGLM_TRT_NATIVE=0)"
-    prompts = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
-    states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in runners]
-    new = prompts
-    for _ in range(3):
-        logits = []
-        for runner, st in zip(runners, states):
-            feeds, slots = step_inputs(new, st, runner.block_size)
-            logits.append(runner.step(feeds, slots))
-            for s, toks in zip(st, new):
-                s.num_computed_tokens += len(toks)
-        np.testing.assert_allclose(logits[0], logits[1], atol=2e-5, rtol=1e-4)
-        new = [[int(t)] for t in logits[1].argmax(axis=-1)]
+    from conftest import logits_over_steps
+
+    for native, graph in logits_over_steps(runners):
+        np.testing.assert_allclose(native, graph, atol=2e-5, rtol=1e-4)
     for r in runners:
         r.close()
 

@@ -5,17 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autoglm_trt.backends.onnxrt.native import native_library
 from autoglm_trt.backends.onnxrt.rope_op import rewrite
 from autoglm_trt.model.rope import rotate_half_matrix
-
-
-@pytest.fixture(scope="module")
-def library():
-    path, why = native_library()
-    if path is None:
-        pytest.skip(f"the native operators cannot be built here: {why}")
-    return path
 
 
 def _rope_session(library, hq: int, hkv: int, d: int):
@@ -68,11 +59,11 @@ def glm_engine(tiny_dir, tmp_path_factory):
 @pytest.mark.parametrize("family", ["llama", "glm"])
 def test_every_layer_is_fused_and_the_logits_are_unchanged(tiny_engine, glm_engine, library, monkeypatch, family):
     import onnx
+    from conftest import logits_over_steps
 
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
     from autoglm_trt.backends.onnxrt import rope_op
-    from autoglm_trt.graph.paged_kv import SeqState, step_inputs
 
     manifest = Manifest.read(tiny_engine if family == "llama" else glm_engine)
     spec = manifest.spec
@@ -86,17 +77,8 @@ def test_every_layer_is_fused_and_the_logits_are_unchanged(tiny_engine, glm_engi
     fused = open_runner(manifest, num_blocks=32, threads=1)
     monkeypatch.setattr(rope_op, "rewrite", lambda *args: 0)
     plain = open_runner(manifest, num_blocks=32, threads=1)
-    states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in range(2)]
-    new = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
-    for _ in range(3):  # a prefill, then two decode steps
-        logits = []
-        for runner, st in zip((fused, plain), states):
-            feeds, slots = step_inputs(new, st, runner.block_size)
-            logits.append(runner.step(feeds, slots))
-            for s, toks in zip(st, new):
-                s.num_computed_tokens += len(toks)
-        np.testing.assert_allclose(logits[0], logits[1], atol=1e-6, rtol=1e-6)
-        new = [[int(t)] for t in logits[1].argmax(axis=-1)]
+    for with_op, without in logits_over_steps([fused, plain]):  # a prefill, then two decode steps
+        np.testing.assert_allclose(with_op, without, atol=1e-6, rtol=1e-6)
     fused.close()
     plain.close()
 
