@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autoglm_trt.backends.onnxrt.rope_op import rewrite
+from autoglm_trt.backends.onnxrt.rope_op import rewrite, turn_entries
 from autoglm_trt.model.rope import rotate_half_matrix
 
 
@@ -14,13 +14,15 @@ def _rope_session(library, hq: int, hkv: int, d: int):
 
     from autoglm_trt.graph.session import make_session
 
-    node = helper.make_node("RopeQKV", ["qkv", "cos", "sin", "r", "heads"], ["q", "k", "v"], domain="autoglm.trt")
+    node = helper.make_node("RopeQKV", ["qkv", "cos", "sin", "index", "value", "heads"], ["q", "k", "v"],
+                            domain="autoglm.trt")
     f = TensorProto.FLOAT
     graph = helper.make_graph(
         [node], "rope", [helper.make_tensor_value_info("qkv", f, ["B", "T", (hq + 2 * hkv) * d]),
                          helper.make_tensor_value_info("cos", f, ["B", "T", 1, d]),
                          helper.make_tensor_value_info("sin", f, ["B", "T", 1, d]),
-                         helper.make_tensor_value_info("r", f, [d, d])],
+                         helper.make_tensor_value_info("index", TensorProto.INT32, ["E", 2]),
+                         helper.make_tensor_value_info("value", f, ["E"])],
         [helper.make_tensor_value_info(n, f, None) for n in ("q", "k", "v")],
         [numpy_helper.from_array(np.array([hq, hkv], np.int64), "heads")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
@@ -40,7 +42,9 @@ def test_kernel_equals_the_graph_arithmetic(library, b, t, hq, hkv, d, rotary):
     cos = rng.uniform(-1, 1, (b, t, 1, d)).astype(np.float32)
     sin = rng.uniform(-1, 1, (b, t, 1, d)).astype(np.float32)
     r = rotate_half_matrix(d, rotary)
-    q, k, v = _rope_session(library, hq, hkv, d).run(None, {"qkv": qkv, "cos": cos, "sin": sin, "r": r})
+    index, value = turn_entries(r)
+    q, k, v = _rope_session(library, hq, hkv, d).run(None, {"qkv": qkv, "cos": cos, "sin": sin, "index": index,
+                                                             "value": value})
     heads = qkv.reshape(b, t, hq + 2 * hkv, d)
     qk = heads[:, :, :hq + hkv]
     roped = qk * cos + (qk @ r) * sin
@@ -69,7 +73,7 @@ def test_every_layer_is_fused_and_the_logits_are_unchanged(tiny_engine, glm_engi
     spec = manifest.spec
     model = onnx.load(str(manifest.engine_path), load_external_data=False)
     before = len(model.graph.node)
-    assert rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads) == spec.num_layers
+    assert rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, manifest.dir) == spec.num_layers
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("RopeQKV") == spec.num_layers and len(ops) == before - 7 * spec.num_layers
 
@@ -93,5 +97,5 @@ def test_a_layer_whose_rotated_heads_have_another_reader_is_left_alone(tiny_engi
     spec = manifest.spec
     model = onnx.load(str(manifest.engine_path), load_external_data=False)
     model.graph.node.append(helper.make_node("Identity", ["layers.0.qk"], ["spy"], name="spy"))
-    assert rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads) == spec.num_layers - 1
+    assert rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, manifest.dir) == spec.num_layers - 1
     assert "layers.0.qk" in {o for n in model.graph.node for o in n.output}

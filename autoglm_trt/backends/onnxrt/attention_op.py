@@ -29,6 +29,12 @@ DECODE_CONDITION = "native.decode"  # true when every sequence has one new token
 OP, OP_INT8_KV = "PagedAttention", "PagedAttentionInt8KV"
 
 
+def use_domain(model: onnx.ModelProto, domain: str = DOMAIN) -> None:
+    """Declare ``domain`` (version 1) in the model's opsets, once."""
+    if not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+
+
 def _attention_nodes(i: int, producer: dict, consumers: dict) -> list | None:
     """The nodes that only compute layer ``i``'s attention output, or None if they are not closed."""
     prefix, found, todo = f"layers.{i}.", {}, [f"layers.{i}.attn"]
@@ -106,6 +112,5 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
     kept = [branch_of.get(id(n), n) for n in graph.node if id(n) not in dropped or id(n) in branch_of]
     del graph.node[:]
     graph.node.extend(cond + kept)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    use_domain(model)
     return True, ""

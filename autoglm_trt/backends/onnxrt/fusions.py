@@ -16,6 +16,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from .attention_op import use_domain
+
 RESIDUALS = (".attn_residual", ".mlp_residual")
 
 
@@ -46,8 +48,8 @@ def skip_rms_norm(model: onnx.ModelProto) -> int:
         nodes.sort(key=lambda n: position[id(add_of[id(n)])] if id(n) in add_of else position[id(n)])
     del graph.node[:]
     graph.node.extend(nodes)
-    if fused and not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    if fused:
+        use_domain(model, "com.microsoft")
     return len(fused)
 
 
@@ -98,6 +100,6 @@ def hadamard_quantize(model: onnx.ModelProto) -> int:
     nodes = [replaced.get(id(n), n) for n in graph.node if id(n) not in dropped]
     del graph.node[:]
     graph.node.extend(nodes)
-    if replaced and not any(o.domain == "autoglm.trt" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("autoglm.trt", 1))
+    if replaced:
+        use_domain(model)
     return len(replaced)

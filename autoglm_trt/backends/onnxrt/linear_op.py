@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .attention_op import DOMAIN
+from .attention_op import DOMAIN, use_domain
 
 OP = "Int8Linear"
 PLACEHOLDER = "autoglm-trt-packed-weights"  # no such file: ONNX Runtime is handed the arrays instead
@@ -108,8 +108,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
         for key, value in (("location", PLACEHOLDER), ("offset", "0"), ("length", str(arr.nbytes))):
             entry = t.external_data.add()
             entry.key, entry.value = key, value
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    use_domain(model)
     return arrays
 
 

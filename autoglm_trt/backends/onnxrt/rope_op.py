@@ -12,19 +12,29 @@ other readers) is left as it is. For ONNX Runtime alone, made when the engine is
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .attention_op import DOMAIN
+from .attention_op import DOMAIN, use_domain
 from .linear_op import graph_inputs, other_input
 
 OP = "RopeQKV"
 HEADS = "rope_qkv.heads"  # int64 [query heads, KV heads]
 
 
-def rewrite(model: onnx.ModelProto, num_layers: int, num_heads: int, num_kv_heads: int) -> int:
-    """Fuse in place; the number of layers fused."""
+def turn_entries(rotate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """R's nonzero entries row by row: int32 ``[count, 2]`` (row, column) and float32 ``[count]``,
+    the operator's form of R (a row-by-row product adds them in this order)."""
+    rows, cols = np.nonzero(rotate)
+    return np.stack([rows, cols], axis=1).astype(np.int32), rotate[rows, cols].astype(np.float32)
+
+
+def rewrite(model: onnx.ModelProto, num_layers: int, num_heads: int, num_kv_heads: int, weights_dir: Path) -> int:
+    """Fuse in place (R read from the graph, external data under ``weights_dir``); the number
+    of layers fused."""
     graph = model.graph
     old = list(graph.node)  # holds the nodes' wrappers, so the id()s below stay theirs
     producer = {o: n for n in old for o in n.output}
@@ -65,11 +75,15 @@ def rewrite(model: onnx.ModelProto, num_layers: int, num_heads: int, num_kv_head
         if heads is None or len(heads.output) != 2 or not any(a.name == "axis" and a.i == 2 for a in heads.attribute):
             return None
         cos, sin = other_input(by_cos, qk), other_input(by_sin, turn.output[0])
-        node = helper.make_node(OP, [split.input[0], cos, sin, turn.input[1], HEADS],
+        index, value = f"{turn.input[1]}.turn_index", f"{turn.input[1]}.turn_value"
+        if index not in entries:
+            entries[index], entries[value] = turn_entries(numpy_helper.to_array(rotate, base_dir=str(weights_dir)))
+        node = helper.make_node(OP, [split.input[0], cos, sin, index, value, HEADS],
                                 [heads.output[0], heads.output[1], v_heads.output[0]],
                                 name=f"layers.{i}.rope_qkv", domain=DOMAIN)
         return [split, to_heads, v_heads, turn, by_cos, by_sin, add, heads], node
 
+    entries: dict[str, np.ndarray] = {}
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for i in range(num_layers):
@@ -85,6 +99,6 @@ def rewrite(model: onnx.ModelProto, num_layers: int, num_heads: int, num_kv_head
     graph.node.extend(nodes)
     if HEADS not in inits:
         graph.initializer.append(numpy_helper.from_array(np.array([num_heads, num_kv_heads], np.int64), HEADS))
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    graph.initializer.extend(numpy_helper.from_array(arr, name) for name, arr in entries.items())
+    use_domain(model)
     return len(replaced)

@@ -52,7 +52,7 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
             native_attention, why = rewrite(model, spec.num_layers)
         else:
             why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
-        fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads)
+        fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, model_path.parent)
         if hadamard_quantize(model):
             packed = linear_op.rewrite(model, model_path.parent, pack)
         elif not native_attention and not fused_rope:

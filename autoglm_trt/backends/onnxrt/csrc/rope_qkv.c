@@ -12,15 +12,17 @@
  *   0 qkv    float32 [B, T, (Hq + 2 Hkv) D]
  *   1 cos    float32 [B, T, 1, D]      the rope tables gathered at each token's position
  *   2 sin    float32 [B, T, 1, D]
- *   3 rotate float32 [D, D]            R
- *   4 heads  int64 [2]                 Hq, Hkv
+ *   3 index  int32 [E, 2]              R's nonzero entries (row, column), row by row
+ *   4 value  float32 [E]               and their values (rope_op.turn_entries: R is the
+ *                                      head_dim x head_dim matrix above, a constant, so its
+ *                                      entries are listed once, when the engine loads)
+ *   5 heads  int64 [2]                 Hq, Hkv; D is the qkv width over Hq + 2 Hkv
  * Outputs:
  *   0 q      float32 [B, T, Hq, D]
  *   1 k      float32 [B, T, Hkv, D]
  *   2 v      float32 [B, T, Hkv, D]
  * Shapes that do not fit together (the rewrite never makes them) give zeros.
  */
-#include <stdlib.h>
 #include <string.h>
 
 #include "ort_api.h"
@@ -28,13 +30,9 @@
 #define MAX_HEAD 1024
 
 typedef struct {
-  int32_t from, to; /* R[from, to] */
-  float value;
-} Entry;
-
-typedef struct {
   const float *qkv, *cos, *sin;
-  const Entry *entries; /* R's nonzero entries, row by row */
+  const int32_t *index; /* R's nonzero entries, row by row: (row, column) */
+  const float *value;
   int64_t count;
   float *q, *k, *v;
   int64_t hq, hkv, d;
@@ -43,9 +41,9 @@ typedef struct {
 /* x @ R for one head, over R's nonzero entries in the order a row-by-row product adds them
  * (the zero entries add zeros, which change no sum): for every family's rope each column of R
  * has one entry, 1 or -1, so every sum is exact */
-static void turn(const float *x, const Entry *entries, int64_t count, int64_t d, float *out) {
-  memset(out, 0, (size_t)d * sizeof(float));
-  for (int64_t e = 0; e < count; e++) out[entries[e].to] += x[entries[e].from] * entries[e].value;
+static void turn(const Job *j, const float *x, float *out) {
+  memset(out, 0, (size_t)j->d * sizeof(float));
+  for (int64_t e = 0; e < j->count; e++) out[j->index[2 * e + 1]] += x[j->index[2 * e]] * j->value[e];
 }
 
 static void token(void *data, size_t at) {
@@ -56,7 +54,7 @@ static void token(void *data, size_t at) {
   for (int64_t h = 0; h < j->hq + j->hkv; h++) {
     const float *xh = x + h * d;
     float *out = h < j->hq ? j->q + ((int64_t)at * j->hq + h) * d : j->k + ((int64_t)at * j->hkv + h - j->hq) * d;
-    turn(xh, j->entries, j->count, d, turned);
+    turn(j, xh, turned);
 #pragma omp simd
     for (int64_t e = 0; e < d; e++) out[e] = xh[e] * cos[e] + turned[e] * sin[e];
   }
@@ -65,12 +63,13 @@ static void token(void *data, size_t at) {
 
 static void compute(void *kernel, OrtKernelContext *ctx) {
   (void)kernel;
-  int64_t xd[3], cd[4], sd[4], rd[2], hd[1];
-  void *qkv, *cos, *sin, *rotate, *heads;
+  int64_t xd[3], cd[4], sd[4], id[2], vd[1], hd[1];
+  void *qkv, *cos, *sin, *index, *value, *heads;
   if (input(ctx, 0, &qkv, xd, 3) || input(ctx, 1, &cos, cd, 4) || input(ctx, 2, &sin, sd, 4) ||
-      input(ctx, 3, &rotate, rd, 2) || input(ctx, 4, &heads, hd, 1) || hd[0] != 2)
+      input(ctx, 3, &index, id, 2) || input(ctx, 4, &value, vd, 1) || input(ctx, 5, &heads, hd, 1) || hd[0] != 2)
     return;
-  const int64_t hq = ((const int64_t *)heads)[0], hkv = ((const int64_t *)heads)[1], d = rd[0];
+  const int64_t hq = ((const int64_t *)heads)[0], hkv = ((const int64_t *)heads)[1];
+  const int64_t d = hq + 2 * hkv > 0 ? xd[2] / (hq + 2 * hkv) : 0;
   const int64_t tokens = xd[0] * xd[1];
   float *out[3];
   const int64_t counts[3] = {hq, hkv, hkv};
@@ -81,7 +80,11 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
         failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(value, (void **)&out[i])))
       return;
   }
-  int fits = d >= 1 && d <= MAX_HEAD && rd[1] == d && hq >= 1 && hkv >= 1 && xd[2] == (hq + 2 * hkv) * d;
+  int fits = d >= 1 && d <= MAX_HEAD && hq >= 1 && hkv >= 1 && xd[2] == (hq + 2 * hkv) * d && id[1] == 2 &&
+             vd[0] == id[0];
+  for (int64_t e = 0; e < id[0] && fits; e++) /* an entry outside the head would write past it */
+    fits = ((const int32_t *)index)[2 * e] >= 0 && ((const int32_t *)index)[2 * e] < d &&
+           ((const int32_t *)index)[2 * e + 1] >= 0 && ((const int32_t *)index)[2 * e + 1] < d;
   for (int i = 0; i < 4 && fits; i++) {
     const int64_t want = i == 0 ? xd[0] : i == 1 ? xd[1] : i == 2 ? 1 : d;
     fits = cd[i] == want && sd[i] == want;
@@ -91,23 +94,18 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
       if (counts[i] > 0 && d > 0) memset(out[i], 0, (size_t)(tokens * counts[i] * d) * sizeof(float));
     return;
   }
-  Entry *entries = malloc((size_t)(d * d) * sizeof(Entry));
-  if (entries == NULL) return;
-  int64_t count = 0;
-  const float *r = rotate;
-  for (int64_t i = 0; i < d; i++)
-    for (int64_t c = 0; c < d; c++)
-      if (r[i * d + c] != 0.0f) entries[count++] = (Entry){(int32_t)i, (int32_t)c, r[i * d + c]};
-  Job job = {qkv, cos, sin, entries, count, out[0], out[1], out[2], hq, hkv, d};
+  Job job = {qkv, cos, sin, index, value, id[0], out[0], out[1], out[2], hq, hkv, d};
   if (!has_parallel_for || tokens < 16 ||
       failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, token, (size_t)tokens, 0, &job)))
     for (int64_t t = 0; t < tokens; t++) token(&job, (size_t)t);
-  free(entries);
 }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "RopeQKV"; }
-static int input_type(const CustomOp *op, size_t i) { (void)op; return i == 4 ? ELEM_INT64 : ELEM_FLOAT; }
-static size_t input_count(const CustomOp *op) { (void)op; return 5; }
+static int input_type(const CustomOp *op, size_t i) {
+  (void)op;
+  return i == 3 ? ELEM_INT32 : i == 5 ? ELEM_INT64 : ELEM_FLOAT;
+}
+static size_t input_count(const CustomOp *op) { (void)op; return 6; }
 static size_t three_outputs(const CustomOp *op) { (void)op; return 3; }
 
 const CustomOp rope_qkv = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
