@@ -10,7 +10,8 @@ and interleaved (best time of each kind):
               excluded from the ratio, reported apart)
 Prints wall times, the ratio (statistics + search) / forward, and peak RSS over the model's
 own size. Numbers go to the README. ``--profile N``: instead, where the statistics pass of N
-samples spends its time (cProfile of ``calib.collect.collect``).
+samples spends its time (cProfile of ``calib.collect.collect``; ``AUTOGLM_TRT_NATIVE=0`` for
+the numpy path).
 """
 
 from __future__ import annotations
@@ -73,9 +74,12 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
     prof.runcall(collect.collect, session, spec, inputs, windows, batch, None, False, rotate, stride)
     stats = pstats.Stats(prof)
     total = max(v[3] for v in stats.stats.values())  # type: ignore[attr-defined]
-    parts = {"onnxruntime_run": ("", "run_with_iobinding"), "histograms": ("histogram.py", "add"),
-             "hadamard_rotations": ("hadamard.py", "rotate_rows"), "of_which_kv_histograms": ("collect.py", "kv_observe"),
-             "row_sampling": ("collect.py", "_rows")}
+    parts = {"onnxruntime_run": ("", "run_with_iobinding"), "first_batch": ("collect.py", "_first_batch"),
+             # the native library's rows, rotations and bins, on a thread pool (``calib/native_stats.py``) ...
+             "native_statistics": ("native_stats.py", "add"),
+             # ... or, where it cannot be built (AUTOGLM_TRT_NATIVE=0), numpy's
+             "numpy_histograms": ("histogram.py", "add"), "numpy_hadamard_rotations": ("hadamard.py", "rotate_rows"),
+             "numpy_kv_histograms": ("collect.py", "kv_observe"), "numpy_row_sampling": ("collect.py", "_rows")}
     out = {"total_s": round(total, 2)}
     for label, (file, func) in parts.items():
         out[label + "_s"] = round(sum(v[3] for k, v in stats.stats.items()  # type: ignore[attr-defined]

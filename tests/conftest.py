@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -135,3 +136,49 @@ def free_port() -> int:
     from autoglm_trt.fileutil import free_port as pick
 
     return pick()
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+KERNELS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
+
+
+@pytest.fixture(scope="session", params=list(KERNELS))
+def kernel_library(request):
+    """The library built for this CPU, and where the CPU allows, built again for the AVX2 and the
+    portable C kernels, so each of the three is checked on a machine that has AVX-512."""
+    name = request.param
+    if name == "avx2" and not _cpu_has("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    if name == "portable" and not _cpu_has("avx2"):
+        pytest.skip("the portable kernel is built here by turning x86 extensions off")
+    from autoglm_trt.backends.onnxrt.native import int8_kernel, native_library
+
+    path, why = native_library(KERNELS[name])
+    if path is None:
+        pytest.skip(f"the native operators cannot be built here: {why}")
+    kernel = int8_kernel(path)
+    if name == "avx2":
+        assert kernel == "avx2"
+    if name == "portable":
+        assert kernel == "portable C"
+    return path
+
+
+def butterflies(x: np.ndarray, b: int) -> np.ndarray:
+    """The unnormalized Walsh-Hadamard transform of each block of b along the last axis, in numpy
+    float32, butterfly by butterfly as the native library's does it (``csrc/rotate.h``): at
+    stage h each pair (a, c) = (v[j], v[j + h]) becomes (a + c, a - c)."""
+    v = x.astype(np.float32).reshape(*x.shape[:-1], x.shape[-1] // b, b)
+    h = 1
+    while h < b:
+        pairs = v.reshape(*v.shape[:-1], b // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        v = np.stack([a + c, a - c], axis=-2).reshape(v.shape)
+        h *= 2
+    return v.reshape(x.shape)

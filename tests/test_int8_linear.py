@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import butterflies
 
 from autoglm_trt.backends.onnxrt.linear_op import pack_weights, rewrite
 from autoglm_trt.backends.onnxrt.native import int8_kernel, native_library
@@ -24,36 +25,6 @@ def test_packed_weights_put_each_weight_where_the_kernel_reads_it():
     assert sums.dtype == np.int32 and sums.tolist() == w.astype(np.int32).sum(0).tolist() + [0] * 13
     with pytest.raises(ValueError, match="int8 weights"):
         pack_weights(w.astype(np.int16))
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        return flag in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
-KERNELS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
-
-
-@pytest.fixture(scope="module", params=list(KERNELS))
-def kernel_library(request):
-    """The library built for this CPU, and where the CPU allows, built again for the AVX2 and the
-    portable C kernels, so each of the three is checked on a machine that has AVX-512."""
-    name = request.param
-    if name == "avx2" and not _cpu_has("avx2"):
-        pytest.skip("this CPU has no AVX2")
-    if name == "portable" and not _cpu_has("avx2"):
-        pytest.skip("the portable kernel is built here by turning x86 extensions off")
-    path, why = native_library(KERNELS[name])
-    if path is None:
-        pytest.skip(f"the native operators cannot be built here: {why}")
-    kernel = int8_kernel(path)
-    if name == "avx2":
-        assert kernel == "avx2"
-    if name == "portable":
-        assert kernel == "portable C"
-    return path
 
 
 def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w: np.ndarray, w_scale: np.ndarray):
@@ -77,15 +48,8 @@ def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w:
 
 
 def rotated_quantized(x: np.ndarray, b: int, scale: float, zero: int) -> np.ndarray:
-    """HadamardQuantize in numpy float32, butterfly by butterfly as the C transform does it:
-    at stage h each pair (a, c) = (v[j], v[j + h]) becomes (a + c, a - c)."""
-    v = x.astype(np.float32).reshape(*x.shape[:-1], x.shape[-1] // b, b)
-    h = 1
-    while h < b:
-        pairs = v.reshape(*v.shape[:-1], b // (2 * h), 2, h)
-        a, c = pairs[..., 0, :], pairs[..., 1, :]
-        v = np.stack([a + c, a - c], axis=-2).reshape(v.shape)
-        h *= 2
+    """HadamardQuantize in numpy float32, butterfly by butterfly as the C transform does it."""
+    v = butterflies(x, b)
     factor = np.float32(1.0) / (np.sqrt(np.float32(b)) * np.float32(scale))
     q = np.rint(v * factor) + np.float32(zero)
     return np.clip(q, 0, 255).astype(np.uint8).reshape(x.shape)

@@ -26,6 +26,7 @@ from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..progress import Progress
 from .histogram import AbsHistogram, percentile_amax
+from .native_stats import HistogramJob, native_stats
 from .smooth import abs_max
 
 SAMPLE_ROWS = 256
@@ -125,6 +126,7 @@ class Accumulator:
         self.inv: dict[str, np.ndarray] = {}
         self.v_scales: dict[str, np.ndarray] = {}
         self.scratch: dict[tuple[tuple[int, ...], str], np.ndarray] = {}
+        self.native = native_stats()
 
     def _scratch(self, shape: tuple[int, ...], use: str = "") -> np.ndarray:
         key = (shape, use)
@@ -155,6 +157,10 @@ class Accumulator:
         """One batch: the inputs of ``names`` in order (used as scratch: overwritten), new K/V by name."""
         if self.first:
             self._first_batch(outs)
+        if self.native is not None:
+            self.native.add(self._jobs(outs, kv), self.windows)
+            self.windows += len(outs[0]) if outs else 0
+            return
         stats, rotate, inv = self.stats, self.rotate, self.inv
         kv_observe(stats.kv_hist, list(kv), list(kv.values()), self.v_scales)
         for name, x in zip(self.names, outs):
@@ -170,6 +176,20 @@ class Accumulator:
             else:
                 stats.hist[name].add(x, in_place=True)
         self.windows += len(outs[0]) if outs else 0
+
+    def _jobs(self, outs: list[np.ndarray], kv: dict[str, np.ndarray]) -> list[HistogramJob]:
+        """The batch's histogram work as ``native_stats`` takes it: what ``add`` does below in numpy."""
+        jobs = []
+        for name, x in zip(self.names, outs):
+            jobs.append(HistogramJob(self.stats.raw_hist[name], x, RAW_ROW_STRIDE))
+            jobs.append(HistogramJob(self.stats.hist[name], x, self.row_stride, self.inv.get(name),
+                                     self.rotate.get(name, 0)))
+        for name, x in kv.items():
+            heads = self.stats.kv_hist.setdefault(name, [AbsHistogram() for _ in range(x.shape[2])])
+            scales = self.v_scales.get(name)
+            jobs += [HistogramJob(hist, x[:, :, h, :], 1, None if scales is None else scales[h])
+                     for h, hist in enumerate(heads)]
+        return jobs
 
     def _rows(self, x: np.ndarray, stride: int, use: str, write: Callable[..., object]) -> np.ndarray:
         """Some token rows of a linear's input ``[batch, tokens, channels]``, through ``write(rows,

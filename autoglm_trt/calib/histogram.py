@@ -36,14 +36,17 @@ Calibration - pseudocode": ``for i in range(128, 2048)``, threshold ``(m + 0.5) 
   has infinite divergence, so a single far outlier forces the threshold to the maximum,
   which is the case calibration is for.
 
-With prefix sums of h, of (h > 0) and of h*log(h), each level's contribution is O(1), so all
-1921 candidates x 128 levels are evaluated as one [1921, 128] array: no Python loop over bins.
+With prefix sums of h, of (h > 0) and of h*log(h), each level's contribution is O(1). Levels
+0..126 of a candidate depend only on its level width w = i // 128, which 16 candidates share,
+so they are evaluated once per w as one [16, 127] array, and the last levels as one [1921]
+array: no Python loop over bins or candidates.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -133,7 +136,15 @@ class AbsHistogram:
             np.multiply(a, scale, out=a)
         if not (absolute or nonnegative) or scale is not None:
             np.abs(a, out=a)
-        m = float(a.max())
+        self.add_abs(a, float(a.max()))
+
+    def add_abs(self, a: np.ndarray, m: float,
+                bin_count: Callable[[np.ndarray, np.float32, np.ndarray], None] | None = None) -> None:
+        """Add values that are already absolute (float32, contiguous; used as scratch) whose max
+        is ``m``. ``bin_count(a, 1 / fine width, fine bins)`` adds their fine-bin counts, as
+        numpy does below (``native_stats``)."""
+        if a.size == 0:
+            return
         if not math.isfinite(m):
             raise ValueError("activation contains inf or NaN; the float model itself is broken")
         self.amax = max(self.amax, m)
@@ -145,17 +156,22 @@ class AbsHistogram:
                 self._fine_width = m / fine
             elif m >= self._fine_width * fine:
                 self._grow(math.floor(m / (self._fine_width * fine)) + 1)
-            np.multiply(a, np.float32(1.0 / self._fine_width), out=a)
-            # values at the very top of the range land in bin ``fine`` (or, by rounding, a little
-            # above): count them there and fold them into the last bin, instead of a clipping pass.
-            # The bin indices go to a reused int64 buffer: bincount takes int64 as it is (an int32
-            # array it would first convert, and a fresh one costs page faults every batch).
-            index = _index_buffer(a.size)
-            np.copyto(index, a.ravel(), casting="unsafe")
-            counts = np.bincount(index, minlength=fine)
-            self._fine += counts[:fine]
-            if counts.size > fine:
-                self._fine[-1] += counts[fine:].sum()
+            inv = np.float32(1.0 / self._fine_width)
+            if bin_count is not None:
+                bin_count(a.reshape(-1), inv, self._fine)
+            else:
+                np.multiply(a, inv, out=a)
+                # values at the very top of the range land in bin ``fine`` (or, by rounding, a
+                # little above): count them there and fold them into the last bin, instead of a
+                # clipping pass. The bin indices go to a reused int64 buffer: bincount takes int64
+                # as it is (an int32 array it would first convert, and a fresh one costs page
+                # faults every batch).
+                index = _index_buffer(a.size)
+                np.copyto(index, a.ravel(), casting="unsafe")
+                counts = np.bincount(index, minlength=fine)
+                self._fine += counts[:fine]
+                if counts.size > fine:
+                    self._fine[-1] += counts[fine:].sum()
         self._counts = None
 
     def _grow(self, k: int) -> None:
@@ -198,37 +214,49 @@ def entropy_divergences(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     hlogh = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
     s = np.concatenate([[0.0], np.cumsum(hlogh)])
 
-    w = cand // NUM_LEVELS  # [C]
-    start = w[:, None] * np.arange(NUM_LEVELS)[None, :]  # [C, L]
-    end = start + w[:, None]
-    end[:, -1] = cand
-    mass = c[end] - c[start]
-    nonzero = nz[end] - nz[start]
-    slog = s[end] - s[start]
-
     kept = c[cand]  # mass of the first i bins
     outliers = total - kept
     last = h[cand - 1]
     clip = outliers > 0
-    # Bin i-1 holds the outliers in P, so it counts as non-zero for Q's expansion; a last
-    # level with no mass of its own gets one count (Laplace smoothing), keeping KL finite.
-    nonzero[:, -1] += (clip & (last == 0)).astype(np.float64)
-    empty_last = clip & (mass[:, -1] == 0)
-    mass_q = mass.copy()
-    mass_q[:, -1] += empty_last.astype(np.float64)
+    w = cand // NUM_LEVELS  # [C]
+    # Levels 0..126 of candidate i cover bins [j w, (j + 1) w): the same for every candidate of
+    # the same w (16 of them for 2048 bins), so their terms are summed once per w.
+    widths = np.unique(w)
+    start = widths[:, None] * np.arange(NUM_LEVELS - 1)[None, :]  # [W, L - 1]
+    head = _level_terms(c, nz, s, start, start + widths[:, None], 0.0, 0.0).sum(axis=1)[np.searchsorted(widths, w)]
+    # The last level runs from 127 w to i. Bin i-1 holds the outliers in P, so it counts as
+    # non-zero for Q's expansion; a last level with no mass of its own gets one count (Laplace
+    # smoothing), keeping KL finite.
+    lo = (NUM_LEVELS - 1) * w
+    empty_last = clip & (c[cand] - c[lo] == 0)
+    last_terms, per_last = _level_terms(c, nz, s, lo, cand, (clip & (last == 0)).astype(np.float64),
+                                        empty_last.astype(np.float64), per_bin=True)
     q_total = kept + empty_last
     with np.errstate(divide="ignore", invalid="ignore"):
-        per_bin = np.where(mass_q > 0, mass_q / np.where(nonzero > 0, nonzero, 1.0), 1.0)  # Q count of one bin
         log_norm = np.log(q_total / total)
-        level_terms = np.where(mass > 0, slog - mass * np.log(per_bin), 0.0)
-        kl = level_terms.sum(axis=1) + kept * log_norm
+        kl = head + last_terms + kept * log_norm
         # bin i-1 carries the outliers in P: replace its term
-        log_q_last = np.log(per_bin[:, -1])
+        log_q_last = np.log(per_last)
         old = np.where(last > 0, last * (np.log(np.where(last > 0, last, 1.0)) - log_q_last + log_norm), 0.0)
         new_mass = last + outliers
         new = new_mass * (np.log(np.where(new_mass > 0, new_mass, 1.0)) - log_q_last + log_norm)
         kl = (kl + np.where(clip, new - old, 0.0)) / total
     return cand, kl
+
+
+def _level_terms(c: np.ndarray, nz: np.ndarray, s: np.ndarray, start: np.ndarray, end: np.ndarray,
+                 extra_nonzero: np.ndarray | float, extra_mass: np.ndarray | float, per_bin: bool = False):
+    """Each level's KL term ``sum h log h - mass log(Q count of one bin)`` over bins [start, end),
+    from the prefix sums ``c`` (of h), ``nz`` (of h > 0), ``s`` (of h log h); Q's mass and
+    non-zero bins raised by ``extra_mass`` / ``extra_nonzero``. With ``per_bin``: (terms, Q count
+    of one bin)."""
+    mass = c[end] - c[start]
+    nonzero = nz[end] - nz[start] + extra_nonzero
+    mass_q = mass + extra_mass
+    with np.errstate(divide="ignore", invalid="ignore"):
+        one = np.where(mass_q > 0, mass_q / np.where(nonzero > 0, nonzero, 1.0), 1.0)
+        terms = np.where(mass > 0, s[end] - s[start] - mass * np.log(one), 0.0)
+    return (terms, one) if per_bin else terms
 
 
 def entropy_amax(hist: AbsHistogram) -> float:
