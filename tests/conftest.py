@@ -4,7 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -169,16 +168,3 @@ def kernel_library(request):
         assert kernel == "portable C"
     return path
 
-
-def butterflies(x: np.ndarray, b: int) -> np.ndarray:
-    """The unnormalized Walsh-Hadamard transform of each block of b along the last axis, in numpy
-    float32, butterfly by butterfly as the native library's does it (``csrc/rotate.h``): at
-    stage h each pair (a, c) = (v[j], v[j + h]) becomes (a + c, a - c)."""
-    v = x.astype(np.float32).reshape(*x.shape[:-1], x.shape[-1] // b, b)
-    h = 1
-    while h < b:
-        pairs = v.reshape(*v.shape[:-1], b // (2 * h), 2, h)
-        a, c = pairs[..., 0, :], pairs[..., 1, :]
-        v = np.stack([a + c, a - c], axis=-2).reshape(v.shape)
-        h *= 2
-    return v.reshape(x.shape)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import butterflies
 
 from autoglm_trt.backends.onnxrt.linear_op import pack_weights, rewrite
 from autoglm_trt.backends.onnxrt.native import int8_kernel, native_library
@@ -48,8 +47,15 @@ def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w:
 
 
 def rotated_quantized(x: np.ndarray, b: int, scale: float, zero: int) -> np.ndarray:
-    """HadamardQuantize in numpy float32, butterfly by butterfly as the C transform does it."""
-    v = butterflies(x, b)
+    """HadamardQuantize in numpy float32, butterfly by butterfly as the C transform does it:
+    at stage h each pair (a, c) = (v[j], v[j + h]) becomes (a + c, a - c)."""
+    v = x.astype(np.float32).reshape(*x.shape[:-1], x.shape[-1] // b, b)
+    h = 1
+    while h < b:
+        pairs = v.reshape(*v.shape[:-1], b // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        v = np.stack([a + c, a - c], axis=-2).reshape(v.shape)
+        h *= 2
     factor = np.float32(1.0) / (np.sqrt(np.float32(b)) * np.float32(scale))
     q = np.rint(v * factor) + np.float32(zero)
     return np.clip(q, 0, 255).astype(np.uint8).reshape(x.shape)

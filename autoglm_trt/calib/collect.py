@@ -136,8 +136,9 @@ class Accumulator:
 
     def _first_batch(self, outs: list[np.ndarray]) -> None:
         stats = self.stats
-        for name, x in zip(self.names, outs):
-            stats.chan_max[name] = abs_max(x.reshape(-1, x.shape[-1]), axis=0)
+        maxima = self.native.map(_channel_max, outs) if self.native is not None else [_channel_max(x) for x in outs]
+        for name, x, m in zip(self.names, outs, maxima):
+            stats.chan_max[name] = m
             rows = np.linspace(0, x.size // x.shape[-1] - 1, min(SAMPLE_ROWS, x.size // x.shape[-1])).astype(np.int64)
             stats.sample[name] = np.array(x.reshape(-1, x.shape[-1])[rows], np.float32)
         if self.smoothing is not None:
@@ -210,6 +211,10 @@ class Accumulator:
             first = (self.windows + w) % stride
             write(x[w, first : first + n * stride : stride], out=out[w])
         return out
+
+
+def _channel_max(x: np.ndarray) -> np.ndarray:
+    return abs_max(x.reshape(-1, x.shape[-1]), axis=0)
 
 
 def kv_outputs(spec: ModelSpec) -> list[str]:

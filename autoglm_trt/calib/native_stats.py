@@ -3,10 +3,12 @@
 After each batch, each histogram takes its token rows of one tensor (the SmoothQuant vector
 applied and the Hadamard rotation done for the Q/DQ graph's histograms), and adds their
 absolute values. numpy does that in several passes over memory on one core
-(``collect.Accumulator``'s fallback); here it is two C calls per histogram, one pass each, run
-on a thread pool (ctypes lets go of the GIL), one histogram per task. The counts are those
-numpy gives, except that the rotation is a fast Walsh-Hadamard transform instead of a b x b
-GEMM: the rotated values differ by float rounding.
+(``collect.Accumulator``'s fallback); here it is a C pass that takes, scales and makes the rows
+absolute, and one that bins them, run on a thread pool (ctypes and numpy let go of the GIL),
+one histogram per task. A rotation stays numpy's GEMM by the Hadamard blocks, the same call
+as the fallback's, so the values, maxima and counts are those of the numpy path, bit for bit
+(a butterfly transform rounds differently, and the accuracy gate's verdict on SmolLM2 moved
+with it).
 
 ``native_stats()`` is ``None`` where the native library cannot be built (no C compiler, or
 ``AUTOGLM_TRT_NATIVE=0``); calibration then takes the numpy path.
@@ -17,15 +19,19 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
+from ..graph.hadamard import rotate_rows
 from .histogram import AbsHistogram
 
 _F32 = np.dtype(np.float32)
+T = TypeVar("T")
+R = TypeVar("R")
 _lock = threading.Lock()
 _loaded: list[NativeStats | None] = []
 
@@ -47,9 +53,12 @@ class NativeStats:
     def __init__(self, library: str):
         lib = ctypes.CDLL(library)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._rows = lib.AutoglmAbsRows
-        self._rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr]
+        self._rows = lib.AutoglmTakeRows
+        self._rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int, ptr]
         self._rows.restype = ctypes.c_float
+        self._abs_max = lib.AutoglmAbsMax
+        self._abs_max.argtypes = [ptr, i64]
+        self._abs_max.restype = ctypes.c_float
         self._bin = lib.AutoglmBinCount
         self._bin.argtypes = [ptr, i64, ctypes.c_float, ptr, i64]
         self._bin.restype = None
@@ -65,16 +74,25 @@ class NativeStats:
             raise ValueError(f"expected float32 rows with contiguous channels, got {x.dtype} strides {x.strides}")
         stride = job.stride if tokens >= job.stride else 1
         n = windows * (tokens // stride) * channels
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.size < n:
-            buf = self._scratch.buf = np.empty(max(n, 1), np.float32)
+        buf = self._buffer("rows", n)
         scale = None
         if job.scale is not None:
             scale = np.ascontiguousarray(job.scale, np.float32)
             assert scale.shape == (channels,), (scale.shape, channels)
         m = self._rows(x.ctypes.data, windows, tokens, channels, x.strides[1] // 4, x.strides[0] // 4, stride,
-                       window0, None if scale is None else scale.ctypes.data, job.block, buf.ctypes.data)
+                       window0, None if scale is None else scale.ctypes.data, int(job.block <= 1), buf.ctypes.data)
+        if job.block > 1:
+            rotated = rotate_rows(buf[:n].reshape(-1, channels), job.block, out=self._buffer("rotated", n))
+            buf, m = rotated.reshape(-1), self._abs_max(rotated.ctypes.data, n)
         return buf[:n], float(m)
+
+    def _buffer(self, use: str, n: int) -> np.ndarray:
+        """This thread's float32 scratch for ``use``, at least n values."""
+        buf = getattr(self._scratch, use, None)
+        if buf is None or buf.size < n:
+            buf = np.empty(max(n, 1), np.float32)
+            setattr(self._scratch, use, buf)
+        return buf[:n]
 
     def bin_count(self, a: np.ndarray, inv_width: np.float32, fine: np.ndarray) -> None:
         """``fine[min(trunc(a * inv_width), fine.size - 1)] += 1`` (a float32, >= 0)."""
@@ -88,8 +106,17 @@ class NativeStats:
             a, m = self.abs_rows(job, window0)
             job.hist.add_abs(a, m, self.bin_count)
 
-        for future in [self._pool.submit(one, job) for job in jobs]:
-            future.result()
+        self.map(one, jobs)
+
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``[fn(item) for item in items]`` on the pool. numpy's BLAS runs one thread per task
+        meanwhile: its own threads on top of the pool's oversubscribe the cores (the statistics
+        of 32 SmolLM2 windows took 1.28 s so, 0.8 s with one BLAS thread, in
+        ``bench_calibration.py --profile``)."""
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            return [future.result() for future in [self._pool.submit(fn, item) for item in items]]
 
 
 def native_stats() -> NativeStats | None:
