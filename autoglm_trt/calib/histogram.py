@@ -37,9 +37,9 @@ Calibration - pseudocode": ``for i in range(128, 2048)``, threshold ``(m + 0.5) 
   which is the case calibration is for.
 
 With prefix sums of h, of (h > 0) and of h*log(h), each level's contribution is O(1). Levels
-0..126 of a candidate depend only on its level width w = i // 128, which 16 candidates share,
-so they are evaluated once per w as one [16, 127] array, and the last levels as one [1921]
-array: no Python loop over bins or candidates.
+0..126 of a candidate depend only on its level width w = i // 128, which 128 candidates share,
+so they are evaluated once per w (16 widths for 2048 bins) as one [16, 127] array, and the
+last levels as one [1921] array: no Python loop over bins or candidates.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def entropy_divergences(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     clip = outliers > 0
     w = cand // NUM_LEVELS  # [C]
     # Levels 0..126 of candidate i cover bins [j w, (j + 1) w): the same for every candidate of
-    # the same w (16 of them for 2048 bins), so their terms are summed once per w.
+    # the same w (16 distinct widths for 2048 bins), so their terms are summed once per w.
     widths = np.unique(w)
     start = widths[:, None] * np.arange(NUM_LEVELS - 1)[None, :]  # [W, L - 1]
     head = _level_terms(c, nz, s, start, start + widths[:, None], 0.0, 0.0).sum(axis=1)[np.searchsorted(widths, w)]

@@ -2,7 +2,8 @@
 
 ``native_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
 Runtime's CPU execution provider: ``PagedAttention``, ``PagedAttentionInt8KV``,
-``HadamardQuantize``, ``Int8Linear``, ``RopeQKV``) with the machine's C compiler, for this
+``HadamardQuantize``, ``Int8Linear``, ``RopeQKV``; and, called through ctypes, calibration's
+per-batch statistics, ``calib/native_stats.py``) with the machine's C compiler, for this
 CPU (``-march=native``), into a cache directory, and returns its path; or ``None`` and the reason when it cannot (no
 compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner then keeps the engine
 graph's own nodes, which compute the same things more slowly.
