@@ -196,3 +196,35 @@ def test_a_library_that_does_not_load_means_the_graph_attention(tiny_engine, mon
     feeds, slots = step_inputs([[5, 9, 3]], [SeqState(0, [0])], runner.block_size)
     assert np.isfinite(runner.step(feeds, slots)).all()
     runner.close()
+
+
+@pytest.mark.parametrize("d,ctx,qlens,t", [(64, [0, 17, 300, 5], [1, 1, 1, 1], 1), (64, [3, 0, 33], [4, 4, 4], 4),
+                                           (24, [40, 9], [1, 3], 3), (8, [21], [1], 1)])
+def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ctx, qlens, t):
+    """The float32 key scores' AVX-512 kernel adds in the order GCC's vectorization of the plain
+    loop does (``paged_attention.c``), so the operator's output is the loop build's, bit for bit:
+    the runtime figures measured before it stand. d 24 and 8 take the tail and the short paths."""
+    from pathlib import Path
+
+    from autoglm_trt.backends.onnxrt.native import native_library
+
+    if "avx512f" not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip("this CPU has no AVX-512: the kernel is not built")
+    loop, why = native_library(("-DAUTOGLM_LOOP_DOT4",))
+    assert loop is not None, why
+    rng = np.random.default_rng(d + t)
+    hq, hkv, nb, bs = 6, 2, 48, 8
+    B = len(ctx)
+    tables = np.zeros((B, max(1, -(-max(ctx) // bs))), np.int64)
+    for b, c in enumerate(ctx):
+        tables[b, : -(-c // bs)] = rng.choice(nb, -(-c // bs), replace=False)
+    feeds = {"q": rng.standard_normal((B, t, hq, d), dtype=np.float32),
+             "k": rng.standard_normal((B, t, hkv, d), dtype=np.float32),
+             "v": rng.standard_normal((B, t, hkv, d), dtype=np.float32),
+             "pk": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32),
+             "pv": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32), "bt": tables,
+             "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64)}
+    ours = op_session(library, hq, hkv, d, nb, bs).run(["out"], feeds)[0]
+    theirs = op_session(loop, hq, hkv, d, nb, bs).run(["out"], feeds)[0]
+    assert ours.any()
+    np.testing.assert_array_equal(ours, theirs)

@@ -27,8 +27,62 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "ort_api.h"
+
+#if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4) /* the test builds the loop too, to compare */
+/* dot4 of float32 rows in AVX-512 registers, with the roundings of the loop below as GCC
+ * vectorizes it for AVX-512: lane l of each sum adds the products of elements l, l + 16, ... in
+ * order (a multiply, then an add), the elements past the last 16 join lane 0, and the lanes are
+ * then added in order to 0: 0 + l0 + l1 + ... + l15. GCC does that last step through the
+ * stack, one lane at a time; here the four sums are transposed in registers, so each lane step
+ * is one add of four sums. */
+static void dot4_f32_avx512(const float *x, const float *a, const float *b, const float *c, const float *d,
+                            int64_t n, float *out) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    s0 = _mm512_add_ps(s0, _mm512_mul_ps(_mm512_loadu_ps(a + i), v));
+    s1 = _mm512_add_ps(s1, _mm512_mul_ps(_mm512_loadu_ps(b + i), v));
+    s2 = _mm512_add_ps(s2, _mm512_mul_ps(_mm512_loadu_ps(c + i), v));
+    s3 = _mm512_add_ps(s3, _mm512_mul_ps(_mm512_loadu_ps(d + i), v));
+  }
+  if (i < n) { /* the rest, one element at a time, into lane 0 */
+    float r0 = _mm512_cvtss_f32(s0), r1 = _mm512_cvtss_f32(s1), r2 = _mm512_cvtss_f32(s2), r3 = _mm512_cvtss_f32(s3);
+    for (; i < n; i++) {
+      const float v = x[i];
+      r0 += a[i] * v, r1 += b[i] * v, r2 += c[i] * v, r3 += d[i] * v;
+    }
+    const __mmask16 lane0 = 1;
+    s0 = _mm512_mask_mov_ps(s0, lane0, _mm512_set1_ps(r0));
+    s1 = _mm512_mask_mov_ps(s1, lane0, _mm512_set1_ps(r1));
+    s2 = _mm512_mask_mov_ps(s2, lane0, _mm512_set1_ps(r2));
+    s3 = _mm512_mask_mov_ps(s3, lane0, _mm512_set1_ps(r3));
+  }
+  /* transpose: t[k] holds (s0, s1, s2, s3) of lanes k, k + 4, k + 8, k + 12, one per 128-bit part */
+  const __m512 lo01 = _mm512_unpacklo_ps(s0, s1), hi01 = _mm512_unpackhi_ps(s0, s1);
+  const __m512 lo23 = _mm512_unpacklo_ps(s2, s3), hi23 = _mm512_unpackhi_ps(s2, s3);
+  const __m512 t[4] = {_mm512_shuffle_ps(lo01, lo23, 0x44), _mm512_shuffle_ps(lo01, lo23, 0xEE),
+                       _mm512_shuffle_ps(hi01, hi23, 0x44), _mm512_shuffle_ps(hi01, hi23, 0xEE)};
+  __m128 sum = _mm_setzero_ps();
+#define LANES(part) /* lanes 4 part .. 4 part + 3, in order */                                               \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[0], part));                                                \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[1], part));                                                \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[2], part));                                                \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[3], part));
+  LANES(0) LANES(1) LANES(2) LANES(3)
+#undef LANES
+  _mm_storeu_ps(out, sum);
+}
+#define DOT4_f32 dot4_f32_avx512
+#else
+#define DOT4_f32 dot4_f32
+#endif
+#define DOT4_i8 dot4_i8
 
 /* Row operations on a key or value row of element type T (float32, or int8 of an INT8 KV pool,
  * whose scale the caller applies): four dot products with one row x (four independent sums,
@@ -52,13 +106,13 @@
     int64_t r = 0;                                                                                         \
     for (; r + 4 <= rows; r += 4) {                                                                        \
       float s[4];                                                                                          \
-      dot4_##SUFFIX(key, qr[r], qr[r + 1], qr[r + 2], qr[r + 3], D, s);                                    \
+      DOT4_##SUFFIX(key, qr[r], qr[r + 1], qr[r + 2], qr[r + 3], D, s);                                    \
       for (int i = 0; i < 4; i++) scores[(r + i) * width] = s[i];                                          \
     }                                                                                                      \
     if (r < rows) { /* the last 1..3 rows, the missing ones repeating the last */                          \
       float s[4];                                                                                          \
       const float *last = qr[rows - 1];                                                                    \
-      dot4_##SUFFIX(key, qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last, last, D, \
+      DOT4_##SUFFIX(key, qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last, last, D, \
                     s);                                                                                    \
       for (int64_t i = 0; r + i < rows; i++) scores[(r + i) * width] = s[i];                               \
     }                                                                                                      \
