@@ -39,7 +39,9 @@
  * order (a multiply, then an add), the elements past the last 16 join lane 0, and the lanes are
  * then added in order to 0: 0 + l0 + l1 + ... + l15. GCC does that last step through the
  * stack, one lane at a time; here the four sums are transposed in registers, so each lane step
- * is one add of four sums. */
+ * is one add of four sums. (That is the loop's order where GCC vectorizes with 512-bit vectors,
+ * as for AMD's AVX-512 cores; its tuning for Intel's prefers 256 bits, whose loop rounds
+ * otherwise.) */
 static void dot4_f32_avx512(const float *x, const float *a, const float *b, const float *c, const float *d,
                             int64_t n, float *out) {
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
