@@ -137,7 +137,7 @@ def free_port() -> int:
     return pick()
 
 
-def _cpu_has(flag: str) -> bool:
+def cpu_has(flag: str) -> bool:
     try:
         return flag in Path("/proc/cpuinfo").read_text().split()
     except OSError:
@@ -152,9 +152,9 @@ def kernel_library(request):
     """The library built for this CPU, and where the CPU allows, built again for the AVX2 and the
     portable C kernels, so each of the three is checked on a machine that has AVX-512."""
     name = request.param
-    if name == "avx2" and not _cpu_has("avx2"):
+    if name == "avx2" and not cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
-    if name == "portable" and not _cpu_has("avx2"):
+    if name == "portable" and not cpu_has("avx2"):
         pytest.skip("the portable kernel is built here by turning x86 extensions off")
     from autoglm_trt.backends.onnxrt.native import int8_kernel, native_library
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import cpu_has
 
 from autoglm_trt.graph.paged_kv import SeqState, step_inputs
 
@@ -26,6 +27,15 @@ def reference(q, k_new, v_new, pool_k, pool_v, tables, ctx, qlens):
                 p = np.exp(s - s.max())
                 out[b, t, h] = (p / p.sum()) @ values[h // G, :seen]
     return out.reshape(B, T, Hq * D)
+
+
+def block_tables(rng, ctx: list[int], nb: int, bs: int) -> np.ndarray:
+    """Each sequence's blocks, anywhere in a pool of nb blocks and in any order; unused entries 0."""
+    tables = np.zeros((len(ctx), max(1, -(-max(ctx) // bs))), np.int64)
+    for b, c in enumerate(ctx):
+        n = -(-c // bs)
+        tables[b, :n] = rng.choice(nb, n, replace=False)
+    return tables
 
 
 def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
@@ -74,10 +84,7 @@ def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t, int8_kv):
     q = rng.standard_normal((B, t, hq, d), dtype=np.float32) * 0.3
     k_new = rng.standard_normal((B, t, hkv, d), dtype=np.float32)
     v_new = rng.standard_normal((B, t, hkv, d), dtype=np.float32)
-    tables = np.zeros((B, max(1, -(-max(ctx) // bs))), np.int64)
-    for b, c in enumerate(ctx):
-        n = -(-c // bs)
-        tables[b, :n] = rng.choice(nb, n, replace=False)  # blocks anywhere in the pool, in any order
+    tables = block_tables(rng, ctx, nb, bs)
     out = op_session(library, hq, hkv, d, nb, bs, int8_kv).run(["out"], {
         "q": q, "k": k_new, "v": v_new, "pk": pool_k, "pv": pool_v, "bt": tables,
         "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64), **feeds})[0]
@@ -207,11 +214,9 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ct
     and the short paths. Where GCC prefers narrower vectors for this CPU (its tuning for Intel's
     AVX-512 cores is 256 bits), the loop rounds otherwise and only the reference check above
     applies."""
-    from pathlib import Path
-
     from autoglm_trt.backends.onnxrt.native import native_library
 
-    if "avx512f" not in Path("/proc/cpuinfo").read_text().split():
+    if not cpu_has("avx512f"):
         pytest.skip("this CPU has no AVX-512: the kernel is not built")
     width = _preferred_vector_width()
     if width not in ("none", "512"):
@@ -220,10 +225,7 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ct
     assert loop is not None, why
     rng = np.random.default_rng(d + t)
     hq, hkv, nb, bs = 6, 2, 48, 8
-    B = len(ctx)
-    tables = np.zeros((B, max(1, -(-max(ctx) // bs))), np.int64)
-    for b, c in enumerate(ctx):
-        tables[b, : -(-c // bs)] = rng.choice(nb, -(-c // bs), replace=False)
+    B, tables = len(ctx), block_tables(rng, ctx, nb, bs)
     feeds = {"q": rng.standard_normal((B, t, hq, d), dtype=np.float32),
              "k": rng.standard_normal((B, t, hkv, d), dtype=np.float32),
              "v": rng.standard_normal((B, t, hkv, d), dtype=np.float32),

@@ -160,8 +160,12 @@ class Accumulator:
             self._first_batch(outs)
         if self.native is not None:
             self.native.add(self._jobs(outs, kv), self.windows)
-            self.windows += len(outs[0]) if outs else 0
-            return
+        else:
+            self._add_numpy(outs, kv)
+        self.windows += len(outs[0]) if outs else 0
+
+    def _add_numpy(self, outs: list[np.ndarray], kv: dict[str, np.ndarray]) -> None:
+        """``add``'s histograms in numpy (no native library): the same counts as ``_jobs`` gives."""
         stats, rotate, inv = self.stats, self.rotate, self.inv
         kv_observe(stats.kv_hist, list(kv), list(kv.values()), self.v_scales)
         for name, x in zip(self.names, outs):
@@ -176,10 +180,9 @@ class Accumulator:
                 stats.hist[name].add(rotate_rows(x, rotate[name], out=self._scratch(x.shape)), in_place=True)
             else:
                 stats.hist[name].add(x, in_place=True)
-        self.windows += len(outs[0]) if outs else 0
 
     def _jobs(self, outs: list[np.ndarray], kv: dict[str, np.ndarray]) -> list[HistogramJob]:
-        """The batch's histogram work as ``native_stats`` takes it: what ``add`` does below in numpy."""
+        """The batch's histogram work as ``native_stats`` takes it: what ``_add_numpy`` does in numpy."""
         jobs = []
         for name, x in zip(self.names, outs):
             jobs.append(HistogramJob(self.stats.raw_hist[name], x, RAW_ROW_STRIDE))
