@@ -257,3 +257,38 @@ def _preferred_vector_width() -> str:
         if line.strip().startswith("-mprefer-vector-width="):
             return line.split()[-1]
     return "unknown"
+
+
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_one_branch_per_step_gives_the_per_layer_branches_outputs_bit_for_bit(tiny_engine, int8_kv_engine, library,
+                                                                               monkeypatch, kv):
+    """The loaded graph branches once (decode: the operator in every layer; prefill: the graph's
+    attention), and its logits and new K/V equal those of the per-layer ``If`` form exactly,
+    over a prefill and two decode steps."""
+    from conftest import logits_over_steps
+
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.runner import decode_nodes, load_rewritten
+
+    engine = tiny_engine if kv == "float" else int8_kv_engine
+    one = _runner(engine, monkeypatch, native=True)
+    monkeypatch.setattr("autoglm_trt.backends.onnxrt.step_branch.branch_once", lambda model: False)
+    per_layer = _runner(engine, monkeypatch, native=True)
+    monkeypatch.undo()
+    pools = [r.pools.data for r in (one, per_layer)]
+    for a, b in logits_over_steps([one, per_layer]):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(*pools)  # the K/V written back
+
+    manifest = Manifest.read(engine)
+    model = load_rewritten(manifest.engine_path, manifest.spec, one.kv_dtype, pack=False)[0]
+    step = [n for n in model.graph.node if n.op_type == "If"]
+    assert len(step) == 1 and len(model.graph.node) == 4  # the condition's Shape, Gather, Equal; the If
+    branches = {a.name: [n.op_type for n in a.g.node] for a in step[0].attribute}
+    decode, prefill = branches["then_branch"], branches["else_branch"]
+    assert "If" not in decode + prefill and "Softmax" not in decode and "Softmax" in prefill
+    op = "PagedAttention" if kv == "float" else "PagedAttentionInt8KV"
+    assert decode.count(op) == manifest.spec.num_layers and op not in prefill
+    assert decode_nodes(model)[op] == manifest.spec.num_layers
+    for r in (one, per_layer):
+        r.close()
