@@ -20,8 +20,9 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
     """``SessionOptions``: threads (0 or None: ONNX Runtime's default, one per core), all graph
     optimizations or none, where external weights lie (for a model passed as bytes), where
     to save the optimized model (its weights in ``<name>.data``), a custom operator library, and
-    initializers (``OrtValue``s by name) that ONNX Runtime copies in when it loads the model
-    (``add_external_initializers``: the graph declares each as external data of its type and shape)."""
+    initializers (``OrtValue``s by name) that the session reads in place, without a copy
+    (``add_initializer``: they replace the graph's initializers of those names, which the graph
+    declares as external data of their type and shape; the caller keeps the arrays alive)."""
     import onnxruntime as ort
 
     from ..errors import AutoGLMError
@@ -44,8 +45,8 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     if custom_ops is not None:
         so.register_custom_ops_library(str(custom_ops))
-    if initializers:
-        so.add_external_initializers(list(initializers), list(initializers.values()))
+    for name, value in (initializers or {}).items():
+        so.add_initializer(name, value)
     return so
 
 
@@ -57,7 +58,8 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
                  custom_ops: Path | None = None, initializers: dict[str, np.ndarray] | None = None):
     """An ``InferenceSession`` over a model file or serialized model bytes, on the CPU or (``device``
     "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider.
-    ``initializers``: arrays by name, see ``session_options``."""
+    ``initializers``: arrays by name, see ``session_options``; the session holds them
+    (``in_place_initializers``) for as long as it lives."""
     import onnxruntime as ort
 
     from ..errors import AutoGLMError
@@ -72,7 +74,10 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
     values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in (initializers or {}).items()}
     so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops, values)
     source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
+    session = ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
+    session.in_place_initializers = dict(initializers or {})  # the session reads their memory: they live
+    session.in_place_values = values  # as long as it does
+    return session
 
 
 def run(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

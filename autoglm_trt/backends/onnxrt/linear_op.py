@@ -6,10 +6,10 @@ linear is a ``HadamardQuantize`` (rotation + uint8 quantization of its input) re
 weight zero points. Output: each such pair as one ``autoglm.trt.Int8Linear``
 (``csrc/int8_linear.c``), whose weights are repacked (``pack_weights``) so that one 64-byte load
 feeds 16 outputs x 4 inputs of the CPU's 8-bit dot-product instruction. The packed weights are
-not serialized into the graph: they come back as arrays for
-``SessionOptions.add_external_initializers`` (``graph.session``), and the graph declares them as
-external data of their type and shape. The original weights leave the graph, so the session
-holds one copy of them, as before.
+not serialized into the graph: they come back as arrays, all in one buffer on huge pages
+(``weights_arena.py``), which the session reads in place (``SessionOptions.add_initializer``,
+``graph.session``), and the graph declares them as external data of their type and shape. The
+original weights leave the graph, so the process holds one copy of them, as before.
 
 Like every rewrite in this package it is for ONNX Runtime alone, made when the engine is
 loaded; the saved engine and the graph TensorRT builds keep ``MatMulIntegerToFloat``.
@@ -23,23 +23,53 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import weights_arena
 from .attention_op import DOMAIN, use_domain
 
 OP = "Int8Linear"
-PLACEHOLDER = "autoglm-trt-packed-weights"  # no such file: ONNX Runtime is handed the arrays instead
+# Where the graph says the packed weights lie: the weights folder itself, which ONNX Runtime checks
+# exists but never reads, because the session is handed each array in place (``add_initializer``);
+# were it ever read, a folder is not a file, and loading fails rather than reading other bytes.
+IN_PLACE = "."
 
 
-def pack_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def packed_shapes(k: int, n: int) -> tuple[tuple[int, int, int, int], tuple[int]]:
+    """Shapes of ``pack_weights``' two arrays for weights ``[k, n]``."""
+    return (-(-n // 16), -(-k // 4), 16, 4), (16 * -(-n // 16),)
+
+
+def pack_weights(w: np.ndarray, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """int8 ``w [K, N]`` as ``[ceil(N/16), ceil(K/4), 16, 4]`` (``W[k, n]`` at ``[n // 16, k // 4,
-    n % 16, k % 4]``, zeros past ``N`` and ``K``) and its column sums, int32 ``[16 * ceil(N/16)]``."""
+    n % 16, k % 4]``, zeros past ``N`` and ``K``) and its column sums, int32 ``[16 * ceil(N/16)]``;
+    written into ``out`` (arrays of ``packed_shapes``) if given."""
     if w.dtype != np.int8 or w.ndim != 2:
         raise ValueError(f"expected int8 weights [K, N], got {w.dtype} {w.shape}")
     k, n = w.shape
-    kp, np_ = -(-k // 4) * 4, -(-n // 16) * 16
+    shape, sums_shape = packed_shapes(k, n)
+    kp, np_ = 4 * shape[1], 16 * shape[0]
     padded = np.zeros((kp, np_), np.int8)
     padded[:k, :n] = w
-    packed = padded.reshape(kp // 4, 4, np_ // 16, 16).transpose(2, 0, 3, 1)
-    return np.ascontiguousarray(packed), padded.sum(axis=0, dtype=np.int32)
+    packed, sums = out if out is not None else (np.empty(shape, np.int8), np.empty(sums_shape, np.int32))
+    packed[...] = padded.reshape(kp // 4, 4, np_ // 16, 16).transpose(2, 0, 3, 1)
+    np.sum(padded, axis=0, dtype=np.int32, out=sums)
+    return packed, sums
+
+
+def _pack_all(weights: dict[str, onnx.TensorProto], array) -> dict[str, np.ndarray]:
+    """Each int8 ``[K, N]`` weight packed, with its column sums, into one buffer of
+    ``weights_arena`` (huge pages where the system has them); by initializer name."""
+    names: list[str] = []
+    specs: list[tuple[tuple[int, ...], np.dtype]] = []
+    for name, t in weights.items():
+        shape, sums_shape = packed_shapes(int(t.dims[0]), int(t.dims[1]))
+        names += [f"{name}.packed", f"{name}.col_sums"]
+        specs += [(shape, np.dtype(np.int8)), (sums_shape, np.dtype(np.int32))]
+    buf = weights_arena.allocate(weights_arena.layout(specs)[1])
+    out = dict(zip(names, weights_arena.views(buf, specs)))
+    for name, t in weights.items():
+        pack_weights(array(t), (out[f"{name}.packed"], out[f"{name}.col_sums"]))
+    weights_arena.settle(buf)
+    return out
 
 
 def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dict[str, np.ndarray]:
@@ -76,7 +106,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
             return None
         return rot
 
-    arrays: dict[str, np.ndarray] = {}
+    weights: dict[str, onnx.TensorProto] = {}
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for mm in old:
@@ -84,8 +114,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
         if rot is None or not int8_matrix(mm.input[1]):
             continue
         packed_name, sums_name = f"{mm.input[1]}.packed", f"{mm.input[1]}.col_sums"
-        if pack and packed_name not in arrays:
-            arrays[packed_name], arrays[sums_name] = pack_weights(array(inits[mm.input[1]]))
+        weights[mm.input[1]] = inits[mm.input[1]]
         replaced[id(mm)] = helper.make_node(
             OP, [rot.input[0], rot.input[1], rot.input[2], rot.input[3], packed_name, sums_name, mm.input[3]],
             [mm.output[0]], name=f"{mm.name}.int8_linear", domain=DOMAIN)
@@ -97,15 +126,16 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
     graph.node.extend(nodes)
     if not pack:
         return {}
+    arrays = _pack_all(weights, array)
     used = graph_inputs(graph)
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    for name, arr in arrays.items():  # declared as external data, which add_external_initializers supplies
+    for name, arr in arrays.items():  # declared as external data; the session is handed the arrays instead
         t = graph.initializer.add()
         t.name, t.data_type, t.data_location = name, helper.np_dtype_to_tensor_dtype(arr.dtype), TensorProto.EXTERNAL
         t.dims.extend(arr.shape)
-        for key, value in (("location", PLACEHOLDER), ("offset", "0"), ("length", str(arr.nbytes))):
+        for key, value in (("location", IN_PLACE), ("offset", "0"), ("length", str(arr.nbytes))):
             entry = t.external_data.add()
             entry.key, entry.value = key, value
     use_domain(model)

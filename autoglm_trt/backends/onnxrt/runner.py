@@ -13,9 +13,11 @@ built here (``native.py``): decode steps' attention runs in the ``PagedAttention
 (``attention_op.py``), reading the pools in place instead of gathering every layer's past into
 a new tensor on every step (``attention`` says which form runs and why), and each INT8
 linear (its input rotation + quantization, GEMM and scaling) is one ``Int8Linear`` over
-weights repacked for the CPU's 8-bit dot products (``linear_op.py``). Always: each residual
-Add + RMSNorm is one node (``fusions.py``). If the library does not load, the graph's own nodes
-run and ``attention`` says why.
+weights repacked for the CPU's 8-bit dot products (``linear_op.py``), which the session reads in
+place from one buffer on huge pages (``weights_arena.py``); a step branches once between its
+decode and prefill forms (``step_branch.py``). Always: each residual Add + RMSNorm is one node
+(``fusions.py``). If the library does not load, the graph's own nodes run and ``attention``
+says why.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
                    pack: bool = True) -> tuple[Any, dict, Path | None, bool, str]:
     """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
     native library builds: decode-step attention, each layer's QKV split + rope, the INT8
-    linears; always: residual + RMSNorm fused. Returns (model, packed weights by name, the
+    linears, and the graph below the decode condition as one ``If`` (``step_branch.py``);
+    always: residual + RMSNorm fused. Returns (model, packed weights by name, the
     library or None, whether decode steps run the attention operator, why not). ``pack``
     False: the nodes only, for counting (``linear_op.rewrite``)."""
     import onnx
@@ -43,6 +46,7 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
     from .native import native_library
+    from .step_branch import branch_once
 
     model = onnx.load(str(model_path), load_external_data=False)
     library, why = native_library()
@@ -58,12 +62,14 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
         elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)
+    if native_attention:
+        branch_once(model)
     return model, packed, library, native_attention, why
 
 
 def decode_nodes(model: Any) -> dict[str, int]:
     """Node count by operator of a decode step of a graph from ``load_rewritten``: the decode
-    branch of each ``If`` on ``native.decode`` in place of the ``If``."""
+    branch of an ``If`` on ``native.decode`` (the step's, or a layer's) in place of the ``If``."""
     from collections import Counter
 
     from .attention_op import DECODE_CONDITION
