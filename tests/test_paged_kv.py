@@ -1,6 +1,8 @@
+import dataclasses
+
 import numpy as np
 
-from autoglm_trt.graph.paged_kv import BlockAllocator, KVPools, SeqState, step_inputs
+from autoglm_trt.graph.paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
 
 
 def test_allocator_hands_out_lowest_first_and_appends_freed():
@@ -71,3 +73,26 @@ def test_stacked_write_and_block_copy_equal_the_per_layer_ones():
     np.testing.assert_array_equal(b.values[2][:, 1, 0], new[1, 2, 0, 1])  # sequence 0, token 1: position 4 = block 1, slot 0
     b.copy_blocks([(1, 0)])
     np.testing.assert_array_equal(b.data[:, :, :, 0], a.data[:, :, :, 1])
+
+
+def test_a_decode_steps_inputs_equal_the_general_forms():
+    """Decode steps take a shorter path (``_decode_inputs``); with ``all_logits`` a decode step goes
+    the general way and, one token per sequence, asks for the same logits: every array must match."""
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        batch, bs = int(rng.integers(1, 9)), int(rng.choice([1, 2, 4, 16]))
+        states = []
+        for _ in range(batch):
+            ctx = int(rng.integers(0, 70))
+            blocks = rng.choice(200, blocks_needed(ctx + 1, bs) + int(rng.integers(0, 3)), replace=False)
+            states.append(SeqState(ctx, [int(b) for b in blocks]))
+        tokens = [[int(t)] for t in rng.integers(0, 1000, batch)]
+        fast, fast_slots = step_inputs(tokens, states, bs)
+        general, general_slots = step_inputs(tokens, states, bs, all_logits=True)
+        assert fast.keys() == general.keys()
+        for name in fast:
+            assert fast[name].dtype == general[name].dtype and fast[name].shape == general[name].shape, name
+            np.testing.assert_array_equal(fast[name], general[name], err_msg=name)
+        for a, b in zip(dataclasses.astuple(fast_slots), dataclasses.astuple(general_slots)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)

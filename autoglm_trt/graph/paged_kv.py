@@ -143,6 +143,8 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size:
     """
     batch = len(new_tokens)
     assert batch == len(states) and batch > 0
+    if not all_logits and all(len(t) == 1 for t in new_tokens):
+        return _decode_inputs(new_tokens, states, block_size)
     t_max = max(len(t) for t in new_tokens)
     max_ctx = max(s.num_computed_tokens for s in states)
     max_blocks = max(1, blocks_needed(max_ctx, block_size))
@@ -172,4 +174,29 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size:
     feeds = {"input_ids": input_ids, "position_ids": position_ids, "context_lens": context_lens,
              "query_lens": query_lens, "block_tables": block_tables, "logits_indices": logits_indices}
     slots = SlotMap(*(np.concatenate(a).astype(np.int64) for a in (sb, st, sk, so)))
+    return feeds, slots
+
+
+def _decode_inputs(new_tokens: list[list[int]], states: list[SeqState],
+                   block_size: int) -> tuple[dict[str, np.ndarray], SlotMap]:
+    """``step_inputs`` of a decode step (one new token per sequence, the last token's logits):
+    the same arrays, built from lists in a few numpy calls rather than a dozen per sequence
+    (at batch 1 the general form took about 0.09 ms of a 6 ms step)."""
+    batch = len(new_tokens)
+    ctx = [s.num_computed_tokens for s in states]
+    tables = np.zeros((batch, max(1, blocks_needed(max(ctx), block_size))), np.int64)
+    slot_blocks = []
+    for b, (state, c) in enumerate(zip(states, ctx)):
+        table = state.block_table
+        assert len(table) * block_size >= c + 1, "block table does not cover the new tokens"
+        used = blocks_needed(c, block_size)
+        if used:
+            tables[b, :used] = table[:used]
+        slot_blocks.append(table[c // block_size])
+    positions = np.array(ctx, np.int64)
+    feeds = {"input_ids": np.array(new_tokens, np.int64), "position_ids": positions[:, None].copy(),
+             "context_lens": positions, "query_lens": np.ones(batch, np.int64), "block_tables": tables,
+             "logits_indices": np.zeros((batch, 1), np.int64)}
+    slots = SlotMap(np.arange(batch, dtype=np.int64), np.zeros(batch, np.int64), np.array(slot_blocks, np.int64),
+                    positions % block_size)
     return feeds, slots
