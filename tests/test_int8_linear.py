@@ -26,8 +26,10 @@ def test_packed_weights_put_each_weight_where_the_kernel_reads_it():
         pack_weights(w.astype(np.int16))
 
 
-def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w: np.ndarray, w_scale: np.ndarray):
-    """x -> HadamardQuantize -> q, and x -> Int8Linear -> y, in one session."""
+def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w: np.ndarray, w_scale: np.ndarray,
+                    split: bool = False):
+    """x -> HadamardQuantize -> q, and x -> Int8Linear -> y, in one session; with ``split`` also
+    x -> Int8LinearSplit -> (y0, y1)."""
     from onnx import TensorProto, helper, numpy_helper
 
     from autoglm_trt.graph.hadamard import hadamard
@@ -39,9 +41,14 @@ def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w:
              numpy_helper.from_array(sums, "cs"), numpy_helper.from_array(w_scale, "ws")]
     nodes = [helper.make_node("HadamardQuantize", ["x", "h", "s", "z"], ["q"], domain="autoglm.trt"),
              helper.make_node("Int8Linear", ["x", "h", "s", "z", "wp", "cs", "ws"], ["y"], domain="autoglm.trt")]
+    outputs = [helper.make_tensor_value_info("q", TensorProto.UINT8, None),
+               helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if split:
+        nodes.append(helper.make_node("Int8LinearSplit", ["x", "h", "s", "z", "wp", "cs", "ws"], ["y0", "y1"],
+                                      domain="autoglm.trt"))
+        outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y0", "y1")]
     graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
-                              [helper.make_tensor_value_info("q", TensorProto.UINT8, None),
-                               helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+                              outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
     return make_session(model.SerializeToString(), threads=2, custom_ops=library)
 
@@ -87,6 +94,26 @@ def test_kernel_equals_exact_integer_arithmetic(kernel_library, rows, k, n, b):
     np.testing.assert_array_equal(y, want)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 3072), (7, 64), (2, 48)])
+def test_the_split_form_gives_the_two_halves_bit_for_bit(kernel_library, rows, n):
+    """Int8LinearSplit's outputs are Int8Linear's halves exactly; halves that would cut a tile of
+    16 columns (N = 48) are refused with zeros of the halves' shape."""
+    rng = np.random.default_rng(rows + n)
+    k, b = 576, 64
+    w = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    x = rng.standard_normal((1, rows, k)).astype(np.float32)
+    session = _linear_session(kernel_library, k, n, b, 0.03, 128, w, rng.uniform(1e-3, 1e-2, n).astype(np.float32),
+                              split=True)
+    _, y, y0, y1 = session.run(None, {"x": x})
+    assert y0.shape == y1.shape == (1, rows, n // 2)
+    if n % 32:
+        assert not y0.any() and not y1.any()
+    else:
+        assert y.any()
+        np.testing.assert_array_equal(y0, y[..., : n // 2])
+        np.testing.assert_array_equal(y1, y[..., n // 2:])
+
+
 def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_int8_engine, monkeypatch):
     import onnx
     from conftest import logits_over_steps
@@ -104,9 +131,13 @@ def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_in
     linears = sum(n.op_type == "MatMulIntegerToFloat" for n in model.graph.node)
     weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"}
     assert linears >= 4 * manifest.spec.num_layers
+    splits = sum(n.op_type == "Split" for n in model.graph.node)
     arrays = rewrite(model, manifest.dir)
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("Int8Linear") == linears and "MatMulIntegerToFloat" not in ops and "HadamardQuantize" not in ops
+    assert ops.count("Int8Linear") + ops.count("Int8LinearSplit") == linears
+    assert "MatMulIntegerToFloat" not in ops and "HadamardQuantize" not in ops
+    # each layer's gate/up projection takes its Split along
+    assert ops.count("Int8LinearSplit") == manifest.spec.num_layers == splits - ops.count("Split")
     inits = {t.name: t for t in model.graph.initializer}
     assert not weights & set(inits), "the unpacked weights must leave the graph"
     assert len(arrays) == 2 * len(weights)
@@ -169,7 +200,8 @@ def test_inspect_prints_the_decode_step_as_onnx_runtime_runs_it(tiny_int8_engine
     assert r.returncode == 0, r.stderr
     decode = json.loads(r.stdout)["decode_graph"]
     ops = decode["nodes_by_op"]
-    assert ops["PagedAttention"] == ops["RopeQKV"] == layers and ops["Int8Linear"] >= 4 * layers
+    assert ops["PagedAttention"] == ops["RopeQKV"] == ops["Int8LinearSplit"] == layers
+    assert ops["Int8Linear"] >= 3 * layers
     assert "MatMulIntegerToFloat" not in ops and decode["nodes"] == sum(ops.values()) < decode["saved_nodes"]
     text = run_cli("inspect", str(tiny_int8_engine)).stdout
     assert f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here" in text

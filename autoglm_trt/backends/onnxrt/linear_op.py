@@ -4,8 +4,10 @@ Input: the ONNX Runtime engine's graph after ``fusions.hadamard_quantize``, wher
 linear is a ``HadamardQuantize`` (rotation + uint8 quantization of its input) read only by a
 ``com.microsoft.MatMulIntegerToFloat`` with int8 weights ``[K, N]``, per-column scales and zero
 weight zero points. Output: each such pair as one ``autoglm.trt.Int8Linear``
-(``csrc/int8_linear.c``), whose weights are repacked (``pack_weights``) so that one 64-byte load
-feeds 16 outputs x 4 inputs of the CPU's 8-bit dot-product instruction. The packed weights are
+(``csrc/int8_linear.c``; ``Int8LinearSplit``, with two outputs, where its only reader is a
+``Split`` into two halves: a fused gate/up projection), whose weights are repacked
+(``pack_weights``) so that one 64-byte load feeds 16 outputs x 4 inputs of the CPU's 8-bit
+dot-product instruction. The packed weights are
 not serialized into the graph: they come back as arrays, all in one buffer on huge pages
 (``weights_arena.py``), which the session reads in place (``SessionOptions.add_initializer``,
 ``graph.session``), and the graph declares them as external data of their type and shape. The
@@ -121,7 +123,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
         dropped.add(id(rot))
     if not replaced:
         return {}
-    nodes = [replaced.get(id(n), n) for n in old if id(n) not in dropped]
+    nodes = _split_halves([replaced.get(id(n), n) for n in old if id(n) not in dropped], inits, readers)
     del graph.node[:]
     graph.node.extend(nodes)
     if not pack:
@@ -140,6 +142,35 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
             entry.key, entry.value = key, value
     use_domain(model)
     return arrays
+
+
+def _split_halves(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto],
+                  readers: dict[str, int]) -> list[onnx.NodeProto]:
+    """Each ``Int8Linear`` read only by a ``Split`` of its last axis into two equal halves (a fused
+    gate/up projection) as one ``Int8LinearSplit`` with the halves as its outputs, where each half
+    is a whole number of 16-column tiles."""
+    linears = {n.output[0]: n for n in nodes if n.op_type == OP and n.domain == DOMAIN}
+    merged: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for split in nodes:
+        linear = linears.get(split.input[0]) if split.op_type == "Split" and split.input else None
+        if linear is None or readers.get(split.input[0]) != 1 or len(split.output) != 2:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in split.attribute}
+        sizes = attrs.get("split")
+        if len(split.input) > 1 and split.input[1]:
+            t = inits.get(split.input[1])
+            sizes = numpy_helper.to_array(t).tolist() if t is not None and t.data_location != TensorProto.EXTERNAL else []
+        n = int(inits[linear.input[6]].dims[0])  # the weight scales: one per output column
+        halves = sizes is None or list(sizes) == [n // 2, n // 2]
+        if attrs.get("axis") != -1 or not halves or n % 32:
+            continue
+        fused = onnx.NodeProto.FromString(linear.SerializeToString())
+        fused.op_type, fused.name = f"{OP}Split", f"{linear.name}.split"
+        fused.output[:] = list(split.output)
+        merged[id(linear)] = fused
+        dropped.add(id(split))
+    return [merged.get(id(n), n) for n in nodes if id(n) not in dropped]
 
 
 def graph_inputs(graph: onnx.GraphProto) -> set[str]:

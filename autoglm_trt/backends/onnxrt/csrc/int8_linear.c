@@ -20,6 +20,10 @@
  * Output:
  *   0 y             float32 [..., N]        (sum_k (xq[k] - zero) W[k, n]) * (act_scale * weight_scale[n])
  * Shapes that do not fit together (the rewrite in linear_op.py never makes them) give zeros.
+ *
+ * Int8LinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (a
+ * fused gate/up projection and the Split that follows it; N a multiple of 32, so no tile of 16
+ * columns straddles them). The values are Int8Linear's, bit for bit.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -117,6 +121,7 @@ typedef struct {
   float a_scale;
   int64_t n;
   float *y;
+  float *y2; /* Int8LinearSplit: columns from n / 2 on go here, and each output row has n / 2 */
 } Job;
 
 static void quantize_row(void *data, size_t i) {
@@ -138,12 +143,21 @@ static void column_tile(void *data, size_t t) {
     const uint8_t *x[ROWS];
     for (int i = 0; i < ROWS; i++) x[i] = j->xq + (r + (i < rows ? i : 0)) * j->kp;
     tile(x, rows, w, j->kp / 4, sums);
+    const int64_t width = j->y2 != NULL ? j->n / 2 : j->n; /* an output row */
+    float *const out = j->y2 != NULL && first >= width ? j->y2 : j->y;
+    const int64_t col = out == j->y ? first : first - width;
     for (int i = 0; i < rows; i++) {
-      float *y = j->y + (r + i) * j->n + first;
+      float *y = out + (r + i) * width + col;
       for (int64_t c = 0; c < count; c++)
         y[c] = (float)(sums[16 * i + c] - zero * j->col_sums[first + c]) * (j->a_scale * j->w_scale[first + c]);
     }
   }
+}
+
+/* zeros in the output(s), of ``each`` values each */
+static void zero_outputs(float *y, float *y2, int64_t each) {
+  memset(y, 0, (size_t)each * sizeof(float));
+  if (y2 != NULL) memset(y2, 0, (size_t)each * sizeof(float));
 }
 
 static void run(OrtKernelContext *ctx, ParallelForFn parallel, void (*fn)(void *, size_t), size_t count,
@@ -152,8 +166,7 @@ static void run(OrtKernelContext *ctx, ParallelForFn parallel, void (*fn)(void *
     for (size_t i = 0; i < count; i++) fn(job, i);
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) {
-  (void)kernel;
+static void run_linear(OrtKernelContext *ctx, int split) {
   size_t rank = 0;
   int64_t dims[MAX_DIMS], hd[2], none[1], wd[4], cd[1], sd[1];
   void *x, *h, *scale, *zero, *w, *col_sums, *w_scale;
@@ -164,34 +177,46 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
   const int64_t k = dims[rank - 1], n = sd[0];
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-  dims[rank - 1] = n;
-  OrtValue *out_value = NULL;
-  float *y = NULL;
-  if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, dims, rank, &out_value)) ||
-      failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&y)))
+  dims[rank - 1] = split ? n / 2 : n;
+  const int64_t each = rows * dims[rank - 1]; /* values in each output */
+  float *y = NULL, *y2 = NULL;
+  for (int o = 0; o <= split; o++) {
+    OrtValue *out_value = NULL;
+    if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, dims, rank, &out_value)) ||
+        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)(o ? &y2 : &y))))
+      return;
+  }
+  if (split && n % 32) { /* halves that would split a tile (the rewrite never makes them) */
+    zero_outputs(y, y2, each);
     return;
+  }
   const float s = *(const float *)scale;
   const int64_t b = hd[0], kp = 4 * wd[1];
   if (!valid_block(b, k) || hd[1] != b || !(s > 0.0f) || wd[2] != 16 || wd[3] != 4 || kp < k || kp - k >= 4 ||
       n > 16 * wd[0] || n <= 16 * (wd[0] - 1) || cd[0] != 16 * wd[0]) {
-    memset(y, 0, (size_t)(rows * n) * sizeof(float));
+    zero_outputs(y, y2, each);
     return;
   }
   if (rows == 0) return;
   uint8_t *xq = malloc((size_t)(rows * kp));
   if (xq == NULL) {
-    memset(y, 0, (size_t)(rows * n) * sizeof(float));
+    zero_outputs(y, y2, each);
     return;
   }
   Job job = {x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
-             w, col_sums, w_scale, *(const float *)scale, n, y};
+             w, col_sums, w_scale, *(const float *)scale, n, y, y2};
   ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
   run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
   run(ctx, parallel, column_tile, (size_t)wd[0], 2, &job);
   free(xq);
 }
 
+static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 0); }
+static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 1); }
+
 static const char *op_name(const CustomOp *op) { (void)op; return "Int8Linear"; }
+static const char *op_name_split(const CustomOp *op) { (void)op; return "Int8LinearSplit"; }
+static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
 static int input_type(const CustomOp *op, size_t i) {
   (void)op;
   static const int types[] = {ELEM_FLOAT, ELEM_FLOAT, ELEM_FLOAT, ELEM_UINT8, ELEM_INT8, ELEM_INT32, ELEM_FLOAT};
@@ -201,3 +226,5 @@ static size_t input_count(const CustomOp *op) { (void)op; return 7; }
 
 const CustomOp int8_linear = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
                               float_output, one_output,       compute, destroy_kernel, required, required};
+const CustomOp int8_linear_split = {8,            stateless_kernel, op_name_split, cpu_provider, input_type, input_count,
+                                    float_output, two_outputs,      compute_split, destroy_kernel, required, required};

@@ -112,7 +112,8 @@ int required(const CustomOp *op, size_t index);
 size_t one_output(const CustomOp *op);
 int float_output(const CustomOp *op, size_t index);
 
-extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, int8_linear, rope_qkv;
+extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, int8_linear, int8_linear_split,
+    rope_qkv;
 extern const char int8_linear_kernel[]; /* which dot-product instructions Int8Linear was built for */
 
 #endif

@@ -28,6 +28,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention_int8)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &hadamard_quantize)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_split)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rope_qkv)))
       return status;
   }
