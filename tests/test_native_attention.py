@@ -206,12 +206,13 @@ def test_a_library_that_does_not_load_means_the_graph_attention(tiny_engine, mon
 
 
 @pytest.mark.parametrize("d,ctx,qlens,t", [(64, [0, 17, 300, 5], [1, 1, 1, 1], 1), (64, [3, 0, 33], [4, 4, 4], 4),
+                                           (128, [70, 1, 16], [1, 1, 1], 1), (128, [9, 40], [2, 3], 3),
                                            (24, [40, 9], [1, 3], 3), (8, [21], [1], 1)])
 def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ctx, qlens, t):
     """The float32 key scores' AVX-512 kernel adds in the order GCC's vectorization of the plain
     loop does with 512-bit vectors (``paged_attention.c``), so the operator's output is the loop
-    build's, bit for bit: the runtime figures measured before it stand. d 24 and 8 take the tail
-    and the short paths. Where GCC prefers narrower vectors for this CPU (its tuning for Intel's
+    build's, bit for bit: the runtime figures measured before it stand. d 64 and 128 take the
+    turned loops (keys inner, outputs in registers), d 24 and 8 the tail and the short paths. Where GCC prefers narrower vectors for this CPU (its tuning for Intel's
     AVX-512 cores is 256 bits), the loop rounds otherwise and only the reference check above
     applies."""
     from autoglm_trt.backends.onnxrt.native import native_library

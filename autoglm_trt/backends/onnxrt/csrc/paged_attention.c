@@ -42,8 +42,9 @@
  * is one add of four sums. (That is the loop's order where GCC vectorizes with 512-bit vectors,
  * as for AMD's AVX-512 cores; its tuning for Intel's prefers 256 bits, whose loop rounds
  * otherwise.) */
-static void dot4_f32_avx512(const float *x, const float *a, const float *b, const float *c, const float *d,
-                            int64_t n, float *out) {
+static inline __attribute__((always_inline)) void dot4_f32_avx512(const float *x, const float *a, const float *b,
+                                                                  const float *c, const float *d, int64_t n,
+                                                                  float *out) {
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -159,6 +160,68 @@ static void softmax(float *row, int64_t len) {
   for (int64_t p = 0; p < len; p++) row[p] *= inv;
 }
 
+#if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4)
+/* The float32 pools' two passes with their loops turned: keys inner, so that one call scores a
+ * whole block and the out-of-order core overlaps one key's sums with the next's; and for the
+ * values, each query row's output kept in registers across every position, rather than loaded
+ * and stored for each. Each score and each output element gets the operations of
+ * key_scores_f32 and axpy_f32, in the same order (the test compares with the plain loops'
+ * build bit for bit). */
+#define TURNED_F32 1
+
+/* scores[r * width + s] = q_r . keys[s], s < n, every query row r < rows */
+static void block_scores_f32(const float *const *qr, int64_t rows, const float *keys, int64_t n, int64_t D,
+                             float *scores, int64_t width) {
+  const float *last = qr[rows - 1];
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float *a = qr[r], *b = r + 1 < rows ? qr[r + 1] : last, *c = r + 2 < rows ? qr[r + 2] : last,
+                *d = r + 3 < rows ? qr[r + 3] : last;
+    const int64_t k = rows - r < 4 ? rows - r : 4;
+    for (int64_t s = 0; s < n; s++) {
+      float out[4];
+      dot4_f32_avx512(keys + s * D, a, b, c, d, D, out);
+      for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s] = out[i];
+    }
+  }
+}
+
+/* orow[r] += scores[r * width + p] * V[p] for the positions p < ctx in order, ROWS query rows
+ * (the last repeated where fewer, into scratch) of CHUNKS x 16 elements held in registers */
+#define DEFINE_VALUES(ROWS, CHUNKS)                                                                        \
+  static void values_##ROWS##x##CHUNKS(float *const *orow, int64_t rows, const float *scores, int64_t width, \
+                                        const float *pool_v, const int64_t *table, int64_t ctx, int64_t NB,  \
+                                        int64_t BS) {                                                        \
+    float spare[CHUNKS * 16];                                                                               \
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                                           \
+      float *out[ROWS];                                                                                     \
+      const float *w[ROWS];                                                                                 \
+      __m512 acc[ROWS][CHUNKS];                                                                             \
+      for (int r = 0; r < ROWS; r++) {                                                                      \
+        const int valid = r0 + r < rows;                                                                    \
+        out[r] = valid ? orow[r0 + r] : spare;                                                              \
+        w[r] = scores + (valid ? r0 + r : rows - 1) * width;                                                \
+        for (int c = 0; c < CHUNKS; c++) acc[r][c] = valid ? _mm512_loadu_ps(out[r] + 16 * c) : _mm512_setzero_ps(); \
+      }                                                                                                     \
+      for (int64_t m = 0; m * BS < ctx; m++) {                                                              \
+        const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;                                \
+        const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;                                            \
+        for (int64_t s = 0; s < n; s++) {                                                                   \
+          const float *v = pool_v + (block * BS + s) * (CHUNKS * 16);                                       \
+          for (int c = 0; c < CHUNKS; c++) {                                                                \
+            const __m512 vc = _mm512_loadu_ps(v + 16 * c);                                                  \
+            for (int r = 0; r < ROWS; r++)                                                                  \
+              acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_set1_ps(w[r][m * BS + s]), vc));    \
+          }                                                                                                 \
+        }                                                                                                   \
+      }                                                                                                     \
+      for (int r = 0; r < ROWS; r++)                                                                        \
+        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);                      \
+    }                                                                                                       \
+  }
+DEFINE_VALUES(4, 4) /* head_dim 64 */
+DEFINE_VALUES(2, 8) /* head_dim 128 */
+#endif
+
 /* one sequence, one KV head: ``rows`` query rows (valid new token t = r / G, query head
  * h * G + r % G) at qr[r], their outputs at orow[r]; scores is [rows, ctx + qlen] scratch.
  * The pools hold float32, or int8 with this head's scales k_scale and v_scale. */
@@ -167,9 +230,20 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
                    float k_scale, float v_scale, const int64_t *table, int64_t ctx, int64_t qlen, int64_t NB,
                    int64_t BS, int64_t D, float *scores) {
   const int64_t width = ctx + qlen;
+#ifdef TURNED_F32
+  const int turned = !int8 && (D == 64 || D == 128);
+#else
+  const int turned = 0;
+#endif
   for (int64_t m = 0; m * BS < ctx; m++) {
     const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0; /* never read outside the pool */
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
+#ifdef TURNED_F32
+    if (turned) {
+      block_scores_f32(qr, rows, (const float *)pool_k + block * BS * D, n, D, scores + m * BS, width);
+      continue;
+    }
+#endif
     for (int64_t s = 0; s < n; s++) {
       const int64_t at = (block * BS + s) * D;
       if (int8)
@@ -184,7 +258,15 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
   for (int64_t j = 0; j < qlen; j++) /* rows of tokens t >= j */
     key_scores_f32(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
   for (int64_t r = 0; r < rows; r++) softmax(scores + r * width, ctx + r / G + 1);
-  for (int64_t m = 0; m * BS < ctx; m++) {
+#ifdef TURNED_F32
+  if (turned) {
+    if (D == 64)
+      values_4x4(orow, rows, scores, width, (const float *)pool_v, table, ctx, NB, BS);
+    else
+      values_2x8(orow, rows, scores, width, (const float *)pool_v, table, ctx, NB, BS);
+  }
+#endif
+  for (int64_t m = 0; !turned && m * BS < ctx; m++) {
     const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
     for (int64_t s = 0; s < n; s++) {
