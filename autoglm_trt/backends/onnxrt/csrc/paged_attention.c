@@ -185,41 +185,52 @@ static void block_scores_f32(const float *const *qr, int64_t rows, const float *
   }
 }
 
-/* orow[r] += scores[r * width + p] * V[p] for the positions p < ctx in order, ROWS query rows
- * (the last repeated where fewer, into scratch) of CHUNKS x 16 elements held in registers */
+/* orow[r] += scores[r * width + p] * V[p] for the positions p < ctx in order, for ROWS query rows
+ * (exactly: a row computed for nothing costs a quarter more at three query heads per KV head),
+ * each row's CHUNKS x 16 elements held in registers */
 #define DEFINE_VALUES(ROWS, CHUNKS)                                                                        \
-  static void values_##ROWS##x##CHUNKS(float *const *orow, int64_t rows, const float *scores, int64_t width, \
-                                        const float *pool_v, const int64_t *table, int64_t ctx, int64_t NB,  \
-                                        int64_t BS) {                                                        \
-    float spare[CHUNKS * 16];                                                                               \
-    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                                           \
-      float *out[ROWS];                                                                                     \
-      const float *w[ROWS];                                                                                 \
-      __m512 acc[ROWS][CHUNKS];                                                                             \
-      for (int r = 0; r < ROWS; r++) {                                                                      \
-        const int valid = r0 + r < rows;                                                                    \
-        out[r] = valid ? orow[r0 + r] : spare;                                                              \
-        w[r] = scores + (valid ? r0 + r : rows - 1) * width;                                                \
-        for (int c = 0; c < CHUNKS; c++) acc[r][c] = valid ? _mm512_loadu_ps(out[r] + 16 * c) : _mm512_setzero_ps(); \
-      }                                                                                                     \
-      for (int64_t m = 0; m * BS < ctx; m++) {                                                              \
-        const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;                                \
-        const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;                                            \
-        for (int64_t s = 0; s < n; s++) {                                                                   \
-          const float *v = pool_v + (block * BS + s) * (CHUNKS * 16);                                       \
-          for (int c = 0; c < CHUNKS; c++) {                                                                \
-            const __m512 vc = _mm512_loadu_ps(v + 16 * c);                                                  \
-            for (int r = 0; r < ROWS; r++)                                                                  \
-              acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_set1_ps(w[r][m * BS + s]), vc));    \
-          }                                                                                                 \
-        }                                                                                                   \
-      }                                                                                                     \
-      for (int r = 0; r < ROWS; r++)                                                                        \
-        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);                      \
-    }                                                                                                       \
+  static void values_##ROWS##x##CHUNKS(float *const *orow, const float *scores, int64_t width,             \
+                                        const float *pool_v, const int64_t *table, int64_t ctx, int64_t NB, \
+                                        int64_t BS) {                                                      \
+    __m512 acc[ROWS][CHUNKS];                                                                              \
+    for (int r = 0; r < ROWS; r++)                                                                         \
+      for (int c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_loadu_ps(orow[r] + 16 * c);                      \
+    for (int64_t m = 0; m * BS < ctx; m++) {                                                               \
+      const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;                                 \
+      const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;                                             \
+      for (int64_t s = 0; s < n; s++) {                                                                    \
+        const float *v = pool_v + (block * BS + s) * (CHUNKS * 16);                                        \
+        for (int c = 0; c < CHUNKS; c++) {                                                                 \
+          const __m512 vc = _mm512_loadu_ps(v + 16 * c);                                                   \
+          for (int r = 0; r < ROWS; r++) {                                                                 \
+            const __m512 w = _mm512_set1_ps(scores[r * width + m * BS + s]);                               \
+            acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(w, vc));                                    \
+          }                                                                                                \
+        }                                                                                                  \
+      }                                                                                                    \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS; r++)                                                                         \
+      for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(orow[r] + 16 * c, acc[r][c]);                      \
   }
-DEFINE_VALUES(4, 4) /* head_dim 64 */
-DEFINE_VALUES(2, 8) /* head_dim 128 */
+DEFINE_VALUES(1, 4)
+DEFINE_VALUES(2, 4)
+DEFINE_VALUES(3, 4)
+DEFINE_VALUES(4, 4) /* head_dim 64: groups of up to four rows */
+DEFINE_VALUES(1, 8)
+DEFINE_VALUES(2, 8) /* head_dim 128: groups of up to two */
+
+/* the values pass of every row, in groups */
+static void values_f32(float *const *orow, int64_t rows, const float *scores, int64_t width, const float *pool_v,
+                       const int64_t *table, int64_t ctx, int64_t NB, int64_t BS, int64_t D) {
+  typedef void (*ValuesFn)(float *const *, const float *, int64_t, const float *, const int64_t *, int64_t,
+                           int64_t, int64_t);
+  static const ValuesFn d64[] = {values_1x4, values_2x4, values_3x4, values_4x4}, d128[] = {values_1x8, values_2x8};
+  const int64_t most = D == 64 ? 4 : 2;
+  for (int64_t r = 0; r < rows; r += most) {
+    const int64_t g = rows - r < most ? rows - r : most;
+    (D == 64 ? d64 : d128)[g - 1](orow + r, scores + r * width, width, pool_v, table, ctx, NB, BS);
+  }
+}
 #endif
 
 /* one sequence, one KV head: ``rows`` query rows (valid new token t = r / G, query head
@@ -260,10 +271,7 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
   for (int64_t r = 0; r < rows; r++) softmax(scores + r * width, ctx + r / G + 1);
 #ifdef TURNED_F32
   if (turned) {
-    if (D == 64)
-      values_4x4(orow, rows, scores, width, (const float *)pool_v, table, ctx, NB, BS);
-    else
-      values_2x8(orow, rows, scores, width, (const float *)pool_v, table, ctx, NB, BS);
+    values_f32(orow, rows, scores, width, (const float *)pool_v, table, ctx, NB, BS, D);
   }
 #endif
   for (int64_t m = 0; !turned && m * BS < ctx; m++) {
