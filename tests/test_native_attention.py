@@ -208,7 +208,8 @@ def test_a_library_that_does_not_load_means_the_graph_attention(tiny_engine, mon
 @pytest.mark.parametrize("d,ctx,qlens,t", [(64, [0, 17, 300, 5], [1, 1, 1, 1], 1), (64, [3, 0, 33], [4, 4, 4], 4),
                                            (128, [70, 1, 16], [1, 1, 1], 1), (128, [9, 40], [2, 3], 3),
                                            (24, [40, 9], [1, 3], 3), (8, [21], [1], 1)])
-def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ctx, qlens, t):
+@pytest.mark.parametrize("int8_kv", [False, True], ids=["float-kv", "int8-kv"])
+def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ctx, qlens, t, int8_kv):
     """The float32 key scores' AVX-512 kernel adds in the order GCC's vectorization of the plain
     loop does with 512-bit vectors (``paged_attention.c``), so the operator's output is the loop
     build's, bit for bit: the runtime figures measured before it stand. d 64 and 128 take the
@@ -233,8 +234,13 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ct
              "pk": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32),
              "pv": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32), "bt": tables,
              "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64)}
-    ours = op_session(library, hq, hkv, d, nb, bs).run(["out"], feeds)[0]
-    theirs = op_session(loop, hq, hkv, d, nb, bs).run(["out"], feeds)[0]
+    if int8_kv:  # the values pass of int8 pools is turned too (d 64 and 128); their key scores are not
+        feeds.update({"pk": rng.integers(-127, 128, (hkv, nb, bs, d)).astype(np.int8),
+                      "pv": rng.integers(-127, 128, (hkv, nb, bs, d)).astype(np.int8),
+                      "ks": rng.uniform(0.01, 0.05, hkv).astype(np.float32),
+                      "vs": rng.uniform(0.01, 0.05, hkv).astype(np.float32)})
+    ours = op_session(library, hq, hkv, d, nb, bs, int8_kv).run(["out"], feeds)[0]
+    theirs = op_session(loop, hq, hkv, d, nb, bs, int8_kv).run(["out"], feeds)[0]
     assert ours.any()
     np.testing.assert_array_equal(ours, theirs)
 

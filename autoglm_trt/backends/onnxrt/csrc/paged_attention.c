@@ -161,13 +161,13 @@ static void softmax(float *row, int64_t len) {
 }
 
 #if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4)
-/* The float32 pools' two passes with their loops turned: keys inner, so that one call scores a
- * whole block and the out-of-order core overlaps one key's sums with the next's; and for the
- * values, each query row's output kept in registers across every position, rather than loaded
- * and stored for each. Each score and each output element gets the operations of
- * key_scores_f32 and axpy_f32, in the same order (the test compares with the plain loops'
- * build bit for bit). */
-#define TURNED_F32 1
+/* The two passes with their loops turned (head_dim 64 and 128): for float32 pools, keys inner, so
+ * that one call scores a whole block and the out-of-order core overlaps one key's sums with the
+ * next's; for the values of either pool, each query row's output kept in registers across every
+ * position, rather than loaded and stored for each. Each score and each output element gets the
+ * operations of key_scores_f32, axpy_f32 and axpy_i8, in the same order (the test compares with
+ * the plain loops' build bit for bit). */
+#define TURNED 1
 
 /* scores[r * width + s] = q_r . keys[s], s < n, every query row r < rows */
 static void block_scores_f32(const float *const *qr, int64_t rows, const float *keys, int64_t n, int64_t D,
@@ -185,13 +185,15 @@ static void block_scores_f32(const float *const *qr, int64_t rows, const float *
   }
 }
 
-/* orow[r] += scores[r * width + p] * V[p] for the positions p < ctx in order, for ROWS query rows
+/* orow[r] += w * V[p] for the positions p < ctx in order, w = scores[r * width + p] (times the
+ * pool's scale v_scale for an int8 pool, as axpy_i8's caller computes it), for ROWS query rows
  * (exactly: a row computed for nothing costs a quarter more at three query heads per KV head),
  * each row's CHUNKS x 16 elements held in registers */
-#define DEFINE_VALUES(ROWS, CHUNKS)                                                                        \
-  static void values_##ROWS##x##CHUNKS(float *const *orow, const float *scores, int64_t width,             \
-                                        const float *pool_v, const int64_t *table, int64_t ctx, int64_t NB, \
-                                        int64_t BS) {                                                      \
+#define DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, ROWS, CHUNKS)                                             \
+  static void values_##SUFFIX##_##ROWS##x##CHUNKS(float *const *orow, const float *scores, int64_t width,  \
+                                                   const void *pool_v, float v_scale, const int64_t *table, \
+                                                   int64_t ctx, int64_t NB, int64_t BS) {                  \
+    (void)v_scale; /* float32 pools have none */                                                           \
     __m512 acc[ROWS][CHUNKS];                                                                              \
     for (int r = 0; r < ROWS; r++)                                                                         \
       for (int c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_loadu_ps(orow[r] + 16 * c);                      \
@@ -199,11 +201,11 @@ static void block_scores_f32(const float *const *qr, int64_t rows, const float *
       const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;                                 \
       const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;                                             \
       for (int64_t s = 0; s < n; s++) {                                                                    \
-        const float *v = pool_v + (block * BS + s) * (CHUNKS * 16);                                        \
+        const T *v = (const T *)pool_v + (block * BS + s) * (CHUNKS * 16);                                 \
         for (int c = 0; c < CHUNKS; c++) {                                                                 \
-          const __m512 vc = _mm512_loadu_ps(v + 16 * c);                                                   \
+          const __m512 vc = LOAD16(v + 16 * c);                                                            \
           for (int r = 0; r < ROWS; r++) {                                                                 \
-            const __m512 w = _mm512_set1_ps(scores[r * width + m * BS + s]);                               \
+            const __m512 w = _mm512_set1_ps(WEIGHT(scores[r * width + m * BS + s], v_scale));              \
             acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(w, vc));                                    \
           }                                                                                                \
         }                                                                                                  \
@@ -212,23 +214,36 @@ static void block_scores_f32(const float *const *qr, int64_t rows, const float *
     for (int r = 0; r < ROWS; r++)                                                                         \
       for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(orow[r] + 16 * c, acc[r][c]);                      \
   }
-DEFINE_VALUES(1, 4)
-DEFINE_VALUES(2, 4)
-DEFINE_VALUES(3, 4)
-DEFINE_VALUES(4, 4) /* head_dim 64: groups of up to four rows */
-DEFINE_VALUES(1, 8)
-DEFINE_VALUES(2, 8) /* head_dim 128: groups of up to two */
+#define LOAD_F32(p) _mm512_loadu_ps(p)
+#define LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define AS_IS(score, scale) (score)
+#define SCALED(score, scale) ((score) * (scale))
+#define DEFINE_VALUES_OF(SUFFIX, T, LOAD16, WEIGHT)                                                        \
+  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 1, 4)                                                           \
+  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 2, 4)                                                           \
+  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 3, 4)                                                           \
+  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 4, 4) /* head_dim 64: groups of up to four rows */              \
+  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 1, 8)                                                           \
+  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 2, 8) /* head_dim 128: groups of up to two */
+DEFINE_VALUES_OF(f32, float, LOAD_F32, AS_IS)
+DEFINE_VALUES_OF(i8, int8_t, LOAD_I8, SCALED)
 
-/* the values pass of every row, in groups */
-static void values_f32(float *const *orow, int64_t rows, const float *scores, int64_t width, const float *pool_v,
-                       const int64_t *table, int64_t ctx, int64_t NB, int64_t BS, int64_t D) {
-  typedef void (*ValuesFn)(float *const *, const float *, int64_t, const float *, const int64_t *, int64_t,
-                           int64_t, int64_t);
-  static const ValuesFn d64[] = {values_1x4, values_2x4, values_3x4, values_4x4}, d128[] = {values_1x8, values_2x8};
+typedef void (*ValuesFn)(float *const *, const float *, int64_t, const void *, float, const int64_t *, int64_t,
+                         int64_t, int64_t);
+
+/* the values pass of every row, in groups; head_dim D is 64 or 128 */
+static void values_pass(float *const *orow, int64_t rows, const float *scores, int64_t width, const void *pool_v,
+                        int int8, float v_scale, const int64_t *table, int64_t ctx, int64_t NB, int64_t BS,
+                        int64_t D) {
+  static const ValuesFn f64[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4, values_f32_4x4},
+                        f128[] = {values_f32_1x8, values_f32_2x8},
+                        i64[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4, values_i8_4x4},
+                        i128[] = {values_i8_1x8, values_i8_2x8};
+  const ValuesFn *fns = D == 64 ? (int8 ? i64 : f64) : (int8 ? i128 : f128);
   const int64_t most = D == 64 ? 4 : 2;
   for (int64_t r = 0; r < rows; r += most) {
     const int64_t g = rows - r < most ? rows - r : most;
-    (D == 64 ? d64 : d128)[g - 1](orow + r, scores + r * width, width, pool_v, table, ctx, NB, BS);
+    fns[g - 1](orow + r, scores + r * width, width, pool_v, v_scale, table, ctx, NB, BS);
   }
 }
 #endif
@@ -241,16 +256,16 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
                    float k_scale, float v_scale, const int64_t *table, int64_t ctx, int64_t qlen, int64_t NB,
                    int64_t BS, int64_t D, float *scores) {
   const int64_t width = ctx + qlen;
-#ifdef TURNED_F32
-  const int turned = !int8 && (D == 64 || D == 128);
+#ifdef TURNED
+  const int turned = D == 64 || D == 128, scores_turned = turned && !int8;
 #else
-  const int turned = 0;
+  const int turned = 0, scores_turned = 0;
 #endif
   for (int64_t m = 0; m * BS < ctx; m++) {
     const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0; /* never read outside the pool */
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
-#ifdef TURNED_F32
-    if (turned) {
+#ifdef TURNED
+    if (scores_turned) {
       block_scores_f32(qr, rows, (const float *)pool_k + block * BS * D, n, D, scores + m * BS, width);
       continue;
     }
@@ -269,10 +284,8 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
   for (int64_t j = 0; j < qlen; j++) /* rows of tokens t >= j */
     key_scores_f32(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
   for (int64_t r = 0; r < rows; r++) softmax(scores + r * width, ctx + r / G + 1);
-#ifdef TURNED_F32
-  if (turned) {
-    values_f32(orow, rows, scores, width, (const float *)pool_v, table, ctx, NB, BS, D);
-  }
+#ifdef TURNED
+  if (turned) values_pass(orow, rows, scores, width, pool_v, int8, v_scale, table, ctx, NB, BS, D);
 #endif
   for (int64_t m = 0; !turned && m * BS < ctx; m++) {
     const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;
