@@ -213,9 +213,10 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ct
     """The float32 key scores' AVX-512 kernel adds in the order GCC's vectorization of the plain
     loop does with 512-bit vectors (``paged_attention.c``), so the operator's output is the loop
     build's, bit for bit: the runtime figures measured before it stand. d 64 and 128 take the
-    turned loops (keys inner, outputs in registers), d 24 and 8 the tail and the short paths. Where GCC prefers narrower vectors for this CPU (its tuning for Intel's
-    AVX-512 cores is 256 bits), the loop rounds otherwise and only the reference check above
-    applies."""
+    turned loops (keys inner, outputs in registers; for int8 pools the values pass only), d 24
+    and 8 the tail and the short paths. Where GCC prefers narrower vectors for this CPU (its
+    tuning for Intel's AVX-512 cores is 256 bits), the loop rounds otherwise and only the
+    reference check above applies."""
     from autoglm_trt.backends.onnxrt.native import native_library
 
     if not cpu_has("avx512f"):
