@@ -34,6 +34,25 @@
 #include "ort_api.h"
 
 #if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4) /* the test builds the loop too, to compare */
+/* sum + (s0, s1, s2, s3)'s lanes 0, 1, ..., 15, added in that order: the four sums are transposed
+ * so that t[k] holds lanes k, k + 4, k + 8, k + 12 of all four, one per 128-bit part, and each
+ * lane step is one add of four sums */
+static inline __attribute__((always_inline)) __m128 add_lanes(__m128 sum, __m512 s0, __m512 s1, __m512 s2,
+                                                             __m512 s3) {
+  const __m512 lo01 = _mm512_unpacklo_ps(s0, s1), hi01 = _mm512_unpackhi_ps(s0, s1);
+  const __m512 lo23 = _mm512_unpacklo_ps(s2, s3), hi23 = _mm512_unpackhi_ps(s2, s3);
+  const __m512 t[4] = {_mm512_shuffle_ps(lo01, lo23, 0x44), _mm512_shuffle_ps(lo01, lo23, 0xEE),
+                       _mm512_shuffle_ps(hi01, hi23, 0x44), _mm512_shuffle_ps(hi01, hi23, 0xEE)};
+#define LANES(part) /* lanes 4 part .. 4 part + 3, in order */                                               \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[0], part));                                                \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[1], part));                                                \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[2], part));                                                \
+  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[3], part));
+  LANES(0) LANES(1) LANES(2) LANES(3)
+#undef LANES
+  return sum;
+}
+
 /* dot4 of float32 rows in AVX-512 registers, with the roundings of the loop below as GCC
  * vectorizes it for AVX-512: lane l of each sum adds the products of elements l, l + 16, ... in
  * order (a multiply, then an add), the elements past the last 16 join lane 0, and the lanes are
@@ -66,26 +85,44 @@ static inline __attribute__((always_inline)) void dot4_f32_avx512(const float *x
     s2 = _mm512_mask_mov_ps(s2, lane0, _mm512_set1_ps(r2));
     s3 = _mm512_mask_mov_ps(s3, lane0, _mm512_set1_ps(r3));
   }
-  /* transpose: t[k] holds (s0, s1, s2, s3) of lanes k, k + 4, k + 8, k + 12, one per 128-bit part */
-  const __m512 lo01 = _mm512_unpacklo_ps(s0, s1), hi01 = _mm512_unpackhi_ps(s0, s1);
-  const __m512 lo23 = _mm512_unpacklo_ps(s2, s3), hi23 = _mm512_unpackhi_ps(s2, s3);
-  const __m512 t[4] = {_mm512_shuffle_ps(lo01, lo23, 0x44), _mm512_shuffle_ps(lo01, lo23, 0xEE),
-                       _mm512_shuffle_ps(hi01, hi23, 0x44), _mm512_shuffle_ps(hi01, hi23, 0xEE)};
+  _mm_storeu_ps(out, add_lanes(_mm_setzero_ps(), s0, s1, s2, s3));
+}
+
+static void dot4_i8(const int8_t *x, const float *a, const float *b, const float *c, const float *d, int64_t n,
+                    float *out);
+
+/* dot4 of int8 rows (an INT8 KV pool's keys) with the roundings of the loop as GCC vectorizes it
+ * for AVX-512 (read from its assembly): 64 elements a step, as four vectors of partial sums per
+ * sum (lane l of vector v takes elements 64 j + 16 v + l, a multiply and then an add), and at the
+ * end the 64 lanes added in order to 0, vector 0's first. Rows whose length is not a multiple of
+ * 64 (which GCC finishes one element at a time) take the loop itself. */
+static inline __attribute__((always_inline)) void dot4_i8_avx512(const int8_t *x, const float *a, const float *b,
+                                                                 const float *c, const float *d, int64_t n,
+                                                                 float *out) {
+  if (n % 64) {
+    dot4_i8(x, a, b, c, d, n, out);
+    return;
+  }
+  const float *q[4] = {a, b, c, d};
+  __m512 s[4][4];
+  for (int r = 0; r < 4; r++)
+    for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 64)
+    for (int v = 0; v < 4; v++) {
+      const __m512 xf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i + 16 * v))));
+      for (int r = 0; r < 4; r++)
+        s[r][v] = _mm512_add_ps(s[r][v], _mm512_mul_ps(_mm512_loadu_ps(q[r] + i + 16 * v), xf));
+    }
   __m128 sum = _mm_setzero_ps();
-#define LANES(part) /* lanes 4 part .. 4 part + 3, in order */                                               \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[0], part));                                                \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[1], part));                                                \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[2], part));                                                \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[3], part));
-  LANES(0) LANES(1) LANES(2) LANES(3)
-#undef LANES
+  for (int v = 0; v < 4; v++) sum = add_lanes(sum, s[0][v], s[1][v], s[2][v], s[3][v]);
   _mm_storeu_ps(out, sum);
 }
 #define DOT4_f32 dot4_f32_avx512
+#define DOT4_i8 dot4_i8_avx512
 #else
 #define DOT4_f32 dot4_f32
-#endif
 #define DOT4_i8 dot4_i8
+#endif
 
 /* Row operations on a key or value row of element type T (float32, or int8 of an INT8 KV pool,
  * whose scale the caller applies): four dot products with one row x (four independent sums,
@@ -161,12 +198,12 @@ static void softmax(float *row, int64_t len) {
 }
 
 #if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4)
-/* The two passes with their loops turned (head_dim 64 and 128): for float32 pools, keys inner, so
- * that one call scores a whole block and the out-of-order core overlaps one key's sums with the
- * next's; for the values of either pool, each query row's output kept in registers across every
+/* The two passes with their loops turned (head_dim 64 and 128, either pool): for the scores, keys
+ * inner, so that one call scores a whole block and the out-of-order core overlaps one key's sums
+ * with the next's; for the values, each query row's output kept in registers across every
  * position, rather than loaded and stored for each. Each score and each output element gets the
- * operations of key_scores_f32, axpy_f32 and axpy_i8, in the same order (the test compares with
- * the plain loops' build bit for bit). */
+ * operations of key_scores_*, axpy_f32 and axpy_i8, in the same order (the test compares with the
+ * plain loops' build bit for bit). */
 #define TURNED 1
 
 /* scores[r * width + s] = q_r . keys[s], s < n, every query row r < rows */
@@ -180,6 +217,47 @@ static void block_scores_f32(const float *const *qr, int64_t rows, const float *
     for (int64_t s = 0; s < n; s++) {
       float out[4];
       dot4_f32_avx512(keys + s * D, a, b, c, d, D, out);
+      for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s] = out[i];
+    }
+  }
+}
+
+/* The same for int8 key rows (an INT8 KV pool's, before its scale), four keys at a time: each
+ * key's 64 lane additions in dot4_i8_avx512's order are one chain of dependent adds, and four
+ * keys' chains side by side overlap where one key's alone would wait on each add. */
+static void block_scores_i8(const float *const *qr, int64_t rows, const int8_t *keys, int64_t n, int64_t D,
+                            float *scores, int64_t width) {
+  const float *last = qr[rows - 1];
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float *q[4] = {qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last,
+                         r + 3 < rows ? qr[r + 3] : last};
+    const int64_t k = rows - r < 4 ? rows - r : 4;
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4) {
+      __m512 acc[4][4][4]; /* key, row, vector of 16 lanes */
+      for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++)
+          for (int v = 0; v < 4; v++) acc[j][i][v] = _mm512_setzero_ps();
+      for (int64_t e = 0; e < D; e += 64)
+        for (int j = 0; j < 4; j++)
+          for (int v = 0; v < 4; v++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(keys + (s + j) * D + e + 16 * v));
+            const __m512 xf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+            for (int i = 0; i < 4; i++)
+              acc[j][i][v] = _mm512_add_ps(acc[j][i][v], _mm512_mul_ps(_mm512_loadu_ps(q[i] + e + 16 * v), xf));
+          }
+      __m128 sum[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+      for (int v = 0; v < 4; v++)
+        for (int j = 0; j < 4; j++) sum[j] = add_lanes(sum[j], acc[j][0][v], acc[j][1][v], acc[j][2][v], acc[j][3][v]);
+      for (int j = 0; j < 4; j++) {
+        float out[4];
+        _mm_storeu_ps(out, sum[j]);
+        for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s + j] = out[i];
+      }
+    }
+    for (; s < n; s++) {
+      float out[4];
+      dot4_i8_avx512(keys + s * D, q[0], q[1], q[2], q[3], D, out);
       for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s] = out[i];
     }
   }
@@ -257,16 +335,19 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
                    int64_t BS, int64_t D, float *scores) {
   const int64_t width = ctx + qlen;
 #ifdef TURNED
-  const int turned = D == 64 || D == 128, scores_turned = turned && !int8;
+  const int turned = D == 64 || D == 128;
 #else
-  const int turned = 0, scores_turned = 0;
+  const int turned = 0;
 #endif
   for (int64_t m = 0; m * BS < ctx; m++) {
     const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0; /* never read outside the pool */
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
 #ifdef TURNED
-    if (scores_turned) {
-      block_scores_f32(qr, rows, (const float *)pool_k + block * BS * D, n, D, scores + m * BS, width);
+    if (turned) {
+      if (int8)
+        block_scores_i8(qr, rows, (const int8_t *)pool_k + block * BS * D, n, D, scores + m * BS, width);
+      else
+        block_scores_f32(qr, rows, (const float *)pool_k + block * BS * D, n, D, scores + m * BS, width);
       continue;
     }
 #endif
