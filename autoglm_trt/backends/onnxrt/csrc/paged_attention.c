@@ -313,11 +313,11 @@ typedef void (*ValuesFn)(float *const *, const float *, int64_t, const void *, f
 static void values_pass(float *const *orow, int64_t rows, const float *scores, int64_t width, const void *pool_v,
                         int int8, float v_scale, const int64_t *table, int64_t ctx, int64_t NB, int64_t BS,
                         int64_t D) {
-  static const ValuesFn f64[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4, values_f32_4x4},
-                        f128[] = {values_f32_1x8, values_f32_2x8},
-                        i64[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4, values_i8_4x4},
-                        i128[] = {values_i8_1x8, values_i8_2x8};
-  const ValuesFn *fns = D == 64 ? (int8 ? i64 : f64) : (int8 ? i128 : f128);
+  static const ValuesFn f32_d64[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4, values_f32_4x4},
+                        f32_d128[] = {values_f32_1x8, values_f32_2x8},
+                        i8_d64[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4, values_i8_4x4},
+                        i8_d128[] = {values_i8_1x8, values_i8_2x8};
+  const ValuesFn *fns = D == 64 ? (int8 ? i8_d64 : f32_d64) : (int8 ? i8_d128 : f32_d128);
   const int64_t most = D == 64 ? 4 : 2;
   for (int64_t r = 0; r < rows; r += most) {
     const int64_t g = rows - r < most ? rows - r : most;
