@@ -94,8 +94,32 @@ static void dot4_i8(const int8_t *x, const float *a, const float *b, const float
 /* dot4 of int8 rows (an INT8 KV pool's keys) with the roundings of the loop as GCC vectorizes it
  * for AVX-512 (read from its assembly): 64 elements a step, as four vectors of partial sums per
  * sum (lane l of vector v takes elements 64 j + 16 v + l, a multiply and then an add), and at the
- * end the 64 lanes added in order to 0, vector 0's first. Rows whose length is not a multiple of
- * 64 (which GCC finishes one element at a time) take the loop itself. */
+ * end the 64 lanes added in order to 0, vector 0's first. KEYS key rows at once (x, x + n, ...):
+ * their chains of lane adds are independent, so more keys overlap more of them. n is a multiple
+ * of 64; out[4 k + i] is row i's sum with key k. */
+static inline __attribute__((always_inline)) void dot4_i8_keys(const int8_t *x, const float *const *q, int64_t n,
+                                                               int keys, float *out) {
+  __m512 s[4][4][4]; /* key, row, vector of 16 lanes */
+  for (int k = 0; k < keys; k++)
+    for (int r = 0; r < 4; r++)
+      for (int v = 0; v < 4; v++) s[k][r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 64)
+    for (int k = 0; k < keys; k++)
+      for (int v = 0; v < 4; v++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(x + k * n + i + 16 * v));
+        const __m512 xf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+        for (int r = 0; r < 4; r++)
+          s[k][r][v] = _mm512_add_ps(s[k][r][v], _mm512_mul_ps(_mm512_loadu_ps(q[r] + i + 16 * v), xf));
+      }
+  __m128 sum[4];
+  for (int k = 0; k < keys; k++) sum[k] = _mm_setzero_ps();
+  for (int v = 0; v < 4; v++)
+    for (int k = 0; k < keys; k++) sum[k] = add_lanes(sum[k], s[k][0][v], s[k][1][v], s[k][2][v], s[k][3][v]);
+  for (int k = 0; k < keys; k++) _mm_storeu_ps(out + 4 * k, sum[k]);
+}
+
+/* one key; rows whose length is not a multiple of 64 (which GCC finishes one element at a time)
+ * take the loop itself */
 static inline __attribute__((always_inline)) void dot4_i8_avx512(const int8_t *x, const float *a, const float *b,
                                                                  const float *c, const float *d, int64_t n,
                                                                  float *out) {
@@ -104,18 +128,7 @@ static inline __attribute__((always_inline)) void dot4_i8_avx512(const int8_t *x
     return;
   }
   const float *q[4] = {a, b, c, d};
-  __m512 s[4][4];
-  for (int r = 0; r < 4; r++)
-    for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 64)
-    for (int v = 0; v < 4; v++) {
-      const __m512 xf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i + 16 * v))));
-      for (int r = 0; r < 4; r++)
-        s[r][v] = _mm512_add_ps(s[r][v], _mm512_mul_ps(_mm512_loadu_ps(q[r] + i + 16 * v), xf));
-    }
-  __m128 sum = _mm_setzero_ps();
-  for (int v = 0; v < 4; v++) sum = add_lanes(sum, s[0][v], s[1][v], s[2][v], s[3][v]);
-  _mm_storeu_ps(out, sum);
+  dot4_i8_keys(x, q, n, 1, out);
 }
 #define DOT4_f32 dot4_f32_avx512
 #define DOT4_i8 dot4_i8_avx512
@@ -222,9 +235,8 @@ static void block_scores_f32(const float *const *qr, int64_t rows, const float *
   }
 }
 
-/* The same for int8 key rows (an INT8 KV pool's, before its scale), four keys at a time: each
- * key's 64 lane additions in dot4_i8_avx512's order are one chain of dependent adds, and four
- * keys' chains side by side overlap where one key's alone would wait on each add. */
+/* The same for int8 key rows (an INT8 KV pool's, before its scale; D a multiple of 64), four keys
+ * at a time (dot4_i8_keys) */
 static void block_scores_i8(const float *const *qr, int64_t rows, const int8_t *keys, int64_t n, int64_t D,
                             float *scores, int64_t width) {
   const float *last = qr[rows - 1];
@@ -232,33 +244,16 @@ static void block_scores_i8(const float *const *qr, int64_t rows, const int8_t *
     const float *q[4] = {qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last,
                          r + 3 < rows ? qr[r + 3] : last};
     const int64_t k = rows - r < 4 ? rows - r : 4;
-    int64_t s = 0;
-    for (; s + 4 <= n; s += 4) {
-      __m512 acc[4][4][4]; /* key, row, vector of 16 lanes */
-      for (int j = 0; j < 4; j++)
-        for (int i = 0; i < 4; i++)
-          for (int v = 0; v < 4; v++) acc[j][i][v] = _mm512_setzero_ps();
-      for (int64_t e = 0; e < D; e += 64)
-        for (int j = 0; j < 4; j++)
-          for (int v = 0; v < 4; v++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(keys + (s + j) * D + e + 16 * v));
-            const __m512 xf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-            for (int i = 0; i < 4; i++)
-              acc[j][i][v] = _mm512_add_ps(acc[j][i][v], _mm512_mul_ps(_mm512_loadu_ps(q[i] + e + 16 * v), xf));
-          }
-      __m128 sum[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-      for (int v = 0; v < 4; v++)
-        for (int j = 0; j < 4; j++) sum[j] = add_lanes(sum[j], acc[j][0][v], acc[j][1][v], acc[j][2][v], acc[j][3][v]);
-      for (int j = 0; j < 4; j++) {
-        float out[4];
-        _mm_storeu_ps(out, sum[j]);
-        for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s + j] = out[i];
-      }
-    }
-    for (; s < n; s++) {
-      float out[4];
-      dot4_i8_avx512(keys + s * D, q[0], q[1], q[2], q[3], D, out);
-      for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s] = out[i];
+    for (int64_t s = 0; s < n;) {
+      const int keys_now = n - s >= 4 ? 4 : 1;
+      float out[16];
+      if (keys_now == 4)
+        dot4_i8_keys(keys + s * D, q, D, 4, out);
+      else
+        dot4_i8_keys(keys + s * D, q, D, 1, out);
+      for (int j = 0; j < keys_now; j++)
+        for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s + j] = out[4 * j + i];
+      s += keys_now;
     }
   }
 }
