@@ -51,10 +51,8 @@ def test_the_buffer_is_advised_for_huge_pages():
         elif inside and head == "VmFlags:":
             flags = block.split()[1:]
             break
-    assert flags is not None and "hg" in flags  # MADV_HUGEPAGE on the mapping
-    buf[...] = 1
-    kib = weights_arena.huge_page_kib(buf)
-    assert kib is not None and 0 <= kib <= 8 << 10  # how many the kernel gave depends on free memory
+    assert flags is not None and "hg" in flags  # MADV_HUGEPAGE on the mapping (how many huge pages the
+    # kernel gives depends on free memory, and smaps counts them per mapping, not per buffer)
 
 
 def test_the_engine_session_reads_the_packed_weights_in_place(tiny_int8_engine, monkeypatch):

@@ -16,14 +16,13 @@ that way: they live here, in one buffer the runner owns, aligned to
 for any part the kernel first gave small pages. The session reads them in place
 (``graph.session``'s ``initializers``). Each step is best effort: where the system has no
 transparent huge pages (``never``, another OS), the weights sit on ordinary pages and only the
-speed differs. ``huge_page_kib`` says what the kernel did.
+speed differs (``AnonHugePages`` in ``/proc/self/smaps`` says what the kernel did).
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -76,22 +75,3 @@ def settle(buf: np.ndarray) -> bool:
     """Once written: ask the kernel to move any small pages of ``buf`` onto huge pages now
     (``MADV_COLLAPSE``); False where it could not (an older kernel, no huge pages free)."""
     return _madvise(buf, MADV_COLLAPSE)
-
-
-def huge_page_kib(buf: np.ndarray) -> int | None:
-    """KiB of ``buf``'s mapping on huge pages (``/proc/self/smaps``' ``AnonHugePages`` of the
-    mappings it overlaps, so a little of a neighbour's may count); None where that is not known."""
-    try:
-        text = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return None
-    lo, hi = buf.ctypes.data, buf.ctypes.data + buf.nbytes
-    total, inside = 0, False
-    for line in text.splitlines():
-        head = line.split()[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start < hi and end > lo
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1])
-    return total
