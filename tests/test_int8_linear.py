@@ -146,7 +146,7 @@ def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_in
 
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
     fused = open_runner(manifest, num_blocks=32, threads=1)
-    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True: {})
+    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True, floats=False: {})
     plain = open_runner(manifest, num_blocks=32, threads=1)
     for with_op, without in logits_over_steps([fused, plain]):  # a prefill of two prompts, then two decode steps
         # ONNX Runtime's own INT8 GEMM may saturate 16-bit pair sums on CPUs without VNNI

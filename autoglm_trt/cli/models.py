@@ -235,9 +235,14 @@ def doctor_cmd(engine_dir: Path) -> None:
         native = library is not None and not why
         click.echo("info     decode attention: " + (f"native PagedAttention operator ({library})" if native
                                                     else f"the graph's own nodes, slower ({why})"))
-        if manifest.precision == "int8":
-            from ..backends.onnxrt.native import int8_kernel
+        from ..backends.onnxrt.native import float_kernel, int8_kernel
 
+        if manifest.precision == "int8":
             click.echo("info     INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)"
                                                     if library is not None else "ONNX Runtime's MatMulIntegerToFloat"))
+        kernel = float_kernel(library) if library is not None else None
+        click.echo("info     float linears: " + (
+            f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)"
+            if kernel not in (None, "portable C") else
+            "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)" if kernel else "")))
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")

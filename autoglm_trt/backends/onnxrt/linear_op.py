@@ -13,8 +13,14 @@ not serialized into the graph: they come back as arrays, all in one buffer on hu
 ``graph.session``), and the graph declares them as external data of their type and shape. The
 original weights leave the graph, so the process holds one copy of them, as before.
 
+With ``floats``, each float linear (``MatMul`` or ``Gemm`` over a constant float32 matrix of
+whole 16-column tiles) becomes ``autoglm.trt.FloatLinear`` (``csrc/float_linear.c``;
+``FloatLinearSplit`` before a ``Split`` into halves), its weights as 16-column tiles in the same
+buffer; it sums as ONNX Runtime's MatMul does, so the outputs do not change.
+
 Like every rewrite in this package it is for ONNX Runtime alone, made when the engine is
-loaded; the saved engine and the graph TensorRT builds keep ``MatMulIntegerToFloat``.
+loaded; the saved engine and the graph TensorRT builds keep ``MatMulIntegerToFloat`` and
+``MatMul``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from . import weights_arena
 from .attention_op import DOMAIN, use_domain
 
 OP = "Int8Linear"
+FLOAT_OP = "FloatLinear"
 # Where the graph says the packed weights lie: the weights folder itself, which ONNX Runtime checks
 # exists but never reads, because the session is handed each array in place (``add_initializer``);
 # were it ever read, a folder is not a file, and loading fails rather than reading other bytes.
@@ -57,26 +64,47 @@ def pack_weights(w: np.ndarray, out: tuple[np.ndarray, np.ndarray] | None = None
     return packed, sums
 
 
-def _pack_all(weights: dict[str, onnx.TensorProto], array) -> dict[str, np.ndarray]:
-    """Each int8 ``[K, N]`` weight packed, with its column sums, into one buffer of
-    ``weights_arena`` (huge pages where the system has them); by initializer name."""
+def float_tiles_shape(k: int, n: int) -> tuple[int, int, int]:
+    """Shape of ``FloatLinear``'s weights for float ``[k, n]`` (``n`` a multiple of 16)."""
+    return n // 16, k, 16
+
+
+def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx.TensorProto, bool]],
+              array) -> dict[str, np.ndarray]:
+    """Each int8 ``[K, N]`` weight packed, with its column sums, and each float weight as 16-column
+    tiles (``[N / 16, K, 16]``; ``floats`` says whether the tensor holds ``W`` transposed, as a
+    ``Gemm``'s ``transB``), all into one buffer of ``weights_arena`` (huge pages where the system
+    has them); by initializer name."""
     names: list[str] = []
     specs: list[tuple[tuple[int, ...], np.dtype]] = []
     for name, t in weights.items():
         shape, sums_shape = packed_shapes(int(t.dims[0]), int(t.dims[1]))
         names += [f"{name}.packed", f"{name}.col_sums"]
         specs += [(shape, np.dtype(np.int8)), (sums_shape, np.dtype(np.int32))]
+    for name, (t, transposed) in floats.items():
+        k, n = (int(t.dims[1]), int(t.dims[0])) if transposed else (int(t.dims[0]), int(t.dims[1]))
+        names.append(f"{name}.tiles")
+        specs.append((float_tiles_shape(k, n), np.dtype(np.float32)))
     buf = weights_arena.allocate(weights_arena.layout(specs)[1])
     out = dict(zip(names, weights_arena.views(buf, specs)))
     for name, t in weights.items():
         pack_weights(array(t), (out[f"{name}.packed"], out[f"{name}.col_sums"]))
+    for name, (t, transposed) in floats.items():
+        w = array(t)
+        tiles = out[f"{name}.tiles"]
+        tiles[...] = (w.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1) if transposed
+                      else w.reshape(tiles.shape[1], tiles.shape[0], 16).transpose(1, 0, 2))
     weights_arena.settle(buf)
     return out
 
 
-def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dict[str, np.ndarray]:
+def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
+            floats: bool = False) -> dict[str, np.ndarray]:
     """Fuse in place, reading the int8 weights (external data under ``weights_dir``, or inline);
-    the packed weights and column sums by initializer name (empty: nothing fused). With
+    the packed weights and column sums by initializer name (empty: nothing fused). ``floats``:
+    each float linear too (``MatMul`` or ``Gemm`` over a constant float32 matrix of a multiple of
+    16 columns) as ``FloatLinear``, which sums as ONNX Runtime's MatMul does where the native
+    library was built with FMA (``native.float_kernel``; ``runner.load_rewritten`` asks). With
     ``pack`` False (``inspect``, which only counts nodes) no weight is read or packed and the
     graph is left unloadable."""
     graph = model.graph
@@ -109,9 +137,19 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
         return rot
 
     weights: dict[str, onnx.TensorProto] = {}
+    float_weights: dict[str, tuple[onnx.TensorProto, bool]] = {}
+    widths: dict[str, int] = {}  # a fused linear's output: its columns
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for mm in old:
+        transposed = _float_matrix(mm, inits) if floats else None
+        if transposed is not None:
+            t = inits[mm.input[1]]
+            float_weights[mm.input[1]] = (t, transposed)
+            widths[mm.output[0]] = int(t.dims[0 if transposed else 1])
+            replaced[id(mm)] = helper.make_node(FLOAT_OP, [mm.input[0], f"{mm.input[1]}.tiles"], [mm.output[0]],
+                                                name=f"{mm.name}.float_linear", domain=DOMAIN)
+            continue
         rot = fusable(mm)
         if rot is None or not int8_matrix(mm.input[1]):
             continue
@@ -120,15 +158,16 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
         replaced[id(mm)] = helper.make_node(
             OP, [rot.input[0], rot.input[1], rot.input[2], rot.input[3], packed_name, sums_name, mm.input[3]],
             [mm.output[0]], name=f"{mm.name}.int8_linear", domain=DOMAIN)
+        widths[mm.output[0]] = int(inits[mm.input[3]].dims[0])
         dropped.add(id(rot))
     if not replaced:
         return {}
-    nodes = _split_halves([replaced.get(id(n), n) for n in old if id(n) not in dropped], inits, readers)
+    nodes = _split_halves([replaced.get(id(n), n) for n in old if id(n) not in dropped], inits, readers, widths)
     del graph.node[:]
     graph.node.extend(nodes)
     if not pack:
         return {}
-    arrays = _pack_all(weights, array)
+    arrays = _pack_all(weights, float_weights, array)
     used = graph_inputs(graph)
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
@@ -144,12 +183,29 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True) -> dic
     return arrays
 
 
+def _float_matrix(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool | None:
+    """For a ``MatMul`` or ``Gemm`` that ``FloatLinear`` computes bit for bit (x times a constant
+    float32 matrix of a multiple of 16 columns; a ``Gemm`` without C, alpha 1, ``transA`` 0),
+    whether the constant holds ``W`` transposed (``transB``); else None."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.input) != 2:
+        return None
+    t = inits.get(node.input[1])
+    if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    transposed = node.op_type == "Gemm" and attrs.get("transB", 0) == 1
+    if node.op_type == "Gemm" and (attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0):
+        return None
+    return transposed if int(t.dims[0 if transposed else 1]) % 16 == 0 else None
+
+
 def _split_halves(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto],
-                  readers: dict[str, int]) -> list[onnx.NodeProto]:
-    """Each ``Int8Linear`` read only by a ``Split`` of its last axis into two equal halves (a fused
-    gate/up projection) as one ``Int8LinearSplit`` with the halves as its outputs, where each half
-    is a whole number of 16-column tiles."""
-    linears = {n.output[0]: n for n in nodes if n.op_type == OP and n.domain == DOMAIN}
+                  readers: dict[str, int], widths: dict[str, int]) -> list[onnx.NodeProto]:
+    """Each ``Int8Linear`` or ``FloatLinear`` read only by a ``Split`` of its last axis into two
+    equal halves (a fused gate/up projection) as one ``Int8LinearSplit`` or ``FloatLinearSplit``
+    with the halves as its outputs, where each half is a whole number of 16-column tiles.
+    ``widths``: each linear's columns, by its output."""
+    linears = {n.output[0]: n for n in nodes if n.op_type in (OP, FLOAT_OP) and n.domain == DOMAIN}
     merged: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for split in nodes:
@@ -161,12 +217,12 @@ def _split_halves(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto
         if len(split.input) > 1 and split.input[1]:
             t = inits.get(split.input[1])
             sizes = numpy_helper.to_array(t).tolist() if t is not None and t.data_location != TensorProto.EXTERNAL else []
-        n = int(inits[linear.input[6]].dims[0])  # the weight scales: one per output column
+        n = widths[linear.output[0]]
         halves = sizes is None or list(sizes) == [n // 2, n // 2]
         if attrs.get("axis") != -1 or not halves or n % 32:
             continue
         fused = onnx.NodeProto.FromString(linear.SerializeToString())
-        fused.op_type, fused.name = f"{OP}Split", f"{linear.name}.split"
+        fused.op_type, fused.name = f"{linear.op_type}Split", f"{linear.name}.split"
         fused.output[:] = list(split.output)
         merged[id(linear)] = fused
         dropped.add(id(split))

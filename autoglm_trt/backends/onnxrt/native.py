@@ -2,7 +2,7 @@
 
 ``native_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
 Runtime's CPU execution provider: ``PagedAttention``, ``PagedAttentionInt8KV``,
-``HadamardQuantize``, ``Int8Linear``, ``RopeQKV``; and, called through ctypes, calibration's
+``HadamardQuantize``, ``Int8Linear``, ``FloatLinear``, ``RopeQKV``; and, called through ctypes, calibration's
 per-batch statistics, ``calib/native_stats.py``) with the machine's C compiler, for this
 CPU (``-march=native``), into a cache directory, and returns its path; or ``None`` and the reason when it cannot (no
 compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner then keeps the engine
@@ -26,7 +26,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("ort_api.h", "rotate.h", "register.c", "paged_attention.c", "hadamard_quantize.c", "int8_linear.c",
-           "rope_qkv.c", "calib_stats.c")
+           "rope_qkv.c", "float_linear.c", "calib_stats.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden"]
 ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
 ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)
@@ -74,9 +74,19 @@ def native_library(extra_flags: tuple[str, ...] = ()) -> tuple[Path | None, str]
 
 def int8_kernel(library: Path) -> str:
     """Which instructions the library's INT8 GEMM uses: "avx512-vnni", "avx2" or "portable C"."""
+    return _kernel(library, "AutoglmInt8Kernel")
+
+
+def float_kernel(library: Path) -> str:
+    """Which instructions the library's float GEMM (``FloatLinear``) uses: "avx512", "avx2-fma" or
+    "portable C"."""
+    return _kernel(library, "AutoglmFloatKernel")
+
+
+def _kernel(library: Path, symbol: str) -> str:
     import ctypes
 
-    fn = ctypes.CDLL(str(library)).AutoglmInt8Kernel
+    fn = getattr(ctypes.CDLL(str(library)), symbol)
     fn.restype = ctypes.c_char_p
     return fn().decode()
 

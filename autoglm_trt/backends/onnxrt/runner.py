@@ -14,7 +14,8 @@ built here (``native.py``): decode steps' attention runs in the ``PagedAttention
 a new tensor on every step (``attention`` says which form runs and why), and each INT8
 linear (its input rotation + quantization, GEMM and scaling) is one ``Int8Linear`` over
 weights repacked for the CPU's 8-bit dot products (``linear_op.py``), which the session reads in
-place from one buffer on huge pages (``weights_arena.py``); a step branches once between its
+place from one buffer on huge pages (``weights_arena.py``), as are the float linears' weights,
+repacked for ``FloatLinear`` (MatMul's sums, bit for bit); a step branches once between its
 decode and prefill forms (``step_branch.py``). Always: each residual Add + RMSNorm is one node
 (``fusions.py``). If the library does not load, the graph's own nodes run and ``attention``
 says why.
@@ -36,7 +37,7 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
                    pack: bool = True) -> tuple[Any, dict, Path | None, bool, str]:
     """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
     native library builds: decode-step attention, each layer's QKV split + rope, the INT8
-    linears, and the graph below the decode condition as one ``If`` (``step_branch.py``);
+    linears, the float linears (where the library has FMA), and the graph below the decode condition as one ``If`` (``step_branch.py``);
     always: residual + RMSNorm fused. Returns (model, packed weights by name, the
     library or None, whether decode steps run the attention operator, why not). ``pack``
     False: the nodes only, for counting (``linear_op.rewrite``)."""
@@ -45,7 +46,7 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
     from . import linear_op, rope_op
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
-    from .native import native_library
+    from .native import float_kernel, native_library
     from .step_branch import branch_once
 
     model = onnx.load(str(model_path), load_external_data=False)
@@ -57,8 +58,13 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
         else:
             why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
         fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, model_path.parent)
-        if hadamard_quantize(model):
-            packed = linear_op.rewrite(model, model_path.parent, pack)
+        quantized = hadamard_quantize(model)
+        try:  # without FMA, FloatLinear's sums would not be MatMul's
+            floats = float_kernel(library) != "portable C"
+        except (OSError, AttributeError):  # a library that does not load: the session fails and says so
+            floats = False
+        if quantized or floats:
+            packed = linear_op.rewrite(model, model_path.parent, pack, floats)
         elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)

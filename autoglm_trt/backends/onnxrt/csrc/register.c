@@ -29,7 +29,9 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &hadamard_quantize)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_split)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rope_qkv)))
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rope_qkv)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_split)))
       return status;
   }
   return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
@@ -37,3 +39,6 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
 
 /* which instructions the INT8 GEMM was built for ("avx512-vnni", "avx2" or "portable C"), for doctor */
 __attribute__((visibility("default"))) const char *AutoglmInt8Kernel(void) { return int8_linear_kernel; }
+
+/* which instructions FloatLinear's multiply-adds use ("avx512", "avx2-fma" or "portable C") */
+__attribute__((visibility("default"))) const char *AutoglmFloatKernel(void) { return float_linear_kernel; }

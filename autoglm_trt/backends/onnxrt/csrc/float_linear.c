@@ -1,0 +1,192 @@
+/* FloatLinear: y = x W for float32 weights repacked as 16-column tiles, summed in the order ONNX
+ * Runtime's own MatMul sums (MLAS's SGEMM over a constant, prepacked B): for each output, the
+ * products of each block of 256 inputs accumulated from zero by fused multiply-adds in input
+ * order, and the blocks' sums added to the output in order. So the outputs equal MatMul's bit for
+ * bit where MLAS uses fused multiply-adds (its AVX2/FMA3 and AVX-512 kernels);
+ * ``tests/test_float_linear.py`` checks that against ONNX Runtime on the machine it runs on, and
+ * the rewrite (``linear_op.py``) uses this operator only where the library was built with FMA.
+ *
+ * Batch-1 decode steps read each weight once: one 64-byte load feeds 16 outputs, and the tiles
+ * stream front to back. With more rows, each block of 256 inputs x 32 columns (32 KiB) is read
+ * from cache for every group of rows.
+ *
+ * Inputs:
+ *   0 x       float32 [..., K]
+ *   1 weight  float32 [N16, K, 16]   W[k, n] at [n / 16, k, n % 16]; N = 16 N16
+ * Output:
+ *   0 y       float32 [..., N]
+ * FloatLinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (N a
+ * multiple of 32). Shapes that do not fit together (the rewrite never makes them) give zeros.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_api.h"
+
+#define MAX_DIMS 8
+#define BLOCK 256 /* MLAS_SGEMM_STRIDEK: the inputs one partial sum covers */
+#define PAIRED_ROWS 32 /* up to this many rows, two tiles are computed together */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ROWS 8
+const char float_linear_kernel[] = "avx512";
+/* R rows x T tiles of 16 columns over inputs [k0, k1): the block's sums, stored (first block) or
+ * added to y[t][r]; rows past ``rows`` repeat the first and are not stored. Each row's input is
+ * broadcast once for the T tiles. */
+#define BLOCK_TILES(R, T)                                                                            \
+  static void block_##R##x##T(const float *const *x, int rows, const float *const *w, int64_t k0,   \
+                              int64_t k1, float *const (*y)[ROWS], int first) {                      \
+    __m512 a[T][R];                                                                                  \
+    for (int t = 0; t < T; t++)                                                                      \
+      for (int r = 0; r < R; r++) a[t][r] = _mm512_setzero_ps();                                     \
+    for (int64_t k = k0; k < k1; k++) {                                                              \
+      __m512 v[T];                                                                                   \
+      for (int t = 0; t < T; t++) v[t] = _mm512_loadu_ps(w[t] + 16 * k);                             \
+      for (int r = 0; r < R; r++) {                                                                  \
+        const __m512 xr = _mm512_set1_ps(x[r][k]);                                                   \
+        for (int t = 0; t < T; t++) a[t][r] = _mm512_fmadd_ps(xr, v[t], a[t][r]);                    \
+      }                                                                                              \
+    }                                                                                                \
+    for (int t = 0; t < T; t++)                                                                      \
+      for (int r = 0; r < rows; r++)                                                                 \
+        _mm512_storeu_ps(y[t][r], first ? a[t][r] : _mm512_add_ps(_mm512_loadu_ps(y[t][r]), a[t][r])); \
+  }
+BLOCK_TILES(1, 1)
+BLOCK_TILES(1, 2)
+BLOCK_TILES(4, 1)
+BLOCK_TILES(4, 2)
+BLOCK_TILES(8, 1)
+BLOCK_TILES(8, 2)
+/* groups of 8 rows where there are more than 4 (a batch), of 4 where more than 1, else one row
+ * (a decode step), so that few rows are not computed for nothing */
+static void block_tiles(const float *const *x, int rows, int tiles, const float *const *w, int64_t k0, int64_t k1,
+                        float *const (*y)[ROWS], int first) {
+  if (rows > 4) (tiles == 2 ? block_8x2 : block_8x1)(x, rows, w, k0, k1, y, first);
+  else if (rows > 1) (tiles == 2 ? block_4x2 : block_4x1)(x, rows, w, k0, k1, y, first);
+  else (tiles == 2 ? block_1x2 : block_1x1)(x, rows, w, k0, k1, y, first);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ROWS 2
+const char float_linear_kernel[] = "avx2-fma";
+static void block_tile(const float *const *x, int rows, const float *w, int64_t k0, int64_t k1,
+                       float *const *y, int first) {
+  __m256 a[ROWS][2];
+  for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; k++) {
+    const __m256 lo = _mm256_loadu_ps(w + 16 * k), hi = _mm256_loadu_ps(w + 16 * k + 8);
+    for (int r = 0; r < ROWS; r++) {
+      const __m256 xr = _mm256_set1_ps(x[r][k]);
+      a[r][0] = _mm256_fmadd_ps(xr, lo, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(xr, hi, a[r][1]);
+    }
+  }
+  for (int r = 0; r < rows; r++)
+    for (int h = 0; h < 2; h++)
+      _mm256_storeu_ps(y[r] + 8 * h, first ? a[r][h] : _mm256_add_ps(_mm256_loadu_ps(y[r] + 8 * h), a[r][h]));
+}
+#else
+#define ROWS 1
+const char float_linear_kernel[] = "portable C"; /* fmaf: the same sums, slowly; the rewrite skips it */
+static void block_tile(const float *const *x, int rows, const float *w, int64_t k0, int64_t k1,
+                       float *const *y, int first) {
+  (void)rows;
+  for (int i = 0; i < 16; i++) {
+    float a = 0.0f;
+    for (int64_t k = k0; k < k1; k++) a = fmaf(x[0][k], w[16 * k + i], a);
+    y[0][i] = first ? a : y[0][i] + a;
+  }
+}
+#endif
+#if !defined(__AVX512F__)
+/* each tile in turn */
+static void block_tiles(const float *const *x, int rows, int tiles, const float *const *w, int64_t k0, int64_t k1,
+                        float *const (*y)[ROWS], int first) {
+  for (int t = 0; t < tiles; t++) block_tile(x, rows, w[t], k0, k1, y[t], first);
+}
+#endif
+
+typedef struct {
+  const float *x;
+  int64_t rows, k, n;
+  const float *w;
+  float *y, *y2; /* FloatLinearSplit: columns from n / 2 on go to y2, and each output row has n / 2 */
+} Job;
+
+/* every row's outputs of column tiles 2p and 2p + 1 (the last pair may have one), block by block
+ * of inputs (the pair's block, 32 KiB, stays in cache while the row groups pass over it) */
+static void tile_pair(void *data, size_t p) {
+  const Job *j = data;
+  const int64_t width = j->y2 != NULL ? j->n / 2 : j->n, first_tile = 2 * (int64_t)p;
+  const int tiles = j->n / 16 - first_tile < 2 ? 1 : 2;
+  const float *w[2];
+  float *out[2];
+  for (int t = 0; t < 2; t++) { /* where each tile's weights are and its first row's outputs go */
+    const int64_t tile = first_tile + (t < tiles ? t : 0), col = 16 * tile;
+    w[t] = j->w + tile * j->k * 16;
+    out[t] = j->y2 != NULL && col >= width ? j->y2 + (col - width) : j->y + col;
+  }
+  /* a decode batch's few rows: both tiles at once, each input broadcast once for both; many rows
+   * (a prefill): one tile after the other, whose block alone stays in the first-level cache */
+  const int together = j->rows <= PAIRED_ROWS ? tiles : 1;
+  for (int t0 = 0; t0 < tiles; t0 += together)
+    for (int64_t k0 = 0; k0 < j->k; k0 += BLOCK) {
+      const int64_t k1 = j->k - k0 < BLOCK ? j->k : k0 + BLOCK;
+      for (int64_t r = 0; r < j->rows; r += ROWS) {
+        const int rows = (int)(j->rows - r < ROWS ? j->rows - r : ROWS);
+        const float *x[ROWS];
+        float *y[2][ROWS];
+        for (int i = 0; i < ROWS; i++) { /* rows past ``rows`` repeat the first and are not stored */
+          const int64_t row = r + (i < rows ? i : 0);
+          x[i] = j->x + row * j->k;
+          for (int t = 0; t < together; t++) y[t][i] = out[t0 + t] + row * width;
+        }
+        block_tiles(x, rows, together, w + t0, k0, k1, (float *const(*)[ROWS])y, k0 == 0);
+      }
+    }
+}
+
+static void run_linear(OrtKernelContext *ctx, int split) {
+  size_t rank = 0;
+  int64_t dims[MAX_DIMS], wd[3];
+  void *x, *w;
+  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || input(ctx, 1, &w, wd, 3)) return;
+  const int64_t k = dims[rank - 1], n = 16 * wd[0];
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
+  dims[rank - 1] = split ? n / 2 : n;
+  float *y = NULL, *y2 = NULL;
+  for (int o = 0; o <= split; o++) {
+    OrtValue *out_value = NULL;
+    if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, dims, rank, &out_value)) ||
+        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)(o ? &y2 : &y))))
+      return;
+  }
+  if (wd[1] != k || wd[2] != 16 || k < 1 || (split && n % 32)) {
+    memset(y, 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
+    if (y2 != NULL) memset(y2, 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
+    return;
+  }
+  if (rows == 0) return;
+  Job job = {x, rows, k, n, w, y, y2};
+  ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
+  const size_t pairs = (size_t)(wd[0] + 1) / 2;
+  if (pairs < 2 || parallel == NULL || failed(parallel(ctx, tile_pair, pairs, 0, &job)))
+    for (size_t p = 0; p < pairs; p++) tile_pair(&job, p);
+}
+
+static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 0); }
+static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 1); }
+
+static const char *op_name(const CustomOp *op) { (void)op; return "FloatLinear"; }
+static const char *op_name_split(const CustomOp *op) { (void)op; return "FloatLinearSplit"; }
+static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
+static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
+static size_t input_count(const CustomOp *op) { (void)op; return 2; }
+
+const CustomOp float_linear = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
+                               float_output, one_output,       compute, destroy_kernel, required, required};
+const CustomOp float_linear_split = {8,            stateless_kernel, op_name_split, cpu_provider, input_type, input_count,
+                                     float_output, two_outputs,      compute_split, destroy_kernel, required, required};

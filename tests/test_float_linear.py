@@ -1,0 +1,139 @@
+"""The native FloatLinear operator: ONNX Runtime's own MatMul and Gemm, bit for bit, with every
+kernel this CPU can run, and the rewrite of float engines' linears."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoglm_trt.backends.onnxrt import linear_op
+from autoglm_trt.backends.onnxrt.native import float_kernel, native_library
+
+
+def _model(k: int, n: int, op: str):
+    """x [rows, k] (MatMul: [1, rows, k]) times a random constant; ``op`` "MatMul", "Gemm" (its
+    constant stored transposed, ``transB``) or "Split" (a MatMul whose output is split in halves)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((n, k) if op == "Gemm" else (k, n)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["y"], name="g", transB=1) if op == "Gemm"
+             else helper.make_node("MatMul", ["x", "w"], ["y"], name="m")]
+    outputs = ["y"]
+    if op == "Split":
+        nodes.append(helper.make_node("Split", ["y"], ["y0", "y1"], name="s", axis=-1, num_outputs=2))
+        outputs = ["y0", "y1"]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", k] if op == "Gemm" else [1, "R", k])
+    graph = helper.make_graph(nodes, "linear", [x],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+                              [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("k,n,op", [
+    (576, 960, "MatMul"),  # SmolLM2's QKV: 3 blocks of 256 inputs, the last partial
+    (1536, 576, "MatMul"),  # its down projection: 6 whole blocks
+    (576, 3072, "Split"),  # its gate/up projection and the Split after it: FloatLinearSplit
+    (576, 1040, "Gemm"),  # a tied LM head (transB); 65 tiles: the last pair has one
+    (40, 16, "MatMul"),  # one partial block, one tile
+])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 16, 37])
+def test_it_equals_onnx_runtime_bit_for_bit(kernel_library, k, n, op, rows):
+    """Each output is the same float ONNX Runtime's MatMul (MLAS) computes: each block of 256
+    inputs summed by fused multiply-adds from zero, the blocks' sums added in order. Rows cover a
+    decode step (1), groups of 4 and 8 with rows left over, and a prefill's many rows."""
+    import onnx
+
+    from autoglm_trt.graph.session import make_session
+
+    model = _model(k, n, op)
+    plain = make_session(model.SerializeToString(), threads=2)
+    fused = onnx.ModelProto.FromString(model.SerializeToString())
+    arrays = linear_op.rewrite(fused, Path("."), floats=True)
+    want_op = "FloatLinearSplit" if op == "Split" else "FloatLinear"
+    assert [node.op_type for node in fused.graph.node] == [want_op]
+    assert {t.name for t in fused.graph.initializer} == {"w.tiles"}  # the original weights left the graph
+    assert arrays["w.tiles"].shape == (n // 16, k, 16)
+    session = make_session(fused.SerializeToString(), threads=2, custom_ops=kernel_library, initializers=arrays)
+    x = np.random.default_rng(rows).standard_normal((rows, k) if op == "Gemm" else (1, rows, k)).astype(np.float32)
+    want, got = plain.run(None, {"x": x}), session.run(None, {"x": x})
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and b.dtype == np.float32
+        np.testing.assert_array_equal(b, a)
+
+
+def test_tiles_put_each_weight_where_the_kernel_reads_it():
+    from onnx import numpy_helper
+
+    w = np.arange(5 * 32, dtype=np.float32).reshape(5, 32)
+    for transposed, t in ((False, w), (True, w.T.copy())):
+        tiles = linear_op._pack_all({}, {"w": (numpy_helper.from_array(t, "w"), transposed)}, numpy_helper.to_array)
+        got = tiles["w.tiles"]
+        assert got.shape == (2, 5, 16)
+        for k in range(5):
+            for c in range(32):
+                assert got[c // 16, k, c % 16] == w[k, c]
+
+
+def test_linears_it_would_not_compute_exactly_are_left_alone():
+    """A Gemm with alpha, a MatMul of 40 columns (not whole tiles) and one over a computed matrix."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.ones((64, 32), np.float32), "a"),
+             numpy_helper.from_array(np.ones((64, 40), np.float32), "b")]
+    nodes = [helper.make_node("Gemm", ["x", "a"], ["y0"], name="g", alpha=0.5),
+             helper.make_node("MatMul", ["x", "b"], ["y1"], name="m"),
+             helper.make_node("MatMul", ["x", "y2"], ["y3"], name="c")]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+    graph = helper.make_graph(nodes, "g", [value("x"), value("y2")], [value(f"y{i}") for i in (0, 1, 3)], inits)
+    model = helper.make_model(graph)
+    assert linear_op.rewrite(model, Path("."), floats=True) == {}
+    assert [n.op_type for n in model.graph.node] == ["Gemm", "MatMul", "MatMul"]
+
+
+def test_a_float_engine_runs_it_and_keeps_its_logits_bit_for_bit(tiny_engine, monkeypatch):
+    """The tiny fp32 engine with its linears as FloatLinear gives the logits of the same engine
+    with ONNX Runtime's MatMul, exactly, through a prefill of two prompts and two decode steps."""
+    from conftest import logits_over_steps
+
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends import open_runner
+    from autoglm_trt.backends.onnxrt import native, runner
+
+    library, why = native_library()
+    if library is None:
+        pytest.skip(f"the native operators cannot be built here: {why}")
+    if float_kernel(library) == "portable C":
+        pytest.skip("this CPU has no fused multiply-add, so the engine keeps ONNX Runtime's MatMul")
+    manifest = Manifest.read(tiny_engine)
+    model, arrays, *_ = runner.load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32))
+    counts = runner.decode_nodes(model)
+    assert counts.get("FloatLinear", 0) + counts.get("FloatLinearSplit", 0) >= 3 * manifest.spec.num_layers
+    assert any(name.endswith(".tiles") for name in arrays)
+    fused = open_runner(manifest, num_blocks=32, threads=2)
+    monkeypatch.setattr(native, "float_kernel", lambda library: "portable C")  # as on a CPU without FMA
+    plain_model, plain_arrays, *_ = runner.load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32))
+    assert "FloatLinear" not in runner.decode_nodes(plain_model) and not plain_arrays
+    plain = open_runner(manifest, num_blocks=32, threads=2)
+    for with_op, without in logits_over_steps([fused, plain]):
+        np.testing.assert_array_equal(with_op, without)
+    fused.close()
+    plain.close()
+
+
+def test_doctor_says_which_float_kernel_runs(tiny_engine, monkeypatch):
+    from conftest import run_cli
+
+    library, why = native_library()
+    if library is None:
+        pytest.skip(f"the native operators cannot be built here: {why}")
+    kernel = float_kernel(library)
+    r = run_cli("doctor", str(tiny_engine))
+    want = (f"float linears: native FloatLinear operator ({kernel} kernel" if kernel != "portable C"
+            else "float linears: ONNX Runtime's MatMul (this CPU has no fused multiply-add)")
+    assert r.returncode == 0 and want in r.stdout, r.stdout
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    r = run_cli("doctor", str(tiny_engine))
+    assert r.returncode == 0 and "float linears: ONNX Runtime's MatMul\n" in r.stdout
