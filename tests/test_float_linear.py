@@ -12,30 +12,38 @@ from autoglm_trt.backends.onnxrt import linear_op
 from autoglm_trt.backends.onnxrt.native import float_kernel, native_library
 
 
-def _model(k: int, n: int, op: str):
-    """x [rows, k] (MatMul: [1, rows, k]) times a random constant; ``op`` "MatMul", "Gemm" (its
-    constant stored transposed, ``transB``) or "Split" (a MatMul whose output is split in halves)."""
+def _model(k: int, n: int, op: str, w: np.ndarray | None = None):
+    """x [rows, k] (MatMul: [1, rows, k]) times a constant (``w``, or random); ``op`` "MatMul",
+    "Gemm" (its constant stored transposed, ``transB``), "Split" (a MatMul whose output is split
+    in halves) or "SiluMul" (and then SiLU(first half) * second half, as ONNX Runtime's fusion
+    writes it: QuickGelu with alpha 1, Mul)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(k + n)
-    w = rng.standard_normal((n, k) if op == "Gemm" else (k, n)).astype(np.float32)
+    if w is None:
+        w = rng.standard_normal((n, k) if op == "Gemm" else (k, n)).astype(np.float32)
     nodes = [helper.make_node("Gemm", ["x", "w"], ["y"], name="g", transB=1) if op == "Gemm"
              else helper.make_node("MatMul", ["x", "w"], ["y"], name="m")]
     outputs = ["y"]
-    if op == "Split":
+    if op in ("Split", "SiluMul"):
         nodes.append(helper.make_node("Split", ["y"], ["y0", "y1"], name="s", axis=-1, num_outputs=2))
         outputs = ["y0", "y1"]
+    if op == "SiluMul":
+        nodes += [helper.make_node("QuickGelu", ["y0"], ["a"], name="q", domain="com.microsoft", alpha=1.0),
+                  helper.make_node("Mul", ["a", "y1"], ["z"], name="u")]
+        outputs = ["z"]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", k] if op == "Gemm" else [1, "R", k])
     graph = helper.make_graph(nodes, "linear", [x],
                               [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
                               [numpy_helper.from_array(w, "w")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
 
 
 @pytest.mark.parametrize("k,n,op", [
     (576, 960, "MatMul"),  # SmolLM2's QKV: 3 blocks of 256 inputs, the last partial
     (1536, 576, "MatMul"),  # its down projection: 6 whole blocks
     (576, 3072, "Split"),  # its gate/up projection and the Split after it: FloatLinearSplit
+    (576, 3072, "SiluMul"),  # and its activation too: FloatLinearSiluMul
     (576, 1040, "Gemm"),  # a tied LM head (transB); 65 tiles: the last pair has one
     (40, 16, "MatMul"),  # one partial block, one tile
 ])
@@ -51,8 +59,8 @@ def test_it_equals_onnx_runtime_bit_for_bit(kernel_library, k, n, op, rows):
     model = _model(k, n, op)
     plain = make_session(model.SerializeToString(), threads=2)
     fused = onnx.ModelProto.FromString(model.SerializeToString())
-    arrays = linear_op.rewrite(fused, Path("."), floats=True)
-    want_op = "FloatLinearSplit" if op == "Split" else "FloatLinear"
+    arrays = linear_op.rewrite(fused, Path("."), fma=True)
+    want_op = {"Split": "FloatLinearSplit", "SiluMul": "FloatLinearSiluMul"}.get(op, "FloatLinear")
     assert [node.op_type for node in fused.graph.node] == [want_op]
     assert {t.name for t in fused.graph.initializer} == {"w.tiles"}  # the original weights left the graph
     assert arrays["w.tiles"].shape == (n // 16, k, 16)
@@ -62,6 +70,34 @@ def test_it_equals_onnx_runtime_bit_for_bit(kernel_library, k, n, op, rows):
     for a, b in zip(want, got):
         assert a.shape == b.shape and b.dtype == np.float32
         np.testing.assert_array_equal(b, a)
+
+
+def test_silu_times_up_equals_onnx_runtime_over_the_whole_float_range(kernel_library):
+    """FloatLinearSiluMul over weights that pass each input through unchanged (gate = up = x), so
+    its output is SiLU(x) * x for 4 million inputs: random bit patterns (every exponent, infinities
+    and NaNs), values about the logistic's clamp at +-18 and where it rounds to 0 or 1, and
+    ordinary activations; bit for bit ONNX Runtime's QuickGelu and Mul (NaN where they give NaN)."""
+    import onnx
+
+    from autoglm_trt.graph.session import make_session
+
+    eye = np.eye(16, dtype=np.float32)
+    model = _model(16, 32, "SiluMul", np.concatenate([eye, eye], axis=1))
+    plain = make_session(model.SerializeToString(), threads=2)
+    fused = onnx.ModelProto.FromString(model.SerializeToString())
+    arrays = linear_op.rewrite(fused, Path("."), fma=True)
+    assert [node.op_type for node in fused.graph.node] == ["FloatLinearSiluMul"]
+    session = make_session(fused.SerializeToString(), threads=2, custom_ops=kernel_library, initializers=arrays)
+    rng = np.random.default_rng(7)
+    n = 2**20
+    x = np.concatenate([rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.uniform(-20, 20, n).astype(np.float32), (rng.standard_normal(n) * 3).astype(np.float32),
+                        (18 + rng.uniform(-0.5, 0.5, n) * rng.choice([-1, 1], n)).astype(np.float32),
+                        np.array([0, -0.0, np.inf, -np.inf, np.nan, 18, -18, 1e-30, 3.4e38, -3.4e38] + [1] * 6, np.float32)])
+    x = x.reshape(1, -1, 16)
+    want, got = plain.run(None, {"x": x})[0], session.run(None, {"x": x})[0]
+    same = (want.view(np.uint32) == got.view(np.uint32)) | (np.isnan(want) & np.isnan(got))
+    assert same.all(), f"{np.count_nonzero(~same)} of {same.size} differ, e.g. at x = {x.reshape(-1)[~same.reshape(-1)][:4]}"
 
 
 def test_tiles_put_each_weight_where_the_kernel_reads_it():
@@ -89,13 +125,15 @@ def test_linears_it_would_not_compute_exactly_are_left_alone():
     value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
     graph = helper.make_graph(nodes, "g", [value("x"), value("y2")], [value(f"y{i}") for i in (0, 1, 3)], inits)
     model = helper.make_model(graph)
-    assert linear_op.rewrite(model, Path("."), floats=True) == {}
+    assert linear_op.rewrite(model, Path("."), fma=True) == {}
     assert [n.op_type for n in model.graph.node] == ["Gemm", "MatMul", "MatMul"]
 
 
-def test_a_float_engine_runs_it_and_keeps_its_logits_bit_for_bit(tiny_engine, monkeypatch):
-    """The tiny fp32 engine with its linears as FloatLinear gives the logits of the same engine
-    with ONNX Runtime's MatMul, exactly, through a prefill of two prompts and two decode steps."""
+@pytest.mark.parametrize("engine", ["tiny_engine", "tiny_int8_engine"])
+def test_an_engine_runs_them_and_keeps_its_logits_bit_for_bit(engine, request, monkeypatch):
+    """The tiny fp32 and INT8 engines with FloatLinear (every float linear) and the SiluMul forms
+    give the logits of the same engines with ONNX Runtime's MatMul, QuickGelu and Mul, exactly,
+    through a prefill of two prompts and two decode steps."""
     from conftest import logits_over_steps
 
     from autoglm_trt.artifacts import Manifest
@@ -106,16 +144,20 @@ def test_a_float_engine_runs_it_and_keeps_its_logits_bit_for_bit(tiny_engine, mo
     if library is None:
         pytest.skip(f"the native operators cannot be built here: {why}")
     if float_kernel(library) == "portable C":
-        pytest.skip("this CPU has no fused multiply-add, so the engine keeps ONNX Runtime's MatMul")
-    manifest = Manifest.read(tiny_engine)
+        pytest.skip("this CPU has no fused multiply-add, so the engine keeps ONNX Runtime's nodes")
+    manifest = Manifest.read(request.getfixturevalue(engine))
+    layers = manifest.spec.num_layers
     model, arrays, *_ = runner.load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32))
     counts = runner.decode_nodes(model)
-    assert counts.get("FloatLinear", 0) + counts.get("FloatLinearSplit", 0) >= 3 * manifest.spec.num_layers
-    assert any(name.endswith(".tiles") for name in arrays)
+    gated = "FloatLinearSiluMul" if manifest.precision == "fp32" else "Int8LinearSiluMul"
+    assert counts.get(gated) == layers and "QuickGelu" not in counts
+    if manifest.precision == "fp32":
+        assert counts.get("FloatLinear", 0) >= 3 * layers and any(name.endswith(".tiles") for name in arrays)
     fused = open_runner(manifest, num_blocks=32, threads=2)
     monkeypatch.setattr(native, "float_kernel", lambda library: "portable C")  # as on a CPU without FMA
-    plain_model, plain_arrays, *_ = runner.load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32))
-    assert "FloatLinear" not in runner.decode_nodes(plain_model) and not plain_arrays
+    plain_model, *_ = runner.load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32))
+    plain_counts = runner.decode_nodes(plain_model)
+    assert not {"FloatLinear", gated} & set(plain_counts) and plain_counts.get("QuickGelu") == layers
     plain = open_runner(manifest, num_blocks=32, threads=2)
     for with_op, without in logits_over_steps([fused, plain]):
         np.testing.assert_array_equal(with_op, without)

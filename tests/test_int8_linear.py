@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from autoglm_trt.backends.onnxrt.linear_op import pack_weights, rewrite
-from autoglm_trt.backends.onnxrt.native import int8_kernel, native_library
+from autoglm_trt.backends.onnxrt.native import float_kernel, int8_kernel, native_library
 
 
 def test_packed_weights_put_each_weight_where_the_kernel_reads_it():
@@ -27,9 +27,10 @@ def test_packed_weights_put_each_weight_where_the_kernel_reads_it():
 
 
 def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w: np.ndarray, w_scale: np.ndarray,
-                    split: bool = False):
+                    split: bool = False, gated: bool = False):
     """x -> HadamardQuantize -> q, and x -> Int8Linear -> y, in one session; with ``split`` also
-    x -> Int8LinearSplit -> (y0, y1)."""
+    x -> Int8LinearSplit -> (y0, y1); with ``gated`` also ONNX Runtime's SiLU(y0) * y1 (QuickGelu
+    with alpha 1, Mul) -> silu_ref, and x -> Int8LinearSiluMul -> silu."""
     from onnx import TensorProto, helper, numpy_helper
 
     from autoglm_trt.graph.hadamard import hadamard
@@ -47,9 +48,16 @@ def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w:
         nodes.append(helper.make_node("Int8LinearSplit", ["x", "h", "s", "z", "wp", "cs", "ws"], ["y0", "y1"],
                                       domain="autoglm.trt"))
         outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y0", "y1")]
+    if gated:
+        nodes += [helper.make_node("QuickGelu", ["y0"], ["a"], domain="com.microsoft", alpha=1.0),
+                  helper.make_node("Mul", ["a", "y1"], ["silu_ref"]),
+                  helper.make_node("Int8LinearSiluMul", ["x", "h", "s", "z", "wp", "cs", "ws"], ["silu"],
+                                   domain="autoglm.trt")]
+        outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("silu_ref", "silu")]
     graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
                               outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     return make_session(model.SerializeToString(), threads=2, custom_ops=library)
 
 
@@ -114,6 +122,21 @@ def test_the_split_form_gives_the_two_halves_bit_for_bit(kernel_library, rows, n
         np.testing.assert_array_equal(y1, y[..., n // 2:])
 
 
+@pytest.mark.parametrize("rows", [1, 6, 37])
+def test_the_gated_form_is_silu_times_up_as_onnx_runtime_computes_it(kernel_library, rows):
+    """Int8LinearSiluMul's output is ONNX Runtime's QuickGelu(alpha 1) of Int8LinearSplit's first
+    half times its second half, bit for bit (outputs large enough to reach the logistic's clamp)."""
+    rng = np.random.default_rng(rows)
+    k, n, b = 576, 3072, 64
+    w = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    x = rng.standard_normal((1, rows, k)).astype(np.float32)
+    session = _linear_session(kernel_library, k, n, b, 0.03, 128, w, rng.uniform(1e-3, 2e-2, n).astype(np.float32),
+                              split=True, gated=True)
+    _, _, y0, _, want, got = session.run(None, {"x": x})
+    assert got.shape == (1, rows, n // 2) and np.abs(y0).max() > 18
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_int8_engine, monkeypatch):
     import onnx
     from conftest import logits_over_steps
@@ -146,7 +169,7 @@ def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_in
 
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
     fused = open_runner(manifest, num_blocks=32, threads=1)
-    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True, floats=False: {})
+    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True, fma=False: {})
     plain = open_runner(manifest, num_blocks=32, threads=1)
     for with_op, without in logits_over_steps([fused, plain]):  # a prefill of two prompts, then two decode steps
         # ONNX Runtime's own INT8 GEMM may saturate 16-bit pair sums on CPUs without VNNI
@@ -200,7 +223,9 @@ def test_inspect_prints_the_decode_step_as_onnx_runtime_runs_it(tiny_int8_engine
     assert r.returncode == 0, r.stderr
     decode = json.loads(r.stdout)["decode_graph"]
     ops = decode["nodes_by_op"]
-    assert ops["PagedAttention"] == ops["RopeQKV"] == ops["Int8LinearSplit"] == layers
+    # the gate/up projection with its Split, and where the library has FMA its SiLU * up too
+    gated = "Int8LinearSiluMul" if float_kernel(native_library()[0]) != "portable C" else "Int8LinearSplit"
+    assert ops["PagedAttention"] == ops["RopeQKV"] == ops[gated] == layers
     assert ops["Int8Linear"] >= 3 * layers
     assert "MatMulIntegerToFloat" not in ops and decode["nodes"] == sum(ops.values()) < decode["saved_nodes"]
     text = run_cli("inspect", str(tiny_int8_engine)).stdout

@@ -13,10 +13,12 @@ not serialized into the graph: they come back as arrays, all in one buffer on hu
 ``graph.session``), and the graph declares them as external data of their type and shape. The
 original weights leave the graph, so the process holds one copy of them, as before.
 
-With ``floats``, each float linear (``MatMul`` or ``Gemm`` over a constant float32 matrix of
-whole 16-column tiles) becomes ``autoglm.trt.FloatLinear`` (``csrc/float_linear.c``;
-``FloatLinearSplit`` before a ``Split`` into halves), its weights as 16-column tiles in the same
-buffer; it sums as ONNX Runtime's MatMul does, so the outputs do not change.
+With ``fma`` (the native library has fused multiply-add), each float linear (``MatMul`` or
+``Gemm`` over a constant float32 matrix of whole 16-column tiles) becomes
+``autoglm.trt.FloatLinear`` (``csrc/float_linear.c``; ``FloatLinearSplit`` before a ``Split`` into
+halves), its weights as 16-column tiles in the same buffer, and a gate/up projection followed by
+SiLU(gate) * up (``QuickGelu`` and ``Mul``) becomes one ``Int8LinearSiluMul`` or
+``FloatLinearSiluMul``. They compute what ONNX Runtime's nodes do, so the outputs do not change.
 
 Like every rewrite in this package it is for ONNX Runtime alone, made when the engine is
 loaded; the saved engine and the graph TensorRT builds keep ``MatMulIntegerToFloat`` and
@@ -99,12 +101,13 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
 
 
 def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
-            floats: bool = False) -> dict[str, np.ndarray]:
+            fma: bool = False) -> dict[str, np.ndarray]:
     """Fuse in place, reading the int8 weights (external data under ``weights_dir``, or inline);
-    the packed weights and column sums by initializer name (empty: nothing fused). ``floats``:
-    each float linear too (``MatMul`` or ``Gemm`` over a constant float32 matrix of a multiple of
-    16 columns) as ``FloatLinear``, which sums as ONNX Runtime's MatMul does where the native
-    library was built with FMA (``native.float_kernel``; ``runner.load_rewritten`` asks). With
+    the packed weights and column sums by initializer name (empty: nothing fused). ``fma``: the
+    native library was built with fused multiply-add (``native.float_kernel``;
+    ``runner.load_rewritten`` asks), so it computes what ONNX Runtime does for float linears
+    too (``MatMul`` or ``Gemm`` over a constant float32 matrix of a multiple of 16 columns:
+    ``FloatLinear``) and for SiLU(gate) * up after a gate/up projection (``*SiluMul``). With
     ``pack`` False (``inspect``, which only counts nodes) no weight is read or packed and the
     graph is left unloadable."""
     graph = model.graph
@@ -142,7 +145,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for mm in old:
-        transposed = _float_matrix(mm, inits) if floats else None
+        transposed = _float_matrix(mm, inits) if fma else None
         if transposed is not None:
             t = inits[mm.input[1]]
             float_weights[mm.input[1]] = (t, transposed)
@@ -163,6 +166,8 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     if not replaced:
         return {}
     nodes = _split_halves([replaced.get(id(n), n) for n in old if id(n) not in dropped], inits, readers, widths)
+    if fma:
+        nodes = _silu_mul(nodes, readers)
     del graph.node[:]
     graph.node.extend(nodes)
     if not pack:
@@ -226,6 +231,38 @@ def _split_halves(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto
         fused.output[:] = list(split.output)
         merged[id(linear)] = fused
         dropped.add(id(split))
+    return [merged.get(id(n), n) for n in nodes if id(n) not in dropped]
+
+
+def _silu_mul(nodes: list[onnx.NodeProto], readers: dict[str, int]) -> list[onnx.NodeProto]:
+    """Each ``Int8LinearSplit`` or ``FloatLinearSplit`` whose halves (gate, up) are read only by
+    ``QuickGelu(gate)`` with alpha 1 (SiLU, as ONNX Runtime's fusion writes it) and a ``Mul`` of
+    its output by up, as one ``Int8LinearSiluMul`` or ``FloatLinearSiluMul`` giving the ``Mul``'s
+    output."""
+    splits = {n.output[0]: n for n in nodes if n.op_type in (f"{OP}Split", f"{FLOAT_OP}Split") and n.domain == DOMAIN}
+    by_input: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            by_input.setdefault(name, []).append(node)
+    merged: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for act in nodes:
+        split = splits.get(act.input[0]) if act.op_type == "QuickGelu" and act.input else None
+        alpha = {a.name: helper.get_attribute_value(a) for a in act.attribute}.get("alpha")
+        if split is None or act.domain != "com.microsoft" or alpha != 1.0 or readers.get(split.output[0]) != 1:
+            continue
+        gate, up = split.output
+        muls = by_input.get(act.output[0], [])
+        if readers.get(up) != 1 or readers.get(act.output[0]) != 1 or len(muls) != 1:
+            continue
+        mul = muls[0]
+        if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or sorted(mul.input) != sorted([act.output[0], up]):
+            continue
+        fused = onnx.NodeProto.FromString(split.SerializeToString())
+        fused.op_type, fused.name = split.op_type.replace("Split", "SiluMul"), f"{split.name}.silu_mul"
+        fused.output[:] = [mul.output[0]]
+        merged[id(split)] = fused
+        dropped |= {id(act), id(mul)}
     return [merged.get(id(n), n) for n in nodes if id(n) not in dropped]
 
 

@@ -37,7 +37,8 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
                    pack: bool = True) -> tuple[Any, dict, Path | None, bool, str]:
     """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
     native library builds: decode-step attention, each layer's QKV split + rope, the INT8
-    linears, the float linears (where the library has FMA), and the graph below the decode condition as one ``If`` (``step_branch.py``);
+    linears, the float linears and SiLU * up (where the library has FMA), and the graph below
+    the decode condition as one ``If`` (``step_branch.py``);
     always: residual + RMSNorm fused. Returns (model, packed weights by name, the
     library or None, whether decode steps run the attention operator, why not). ``pack``
     False: the nodes only, for counting (``linear_op.rewrite``)."""
@@ -60,11 +61,11 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
         fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, model_path.parent)
         quantized = hadamard_quantize(model)
         try:  # without FMA, FloatLinear's sums would not be MatMul's
-            floats = float_kernel(library) != "portable C"
+            fma = float_kernel(library) != "portable C"
         except (OSError, AttributeError):  # a library that does not load: the session fails and says so
-            floats = False
-        if quantized or floats:
-            packed = linear_op.rewrite(model, model_path.parent, pack, floats)
+            fma = False
+        if quantized or fma:
+            packed = linear_op.rewrite(model, model_path.parent, pack, fma)
         elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)

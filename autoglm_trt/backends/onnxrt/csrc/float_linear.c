@@ -16,17 +16,21 @@
  * Output:
  *   0 y       float32 [..., N]
  * FloatLinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (N a
- * multiple of 32). Shapes that do not fit together (the rewrite never makes them) give zeros.
+ * multiple of 32); FloatLinearSiluMul: one output, [..., N / 2], SiLU(first half) * second half as
+ * ONNX Runtime's QuickGelu and Mul compute it (``silu.h``). Shapes that do not fit together (the
+ * rewrite never makes them) give zeros.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ort_api.h"
+#include "silu.h"
 
 #define MAX_DIMS 8
 #define BLOCK 256 /* MLAS_SGEMM_STRIDEK: the inputs one partial sum covers */
 #define PAIRED_ROWS 32 /* up to this many rows, two tiles are computed together */
+#define GATED_ROWS 64  /* FloatLinearSiluMul's rows at a time */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -115,40 +119,64 @@ typedef struct {
   float *y, *y2; /* FloatLinearSplit: columns from n / 2 on go to y2, and each output row has n / 2 */
 } Job;
 
-/* every row's outputs of column tiles 2p and 2p + 1 (the last pair may have one), block by block
- * of inputs (the pair's block, 32 KiB, stays in cache while the row groups pass over it) */
-static void tile_pair(void *data, size_t p) {
-  const Job *j = data;
-  const int64_t width = j->y2 != NULL ? j->n / 2 : j->n, first_tile = 2 * (int64_t)p;
-  const int tiles = j->n / 16 - first_tile < 2 ? 1 : 2;
+/* rows [r0, r1) of ``tiles`` (1 or 2) column tiles, tile t's outputs of row r at
+ * out[t] + (r - r0) * width, block by block of inputs (the tiles' block, 16 or 32 KiB, stays in
+ * cache while the row groups pass over it) */
+static void tiles_into(const Job *j, const int64_t *tile, int tiles, int64_t r0, int64_t r1, float *const *out,
+                       int64_t width) {
   const float *w[2];
-  float *out[2];
-  for (int t = 0; t < 2; t++) { /* where each tile's weights are and its first row's outputs go */
-    const int64_t tile = first_tile + (t < tiles ? t : 0), col = 16 * tile;
-    w[t] = j->w + tile * j->k * 16;
-    out[t] = j->y2 != NULL && col >= width ? j->y2 + (col - width) : j->y + col;
-  }
+  for (int t = 0; t < 2; t++) w[t] = j->w + tile[t < tiles ? t : 0] * j->k * 16;
   /* a decode batch's few rows: both tiles at once, each input broadcast once for both; many rows
    * (a prefill): one tile after the other, whose block alone stays in the first-level cache */
-  const int together = j->rows <= PAIRED_ROWS ? tiles : 1;
+  const int together = r1 - r0 <= PAIRED_ROWS ? tiles : 1;
   for (int t0 = 0; t0 < tiles; t0 += together)
     for (int64_t k0 = 0; k0 < j->k; k0 += BLOCK) {
       const int64_t k1 = j->k - k0 < BLOCK ? j->k : k0 + BLOCK;
-      for (int64_t r = 0; r < j->rows; r += ROWS) {
-        const int rows = (int)(j->rows - r < ROWS ? j->rows - r : ROWS);
+      for (int64_t r = r0; r < r1; r += ROWS) {
+        const int rows = (int)(r1 - r < ROWS ? r1 - r : ROWS);
         const float *x[ROWS];
         float *y[2][ROWS];
         for (int i = 0; i < ROWS; i++) { /* rows past ``rows`` repeat the first and are not stored */
           const int64_t row = r + (i < rows ? i : 0);
           x[i] = j->x + row * j->k;
-          for (int t = 0; t < together; t++) y[t][i] = out[t0 + t] + row * width;
+          for (int t = 0; t < together; t++) y[t][i] = out[t0 + t] + (row - r0) * width;
         }
         block_tiles(x, rows, together, w + t0, k0, k1, (float *const(*)[ROWS])y, k0 == 0);
       }
     }
 }
 
-static void run_linear(OrtKernelContext *ctx, int split) {
+/* every row's outputs of column tiles 2p and 2p + 1 (the last pair may have one) */
+static void tile_pair(void *data, size_t p) {
+  const Job *j = data;
+  const int64_t width = j->y2 != NULL ? j->n / 2 : j->n, tile[2] = {2 * (int64_t)p, 2 * (int64_t)p + 1};
+  float *out[2];
+  for (int t = 0; t < 2; t++) { /* where each tile's first row's outputs go */
+    const int64_t col = 16 * tile[t];
+    out[t] = j->y2 != NULL && col >= width ? j->y2 + (col - width) : j->y + col;
+  }
+  tiles_into(j, tile, j->n / 16 - tile[0] < 2 ? 1 : 2, 0, j->rows, out, width);
+}
+
+/* FloatLinearSiluMul: every row's outputs of gate tile t and of the up tile n / 32 tiles on, as
+ * SiLU(gate) * up, GATED_ROWS rows at a time (the two tiles' sums wait on the stack) */
+static void gated_pair(void *data, size_t t) {
+  const Job *j = data;
+  const int64_t half = j->n / 2, tile[2] = {(int64_t)t, half / 16 + (int64_t)t};
+  float sums[GATED_ROWS * 32];
+  float *const out[2] = {sums, sums + 16};
+  for (int64_t r0 = 0; r0 < j->rows; r0 += GATED_ROWS) {
+    const int64_t r1 = j->rows - r0 < GATED_ROWS ? j->rows : r0 + GATED_ROWS;
+    tiles_into(j, tile, 2, r0, r1, out, 32);
+    for (int64_t r = r0; r < r1; r++)
+      silu_mul(sums + 32 * (r - r0), sums + 32 * (r - r0) + 16, j->y + r * half + 16 * (int64_t)t, 16);
+  }
+}
+
+enum { PLAIN, SPLIT, GATED }; /* FloatLinear, FloatLinearSplit, FloatLinearSiluMul */
+
+static void run_linear(OrtKernelContext *ctx, int mode) {
+  const int split = mode == SPLIT, halves = mode != PLAIN;
   size_t rank = 0;
   int64_t dims[MAX_DIMS], wd[3];
   void *x, *w;
@@ -156,7 +184,7 @@ static void run_linear(OrtKernelContext *ctx, int split) {
   const int64_t k = dims[rank - 1], n = 16 * wd[0];
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-  dims[rank - 1] = split ? n / 2 : n;
+  dims[rank - 1] = halves ? n / 2 : n;
   float *y = NULL, *y2 = NULL;
   for (int o = 0; o <= split; o++) {
     OrtValue *out_value = NULL;
@@ -164,7 +192,7 @@ static void run_linear(OrtKernelContext *ctx, int split) {
         failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)(o ? &y2 : &y))))
       return;
   }
-  if (wd[1] != k || wd[2] != 16 || k < 1 || (split && n % 32)) {
+  if (wd[1] != k || wd[2] != 16 || k < 1 || (halves && n % 32)) {
     memset(y, 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
     if (y2 != NULL) memset(y2, 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
     return;
@@ -172,16 +200,19 @@ static void run_linear(OrtKernelContext *ctx, int split) {
   if (rows == 0) return;
   Job job = {x, rows, k, n, w, y, y2};
   ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
-  const size_t pairs = (size_t)(wd[0] + 1) / 2;
-  if (pairs < 2 || parallel == NULL || failed(parallel(ctx, tile_pair, pairs, 0, &job)))
-    for (size_t p = 0; p < pairs; p++) tile_pair(&job, p);
+  void (*fn)(void *, size_t) = mode == GATED ? gated_pair : tile_pair;
+  const size_t tasks = (size_t)(mode == GATED ? wd[0] / 2 : (wd[0] + 1) / 2); /* gate tiles, or pairs */
+  if (tasks < 2 || parallel == NULL || failed(parallel(ctx, fn, tasks, 0, &job)))
+    for (size_t i = 0; i < tasks; i++) fn(&job, i);
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 0); }
-static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 1); }
+static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, PLAIN); }
+static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, SPLIT); }
+static void compute_gated(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, GATED); }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "FloatLinear"; }
 static const char *op_name_split(const CustomOp *op) { (void)op; return "FloatLinearSplit"; }
+static const char *op_name_gated(const CustomOp *op) { (void)op; return "FloatLinearSiluMul"; }
 static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
 static size_t input_count(const CustomOp *op) { (void)op; return 2; }
@@ -190,3 +221,5 @@ const CustomOp float_linear = {8,            stateless_kernel, op_name, cpu_prov
                                float_output, one_output,       compute, destroy_kernel, required, required};
 const CustomOp float_linear_split = {8,            stateless_kernel, op_name_split, cpu_provider, input_type, input_count,
                                      float_output, two_outputs,      compute_split, destroy_kernel, required, required};
+const CustomOp float_linear_silu_mul = {8,            stateless_kernel, op_name_gated, cpu_provider, input_type, input_count,
+                                       float_output, one_output,       compute_gated, destroy_kernel, required, required};

@@ -23,13 +23,16 @@
  *
  * Int8LinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (a
  * fused gate/up projection and the Split that follows it; N a multiple of 32, so no tile of 16
- * columns straddles them). The values are Int8Linear's, bit for bit.
+ * columns straddles them). The values are Int8Linear's, bit for bit. Int8LinearSiluMul: one output,
+ * [..., N / 2], SiLU(first half) * second half as ONNX Runtime's QuickGelu and Mul compute it
+ * (``silu.h``): a gate/up projection and its activation.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "ort_api.h"
 #include "rotate.h"
+#include "silu.h"
 
 #define MAX_DIMS 8
 
@@ -131,26 +134,55 @@ static void quantize_row(void *data, size_t i) {
   memset(row + j->k, 0, (size_t)(j->kp - j->k)); /* the weights are zero there */
 }
 
+/* the rows' ``tile`` sums (of rows x 16) rows r.. of columns first.. dequantized: ``count`` floats
+ * per row, row i at y + i * stride */
+static void dequantize(const Job *j, const int32_t *sums, int rows, int64_t first, int64_t count, float *y,
+                       int64_t stride) {
+  const int32_t zero = (int32_t)j->zero;
+  for (int i = 0; i < rows; i++)
+    for (int64_t c = 0; c < count; c++)
+      y[i * stride + c] = (float)(sums[16 * i + c] - zero * j->col_sums[first + c]) * (j->a_scale * j->w_scale[first + c]);
+}
+
+/* the quantized inputs of rows r.. (at most ROWS; past ``rows`` they repeat row r) */
+static int row_group(const Job *j, int64_t r, const uint8_t **x) {
+  const int rows = (int)(j->rows - r < ROWS ? j->rows - r : ROWS);
+  for (int i = 0; i < ROWS; i++) x[i] = j->xq + (r + (i < rows ? i : 0)) * j->kp;
+  return rows;
+}
+
 /* every row's 16 outputs of column tile t */
 static void column_tile(void *data, size_t t) {
   const Job *j = data;
   const int8_t *w = j->w + (int64_t)t * (j->kp * 16);
-  const int32_t zero = (int32_t)j->zero;
   int32_t sums[ROWS * 16];
   const int64_t first = (int64_t)t * 16, count = j->n - first < 16 ? j->n - first : 16;
+  const int64_t width = j->y2 != NULL ? j->n / 2 : j->n; /* an output row */
+  float *const out = j->y2 != NULL && first >= width ? j->y2 : j->y;
+  const int64_t col = out == j->y ? first : first - width;
   for (int64_t r = 0; r < j->rows; r += ROWS) {
-    const int rows = (int)(j->rows - r < ROWS ? j->rows - r : ROWS);
     const uint8_t *x[ROWS];
-    for (int i = 0; i < ROWS; i++) x[i] = j->xq + (r + (i < rows ? i : 0)) * j->kp;
+    const int rows = row_group(j, r, x);
     tile(x, rows, w, j->kp / 4, sums);
-    const int64_t width = j->y2 != NULL ? j->n / 2 : j->n; /* an output row */
-    float *const out = j->y2 != NULL && first >= width ? j->y2 : j->y;
-    const int64_t col = out == j->y ? first : first - width;
-    for (int i = 0; i < rows; i++) {
-      float *y = out + (r + i) * width + col;
-      for (int64_t c = 0; c < count; c++)
-        y[c] = (float)(sums[16 * i + c] - zero * j->col_sums[first + c]) * (j->a_scale * j->w_scale[first + c]);
-    }
+    dequantize(j, sums, rows, first, count, out + r * width + col, width);
+  }
+}
+
+/* Int8LinearSiluMul: every row's 16 outputs of gate tile t and of the up tile n / 32 tiles on,
+ * as SiLU(gate) * up */
+static void gated_tile(void *data, size_t t) {
+  const Job *j = data;
+  const int64_t half = j->n / 2, first = (int64_t)t * 16;
+  int32_t sums[ROWS * 16];
+  float gate[ROWS * 16], up[ROWS * 16];
+  for (int64_t r = 0; r < j->rows; r += ROWS) {
+    const uint8_t *x[ROWS];
+    const int rows = row_group(j, r, x);
+    tile(x, rows, j->w + (int64_t)t * (j->kp * 16), j->kp / 4, sums);
+    dequantize(j, sums, rows, first, 16, gate, 16);
+    tile(x, rows, j->w + (half / 16 + (int64_t)t) * (j->kp * 16), j->kp / 4, sums);
+    dequantize(j, sums, rows, half + first, 16, up, 16);
+    for (int i = 0; i < rows; i++) silu_mul(gate + 16 * i, up + 16 * i, j->y + (r + i) * half + first, 16);
   }
 }
 
@@ -166,7 +198,10 @@ static void run(OrtKernelContext *ctx, ParallelForFn parallel, void (*fn)(void *
     for (size_t i = 0; i < count; i++) fn(job, i);
 }
 
-static void run_linear(OrtKernelContext *ctx, int split) {
+enum { PLAIN, SPLIT, GATED }; /* Int8Linear, Int8LinearSplit, Int8LinearSiluMul */
+
+static void run_linear(OrtKernelContext *ctx, int mode) {
+  const int split = mode == SPLIT, halves = mode != PLAIN;
   size_t rank = 0;
   int64_t dims[MAX_DIMS], hd[2], none[1], wd[4], cd[1], sd[1];
   void *x, *h, *scale, *zero, *w, *col_sums, *w_scale;
@@ -177,7 +212,7 @@ static void run_linear(OrtKernelContext *ctx, int split) {
   const int64_t k = dims[rank - 1], n = sd[0];
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-  dims[rank - 1] = split ? n / 2 : n;
+  dims[rank - 1] = halves ? n / 2 : n;
   const int64_t each = rows * dims[rank - 1]; /* values in each output */
   float *y = NULL, *y2 = NULL;
   for (int o = 0; o <= split; o++) {
@@ -186,7 +221,7 @@ static void run_linear(OrtKernelContext *ctx, int split) {
         failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)(o ? &y2 : &y))))
       return;
   }
-  if (split && n % 32) { /* halves that would split a tile (the rewrite never makes them) */
+  if (halves && n % 32) { /* halves that would split a tile (the rewrite never makes them) */
     zero_outputs(y, y2, each);
     return;
   }
@@ -207,15 +242,20 @@ static void run_linear(OrtKernelContext *ctx, int split) {
              w, col_sums, w_scale, *(const float *)scale, n, y, y2};
   ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
   run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
-  run(ctx, parallel, column_tile, (size_t)wd[0], 2, &job);
+  if (mode == GATED)
+    run(ctx, parallel, gated_tile, (size_t)wd[0] / 2, 2, &job);
+  else
+    run(ctx, parallel, column_tile, (size_t)wd[0], 2, &job);
   free(xq);
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 0); }
-static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, 1); }
+static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, PLAIN); }
+static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, SPLIT); }
+static void compute_gated(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, GATED); }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "Int8Linear"; }
 static const char *op_name_split(const CustomOp *op) { (void)op; return "Int8LinearSplit"; }
+static const char *op_name_gated(const CustomOp *op) { (void)op; return "Int8LinearSiluMul"; }
 static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
 static int input_type(const CustomOp *op, size_t i) {
   (void)op;
@@ -228,3 +268,5 @@ const CustomOp int8_linear = {8,            stateless_kernel, op_name, cpu_provi
                               float_output, one_output,       compute, destroy_kernel, required, required};
 const CustomOp int8_linear_split = {8,            stateless_kernel, op_name_split, cpu_provider, input_type, input_count,
                                     float_output, two_outputs,      compute_split, destroy_kernel, required, required};
+const CustomOp int8_linear_silu_mul = {8,            stateless_kernel, op_name_gated, cpu_provider, input_type, input_count,
+                                      float_output, one_output,       compute_gated, destroy_kernel, required, required};
