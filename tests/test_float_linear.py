@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoglm_trt.backends.onnxrt import linear_op
+from autoglm_trt.backends.onnxrt import linear_epilogues, linear_op
 from autoglm_trt.backends.onnxrt.native import float_kernel, native_library
 
 
@@ -100,6 +100,49 @@ def test_silu_times_up_equals_onnx_runtime_over_the_whole_float_range(kernel_lib
     assert same.all(), f"{np.count_nonzero(~same)} of {same.size} differ, e.g. at x = {x.reshape(-1)[~same.reshape(-1)][:4]}"
 
 
+def skip_norm_graph(nodes: list, k: int, n: int, inits: list, extra_inputs: tuple = ()):
+    """``nodes`` (which compute ``y`` [1, rows, n] from ``x`` [1, rows, k]) followed by ONNX Runtime's
+    SkipSimplifiedLayerNormalization of (skip, y) with random gamma: outputs ``normalized`` and
+    ``sum``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    gamma = np.random.default_rng(n).uniform(0.5, 2.0, n).astype(np.float32)
+    nodes = nodes + [helper.make_node("SkipSimplifiedLayerNormalization", ["skip", "y", "gamma"],
+                                      ["normalized", "", "", "sum"], name="norm", domain="com.microsoft", epsilon=1e-5)]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "R", k]),
+              helper.make_tensor_value_info("skip", TensorProto.FLOAT, [1, "R", n]), *extra_inputs]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("normalized", "sum")]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits + [numpy_helper.from_array(gamma, "gamma")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
+                                                   helper.make_opsetid("autoglm.trt", 1)])
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 37])
+def test_the_skip_norm_form_is_onnx_runtimes_residual_and_rmsnorm(kernel_library, rows):
+    """FloatLinearSkipNorm's outputs are ONNX Runtime's SkipSimplifiedLayerNormalization of the
+    MatMul's output and the skip: the normalized rows and the sums, bit for bit."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from autoglm_trt.graph.session import make_session
+
+    k, n = 1536, 576
+    rng = np.random.default_rng(rows)
+    w = numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32) * 0.05, "w")
+    model = skip_norm_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="m")], k, n, [w])
+    plain = make_session(model.SerializeToString(), threads=2)
+    fused = onnx.ModelProto.FromString(model.SerializeToString())
+    arrays = linear_op.rewrite(fused, Path("."), fma=True)
+    assert linear_epilogues.fuse_skip_norm(fused) == 1
+    assert [node.op_type for node in fused.graph.node] == ["FloatLinearSkipNorm"]
+    session = make_session(fused.SerializeToString(), threads=2, custom_ops=kernel_library, initializers=arrays)
+    feeds = {"x": rng.standard_normal((1, rows, k)).astype(np.float32),
+             "skip": (rng.standard_normal((1, rows, n)) * 4).astype(np.float32)}
+    for want, got in zip(plain.run(None, feeds), session.run(None, feeds)):
+        assert got.shape == (1, rows, n)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_tiles_put_each_weight_where_the_kernel_reads_it():
     from onnx import numpy_helper
 
@@ -131,9 +174,10 @@ def test_linears_it_would_not_compute_exactly_are_left_alone():
 
 @pytest.mark.parametrize("engine", ["tiny_engine", "tiny_int8_engine"])
 def test_an_engine_runs_them_and_keeps_its_logits_bit_for_bit(engine, request, monkeypatch):
-    """The tiny fp32 and INT8 engines with FloatLinear (every float linear) and the SiluMul forms
-    give the logits of the same engines with ONNX Runtime's MatMul, QuickGelu and Mul, exactly,
-    through a prefill of two prompts and two decode steps."""
+    """The tiny fp32 and INT8 engines with FloatLinear (every float linear), the SiluMul forms and
+    each residual + RMSNorm in the linear before it (the SkipNorm forms) give the logits of the
+    same engines with ONNX Runtime's MatMul, QuickGelu, Mul and SkipSimplifiedLayerNormalization,
+    exactly, through a prefill of two prompts and two decode steps."""
     from conftest import logits_over_steps
 
     from autoglm_trt.artifacts import Manifest
@@ -149,15 +193,21 @@ def test_an_engine_runs_them_and_keeps_its_logits_bit_for_bit(engine, request, m
     layers = manifest.spec.num_layers
     model, arrays, *_ = runner.load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32))
     counts = runner.decode_nodes(model)
-    gated = "FloatLinearSiluMul" if manifest.precision == "fp32" else "Int8LinearSiluMul"
-    assert counts.get(gated) == layers and "QuickGelu" not in counts
+    kind = "FloatLinear" if manifest.precision == "fp32" else "Int8Linear"
+    assert counts.get(f"{kind}SiluMul") == layers and "QuickGelu" not in counts
+    # each layer's two residual + RMSNorm, but the first layer's first (after the embedding)
+    assert counts.get(f"{kind}SkipNorm", 0) + counts.get("FloatLinearSkipNorm", 0) * (kind != "FloatLinear") \
+        == 2 * layers - 1 and "SkipSimplifiedLayerNormalization" not in counts
     if manifest.precision == "fp32":
-        assert counts.get("FloatLinear", 0) >= 3 * layers and any(name.endswith(".tiles") for name in arrays)
+        assert counts.get("FloatLinear", 0) + counts["FloatLinearSkipNorm"] >= 3 * layers
+        assert any(name.endswith(".tiles") for name in arrays)
     fused = open_runner(manifest, num_blocks=32, threads=2)
     monkeypatch.setattr(native, "float_kernel", lambda library: "portable C")  # as on a CPU without FMA
+    monkeypatch.setattr(linear_epilogues, "fuse_skip_norm", lambda model: 0)
     plain_model, *_ = runner.load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32))
     plain_counts = runner.decode_nodes(plain_model)
-    assert not {"FloatLinear", gated} & set(plain_counts) and plain_counts.get("QuickGelu") == layers
+    assert not {"FloatLinear", f"{kind}SiluMul", f"{kind}SkipNorm"} & set(plain_counts)
+    assert plain_counts.get("QuickGelu") == layers and plain_counts["SkipSimplifiedLayerNormalization"] == 2 * layers - 1
     plain = open_runner(manifest, num_blocks=32, threads=2)
     for with_op, without in logits_over_steps([fused, plain]):
         np.testing.assert_array_equal(with_op, without)

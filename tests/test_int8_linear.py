@@ -137,6 +137,37 @@ def test_the_gated_form_is_silu_times_up_as_onnx_runtime_computes_it(kernel_libr
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 37])
+def test_the_skip_norm_form_is_onnx_runtimes_residual_and_rmsnorm(kernel_library, rows):
+    """Int8LinearSkipNorm's outputs are ONNX Runtime's SkipSimplifiedLayerNormalization of
+    Int8Linear's output and the skip: the normalized rows and the sums, bit for bit."""
+    from onnx import helper, numpy_helper
+    from test_float_linear import skip_norm_graph
+
+    from autoglm_trt.graph.hadamard import hadamard
+    from autoglm_trt.graph.session import make_session
+
+    k, n, b = 576, 576, 64
+    rng = np.random.default_rng(rows)
+    packed, sums = pack_weights(rng.integers(-128, 128, (k, n)).astype(np.int8))
+    inits = [numpy_helper.from_array(np.array(hadamard(b)), "h"), numpy_helper.from_array(np.float32(0.03), "s"),
+             numpy_helper.from_array(np.uint8(128), "z"), numpy_helper.from_array(packed, "wp"),
+             numpy_helper.from_array(sums, "cs"), numpy_helper.from_array(np.float32(1e-5), "eps"),
+             numpy_helper.from_array(rng.uniform(1e-3, 1e-2, n).astype(np.float32), "ws")]
+    linear = ["x", "h", "s", "z", "wp", "cs", "ws"]
+    plain = skip_norm_graph([helper.make_node("Int8Linear", linear, ["y"], domain="autoglm.trt")], k, n, inits)
+    fused = skip_norm_graph([helper.make_node("Int8LinearSkipNorm", linear + ["skip", "gamma", "eps"],
+                                              ["normalized", "sum"], domain="autoglm.trt")], k, n, inits)
+    del fused.graph.node[1]  # the norm: the fused node computes it
+    feeds = {"x": rng.standard_normal((1, rows, k)).astype(np.float32),
+             "skip": (rng.standard_normal((1, rows, n)) * 4).astype(np.float32)}
+    want = make_session(plain.SerializeToString(), threads=2, custom_ops=kernel_library).run(None, feeds)
+    got = make_session(fused.SerializeToString(), threads=2, custom_ops=kernel_library).run(None, feeds)
+    for a, g in zip(want, got):
+        assert g.shape == (1, rows, n)
+        np.testing.assert_array_equal(g, a)
+
+
 def test_the_engine_rewrite_fuses_every_int8_linear_and_keeps_the_logits(tiny_int8_engine, monkeypatch):
     import onnx
     from conftest import logits_over_steps
@@ -226,8 +257,10 @@ def test_inspect_prints_the_decode_step_as_onnx_runtime_runs_it(tiny_int8_engine
     # the gate/up projection with its Split, and where the library has FMA its SiLU * up too
     gated = "Int8LinearSiluMul" if float_kernel(native_library()[0]) != "portable C" else "Int8LinearSplit"
     assert ops["PagedAttention"] == ops["RopeQKV"] == ops[gated] == layers
-    assert ops["Int8Linear"] >= 3 * layers
-    assert "MatMulIntegerToFloat" not in ops and decode["nodes"] == sum(ops.values()) < decode["saved_nodes"]
+    # QKV, o_proj and down; o_proj and down with the residual + RMSNorm after them (SkipNorm)
+    assert ops["Int8Linear"] + ops["Int8LinearSkipNorm"] + ops.get("FloatLinearSkipNorm", 0) >= 3 * layers
+    assert "MatMulIntegerToFloat" not in ops and "SkipSimplifiedLayerNormalization" not in ops
+    assert decode["nodes"] == sum(ops.values()) < decode["saved_nodes"]
     text = run_cli("inspect", str(tiny_int8_engine)).stdout
     assert f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here" in text
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")

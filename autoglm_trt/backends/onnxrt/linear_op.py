@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from . import weights_arena
+from . import linear_epilogues, weights_arena
 from .attention_op import DOMAIN, use_domain
 
 OP = "Int8Linear"
@@ -167,7 +167,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
         return {}
     nodes = _split_halves([replaced.get(id(n), n) for n in old if id(n) not in dropped], inits, readers, widths)
     if fma:
-        nodes = _silu_mul(nodes, readers)
+        nodes = linear_epilogues.silu_mul(nodes, readers)
     del graph.node[:]
     graph.node.extend(nodes)
     if not pack:
@@ -231,38 +231,6 @@ def _split_halves(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto
         fused.output[:] = list(split.output)
         merged[id(linear)] = fused
         dropped.add(id(split))
-    return [merged.get(id(n), n) for n in nodes if id(n) not in dropped]
-
-
-def _silu_mul(nodes: list[onnx.NodeProto], readers: dict[str, int]) -> list[onnx.NodeProto]:
-    """Each ``Int8LinearSplit`` or ``FloatLinearSplit`` whose halves (gate, up) are read only by
-    ``QuickGelu(gate)`` with alpha 1 (SiLU, as ONNX Runtime's fusion writes it) and a ``Mul`` of
-    its output by up, as one ``Int8LinearSiluMul`` or ``FloatLinearSiluMul`` giving the ``Mul``'s
-    output."""
-    splits = {n.output[0]: n for n in nodes if n.op_type in (f"{OP}Split", f"{FLOAT_OP}Split") and n.domain == DOMAIN}
-    by_input: dict[str, list[onnx.NodeProto]] = {}
-    for node in nodes:
-        for name in node.input:
-            by_input.setdefault(name, []).append(node)
-    merged: dict[int, onnx.NodeProto] = {}
-    dropped: set[int] = set()
-    for act in nodes:
-        split = splits.get(act.input[0]) if act.op_type == "QuickGelu" and act.input else None
-        alpha = {a.name: helper.get_attribute_value(a) for a in act.attribute}.get("alpha")
-        if split is None or act.domain != "com.microsoft" or alpha != 1.0 or readers.get(split.output[0]) != 1:
-            continue
-        gate, up = split.output
-        muls = by_input.get(act.output[0], [])
-        if readers.get(up) != 1 or readers.get(act.output[0]) != 1 or len(muls) != 1:
-            continue
-        mul = muls[0]
-        if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or sorted(mul.input) != sorted([act.output[0], up]):
-            continue
-        fused = onnx.NodeProto.FromString(split.SerializeToString())
-        fused.op_type, fused.name = split.op_type.replace("Split", "SiluMul"), f"{split.name}.silu_mul"
-        fused.output[:] = [mul.output[0]]
-        merged[id(split)] = fused
-        dropped |= {id(act), id(mul)}
     return [merged.get(id(n), n) for n in nodes if id(n) not in dropped]
 
 

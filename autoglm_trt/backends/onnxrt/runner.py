@@ -37,14 +37,14 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
                    pack: bool = True) -> tuple[Any, dict, Path | None, bool, str]:
     """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
     native library builds: decode-step attention, each layer's QKV split + rope, the INT8
-    linears, the float linears and SiLU * up (where the library has FMA), and the graph below
-    the decode condition as one ``If`` (``step_branch.py``);
-    always: residual + RMSNorm fused. Returns (model, packed weights by name, the
+    linears, the float linears and SiLU * up (where the library has FMA), each residual + RMSNorm
+    into the linear before it, and the graph below the decode condition as one ``If``
+    (``step_branch.py``); always: residual + RMSNorm fused. Returns (model, packed weights by name, the
     library or None, whether decode steps run the attention operator, why not). ``pack``
     False: the nodes only, for counting (``linear_op.rewrite``)."""
     import onnx
 
-    from . import linear_op, rope_op
+    from . import linear_epilogues, linear_op, rope_op
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
     from .native import float_kernel, native_library
@@ -69,6 +69,8 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
         elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)
+    if library is not None:
+        linear_epilogues.fuse_skip_norm(model)  # each residual + RMSNorm into the linear before it
     if native_attention:
         branch_once(model)
     return model, packed, library, native_attention, why

@@ -18,7 +18,10 @@
  * FloatLinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (N a
  * multiple of 32); FloatLinearSiluMul: one output, [..., N / 2], SiLU(first half) * second half as
  * ONNX Runtime's QuickGelu and Mul compute it (``silu.h``). Shapes that do not fit together (the
- * rewrite never makes them) give zeros.
+ * rewrite never makes them) give zeros. FloatLinearSkipNorm: inputs 2-4 (skip [..., N], gamma [N],
+ * epsilon scalar) and outputs (normalized, sum), both [..., N]: the linear's output plus skip,
+ * and its RMSNorm, as ONNX Runtime's SkipSimplifiedLayerNormalization computes them
+ * (``skip_norm.h``).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -26,6 +29,7 @@
 
 #include "ort_api.h"
 #include "silu.h"
+#include "skip_norm.h"
 
 #define MAX_DIMS 8
 #define BLOCK 256 /* MLAS_SGEMM_STRIDEK: the inputs one partial sum covers */
@@ -173,10 +177,16 @@ static void gated_pair(void *data, size_t t) {
   }
 }
 
-enum { PLAIN, SPLIT, GATED }; /* FloatLinear, FloatLinearSplit, FloatLinearSiluMul */
+enum { PLAIN, SPLIT, GATED, NORM }; /* FloatLinear, FloatLinearSplit, FloatLinearSiluMul, FloatLinearSkipNorm */
+
+static void for_each(OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t count, void *job) {
+  ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
+  if (count < 2 || parallel == NULL || failed(parallel(ctx, fn, count, 0, job)))
+    for (size_t i = 0; i < count; i++) fn(job, i);
+}
 
 static void run_linear(OrtKernelContext *ctx, int mode) {
-  const int split = mode == SPLIT, halves = mode != PLAIN;
+  const int halves = mode == SPLIT || mode == GATED, outputs = mode == SPLIT || mode == NORM ? 2 : 1;
   size_t rank = 0;
   int64_t dims[MAX_DIMS], wd[3];
   void *x, *w;
@@ -185,37 +195,42 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
   dims[rank - 1] = halves ? n / 2 : n;
-  float *y = NULL, *y2 = NULL;
-  for (int o = 0; o <= split; o++) {
+  float *out[2] = {NULL, NULL};
+  for (int o = 0; o < outputs; o++) {
     OrtValue *out_value = NULL;
     if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, dims, rank, &out_value)) ||
-        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)(o ? &y2 : &y))))
+        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&out[o])))
       return;
   }
-  if (wd[1] != k || wd[2] != 16 || k < 1 || (halves && n % 32)) {
-    memset(y, 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
-    if (y2 != NULL) memset(y2, 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
+  /* FloatLinearSkipNorm: the linear's output goes to the sum (output 1), the norm to output 0 */
+  float *y = mode == NORM ? out[1] : out[0], *y2 = mode == SPLIT ? out[1] : NULL;
+  NormJob norm = {y, NULL, NULL, 0.0f, n, out[0]};
+  if (wd[1] != k || wd[2] != 16 || k < 1 || (halves && n % 32) || (mode == NORM && norm_inputs(ctx, 2, rows, n, &norm))) {
+    for (int o = 0; o < outputs; o++) memset(out[o], 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
     return;
   }
   if (rows == 0) return;
   Job job = {x, rows, k, n, w, y, y2};
-  ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
-  void (*fn)(void *, size_t) = mode == GATED ? gated_pair : tile_pair;
-  const size_t tasks = (size_t)(mode == GATED ? wd[0] / 2 : (wd[0] + 1) / 2); /* gate tiles, or pairs */
-  if (tasks < 2 || parallel == NULL || failed(parallel(ctx, fn, tasks, 0, &job)))
-    for (size_t i = 0; i < tasks; i++) fn(&job, i);
+  if (mode == GATED)
+    for_each(ctx, gated_pair, (size_t)wd[0] / 2, &job); /* gate tiles */
+  else
+    for_each(ctx, tile_pair, (size_t)(wd[0] + 1) / 2, &job);
+  if (mode == NORM) for_each(ctx, norm_row, (size_t)rows, &norm);
 }
 
 static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, PLAIN); }
 static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, SPLIT); }
 static void compute_gated(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, GATED); }
+static void compute_norm(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, NORM); }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "FloatLinear"; }
 static const char *op_name_split(const CustomOp *op) { (void)op; return "FloatLinearSplit"; }
 static const char *op_name_gated(const CustomOp *op) { (void)op; return "FloatLinearSiluMul"; }
+static const char *op_name_norm(const CustomOp *op) { (void)op; return "FloatLinearSkipNorm"; }
 static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
 static size_t input_count(const CustomOp *op) { (void)op; return 2; }
+static size_t norm_input_count(const CustomOp *op) { (void)op; return 5; }
 
 const CustomOp float_linear = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
                                float_output, one_output,       compute, destroy_kernel, required, required};
@@ -223,3 +238,5 @@ const CustomOp float_linear_split = {8,            stateless_kernel, op_name_spl
                                      float_output, two_outputs,      compute_split, destroy_kernel, required, required};
 const CustomOp float_linear_silu_mul = {8,            stateless_kernel, op_name_gated, cpu_provider, input_type, input_count,
                                        float_output, one_output,       compute_gated, destroy_kernel, required, required};
+const CustomOp float_linear_skip_norm = {8,            stateless_kernel, op_name_norm, cpu_provider, input_type, norm_input_count,
+                                        float_output, two_outputs,      compute_norm, destroy_kernel, required, required};

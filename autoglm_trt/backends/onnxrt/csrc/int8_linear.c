@@ -25,7 +25,10 @@
  * fused gate/up projection and the Split that follows it; N a multiple of 32, so no tile of 16
  * columns straddles them). The values are Int8Linear's, bit for bit. Int8LinearSiluMul: one output,
  * [..., N / 2], SiLU(first half) * second half as ONNX Runtime's QuickGelu and Mul compute it
- * (``silu.h``): a gate/up projection and its activation.
+ * (``silu.h``): a gate/up projection and its activation. Int8LinearSkipNorm: inputs 7-9 (skip
+ * [..., N], gamma [N], epsilon scalar) and outputs (normalized, sum), both [..., N]: the linear's
+ * output plus skip, and its RMSNorm, as ONNX Runtime's SkipSimplifiedLayerNormalization computes
+ * them (``skip_norm.h``).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +36,7 @@
 #include "ort_api.h"
 #include "rotate.h"
 #include "silu.h"
+#include "skip_norm.h"
 
 #define MAX_DIMS 8
 
@@ -193,15 +197,15 @@ static void zero_outputs(float *y, float *y2, int64_t each) {
 }
 
 static void run(OrtKernelContext *ctx, ParallelForFn parallel, void (*fn)(void *, size_t), size_t count,
-                size_t enough, Job *job) {
+                size_t enough, void *job) {
   if (count < enough || parallel == NULL || failed(parallel(ctx, fn, count, 0, job)))
     for (size_t i = 0; i < count; i++) fn(job, i);
 }
 
-enum { PLAIN, SPLIT, GATED }; /* Int8Linear, Int8LinearSplit, Int8LinearSiluMul */
+enum { PLAIN, SPLIT, GATED, NORM }; /* Int8Linear, Int8LinearSplit, Int8LinearSiluMul, Int8LinearSkipNorm */
 
 static void run_linear(OrtKernelContext *ctx, int mode) {
-  const int split = mode == SPLIT, halves = mode != PLAIN;
+  const int halves = mode == SPLIT || mode == GATED, outputs = mode == SPLIT || mode == NORM ? 2 : 1;
   size_t rank = 0;
   int64_t dims[MAX_DIMS], hd[2], none[1], wd[4], cd[1], sd[1];
   void *x, *h, *scale, *zero, *w, *col_sums, *w_scale;
@@ -214,28 +218,35 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
   dims[rank - 1] = halves ? n / 2 : n;
   const int64_t each = rows * dims[rank - 1]; /* values in each output */
-  float *y = NULL, *y2 = NULL;
-  for (int o = 0; o <= split; o++) {
+  float *out[2] = {NULL, NULL};
+  for (int o = 0; o < outputs; o++) {
     OrtValue *out_value = NULL;
     if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, dims, rank, &out_value)) ||
-        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)(o ? &y2 : &y))))
+        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&out[o])))
       return;
   }
+  /* Int8LinearSkipNorm: the linear's output goes to the sum (output 1), the norm to output 0 */
+  float *y = mode == NORM ? out[1] : out[0], *y2 = mode == SPLIT ? out[1] : NULL;
+  NormJob norm = {y, NULL, NULL, 0.0f, n, out[0]};
+  if (mode == NORM && norm_inputs(ctx, 7, rows, n, &norm)) {
+    zero_outputs(out[0], out[1], each);
+    return;
+  }
   if (halves && n % 32) { /* halves that would split a tile (the rewrite never makes them) */
-    zero_outputs(y, y2, each);
+    zero_outputs(out[0], out[1], each);
     return;
   }
   const float s = *(const float *)scale;
   const int64_t b = hd[0], kp = 4 * wd[1];
   if (!valid_block(b, k) || hd[1] != b || !(s > 0.0f) || wd[2] != 16 || wd[3] != 4 || kp < k || kp - k >= 4 ||
       n > 16 * wd[0] || n <= 16 * (wd[0] - 1) || cd[0] != 16 * wd[0]) {
-    zero_outputs(y, y2, each);
+    zero_outputs(out[0], out[1], each);
     return;
   }
   if (rows == 0) return;
   uint8_t *xq = malloc((size_t)(rows * kp));
   if (xq == NULL) {
-    zero_outputs(y, y2, each);
+    zero_outputs(out[0], out[1], each);
     return;
   }
   Job job = {x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
@@ -246,23 +257,27 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
     run(ctx, parallel, gated_tile, (size_t)wd[0] / 2, 2, &job);
   else
     run(ctx, parallel, column_tile, (size_t)wd[0], 2, &job);
+  if (mode == NORM) run(ctx, parallel, norm_row, (size_t)rows, 4, &norm);
   free(xq);
 }
 
 static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, PLAIN); }
 static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, SPLIT); }
 static void compute_gated(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, GATED); }
+static void compute_norm(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, NORM); }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "Int8Linear"; }
 static const char *op_name_split(const CustomOp *op) { (void)op; return "Int8LinearSplit"; }
 static const char *op_name_gated(const CustomOp *op) { (void)op; return "Int8LinearSiluMul"; }
+static const char *op_name_norm(const CustomOp *op) { (void)op; return "Int8LinearSkipNorm"; }
 static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
 static int input_type(const CustomOp *op, size_t i) {
-  (void)op;
+  (void)op; /* Int8LinearSkipNorm's skip, gamma and epsilon (inputs 7-9) are float too */
   static const int types[] = {ELEM_FLOAT, ELEM_FLOAT, ELEM_FLOAT, ELEM_UINT8, ELEM_INT8, ELEM_INT32, ELEM_FLOAT};
-  return types[i];
+  return i < 7 ? types[i] : ELEM_FLOAT;
 }
 static size_t input_count(const CustomOp *op) { (void)op; return 7; }
+static size_t norm_input_count(const CustomOp *op) { (void)op; return 10; }
 
 const CustomOp int8_linear = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
                               float_output, one_output,       compute, destroy_kernel, required, required};
@@ -270,3 +285,5 @@ const CustomOp int8_linear_split = {8,            stateless_kernel, op_name_spli
                                     float_output, two_outputs,      compute_split, destroy_kernel, required, required};
 const CustomOp int8_linear_silu_mul = {8,            stateless_kernel, op_name_gated, cpu_provider, input_type, input_count,
                                       float_output, one_output,       compute_gated, destroy_kernel, required, required};
+const CustomOp int8_linear_skip_norm = {8,            stateless_kernel, op_name_norm, cpu_provider, input_type, norm_input_count,
+                                       float_output, two_outputs,      compute_norm, destroy_kernel, required, required};

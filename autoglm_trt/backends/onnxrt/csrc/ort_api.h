@@ -113,7 +113,8 @@ size_t one_output(const CustomOp *op);
 int float_output(const CustomOp *op, size_t index);
 
 extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, int8_linear, int8_linear_split,
-    rope_qkv, float_linear, float_linear_split, int8_linear_silu_mul, float_linear_silu_mul;
+    rope_qkv, float_linear, float_linear_split, int8_linear_silu_mul, float_linear_silu_mul,
+    int8_linear_skip_norm, float_linear_skip_norm;
 extern const char int8_linear_kernel[]; /* which dot-product instructions Int8Linear was built for */
 extern const char float_linear_kernel[]; /* and FloatLinear's multiply-adds */
 

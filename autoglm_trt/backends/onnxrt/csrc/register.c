@@ -33,7 +33,9 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_split)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_silu_mul)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_silu_mul)))
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_silu_mul)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_skip_norm)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_skip_norm)))
       return status;
   }
   return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
