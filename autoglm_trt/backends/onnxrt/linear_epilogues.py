@@ -11,7 +11,9 @@ own nodes give.
 - ``fuse_skip_norm``: residual add + RMSNorm after a linear (a
   ``SkipSimplifiedLayerNormalization`` of ``fusions.skip_rms_norm`` reading a plain
   ``Int8Linear`` or ``FloatLinear``) as ``Int8LinearSkipNorm`` or ``FloatLinearSkipNorm``
-  (``csrc/skip_norm.h``).
+  (``csrc/skip_norm.h``). ``runner.load_rewritten`` uses it where it uses ``silu_mul``: on the
+  x86-64 builds with FMA, where ONNX Runtime's own float code (built without contraction) was
+  checked to round as this does; a build that contracts its sum of squares would not.
 """
 
 from __future__ import annotations

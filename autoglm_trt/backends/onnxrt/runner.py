@@ -37,8 +37,8 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
                    pack: bool = True) -> tuple[Any, dict, Path | None, bool, str]:
     """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
     native library builds: decode-step attention, each layer's QKV split + rope, the INT8
-    linears, the float linears and SiLU * up (where the library has FMA), each residual + RMSNorm
-    into the linear before it, and the graph below the decode condition as one ``If``
+    linears; where the library has FMA the float linears, SiLU * up and each residual + RMSNorm
+    into the linear before it; and the graph below the decode condition as one ``If``
     (``step_branch.py``); always: residual + RMSNorm fused. Returns (model, packed weights by name, the
     library or None, whether decode steps run the attention operator, why not). ``pack``
     False: the nodes only, for counting (``linear_op.rewrite``)."""
@@ -52,7 +52,7 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
 
     model = onnx.load(str(model_path), load_external_data=False)
     library, why = native_library()
-    native_attention, packed = False, {}
+    native_attention, packed, fma = False, {}, False
     if library is not None:
         if kv_dtype in (np.float32, np.int8):
             native_attention, why = rewrite(model, spec.num_layers)
@@ -69,7 +69,7 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
         elif not native_attention and not fused_rope:
             library = None
     skip_rms_norm(model)
-    if library is not None:
+    if fma:  # where ONNX Runtime's own float code is what these builds were checked against (x86-64)
         linear_epilogues.fuse_skip_norm(model)  # each residual + RMSNorm into the linear before it
     if native_attention:
         branch_once(model)
