@@ -196,12 +196,7 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
   dims[rank - 1] = halves ? n / 2 : n;
   float *out[2] = {NULL, NULL};
-  for (int o = 0; o < outputs; o++) {
-    OrtValue *out_value = NULL;
-    if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, dims, rank, &out_value)) ||
-        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&out[o])))
-      return;
-  }
+  if (float_outputs(ctx, outputs, dims, rank, out)) return;
   /* FloatLinearSkipNorm: the linear's output goes to the sum (output 1), the norm to output 0 */
   float *y = mode == NORM ? out[1] : out[0], *y2 = mode == SPLIT ? out[1] : NULL;
   NormJob norm = {y, NULL, NULL, 0.0f, n, out[0]};
@@ -218,25 +213,9 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
   if (mode == NORM) for_each(ctx, norm_row, (size_t)rows, &norm);
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, PLAIN); }
-static void compute_split(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, SPLIT); }
-static void compute_gated(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, GATED); }
-static void compute_norm(void *kernel, OrtKernelContext *ctx) { (void)kernel, run_linear(ctx, NORM); }
-
-static const char *op_name(const CustomOp *op) { (void)op; return "FloatLinear"; }
-static const char *op_name_split(const CustomOp *op) { (void)op; return "FloatLinearSplit"; }
-static const char *op_name_gated(const CustomOp *op) { (void)op; return "FloatLinearSiluMul"; }
-static const char *op_name_norm(const CustomOp *op) { (void)op; return "FloatLinearSkipNorm"; }
-static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
-static size_t input_count(const CustomOp *op) { (void)op; return 2; }
-static size_t norm_input_count(const CustomOp *op) { (void)op; return 5; }
 
-const CustomOp float_linear = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
-                               float_output, one_output,       compute, destroy_kernel, required, required};
-const CustomOp float_linear_split = {8,            stateless_kernel, op_name_split, cpu_provider, input_type, input_count,
-                                     float_output, two_outputs,      compute_split, destroy_kernel, required, required};
-const CustomOp float_linear_silu_mul = {8,            stateless_kernel, op_name_gated, cpu_provider, input_type, input_count,
-                                       float_output, one_output,       compute_gated, destroy_kernel, required, required};
-const CustomOp float_linear_skip_norm = {8,            stateless_kernel, op_name_norm, cpu_provider, input_type, norm_input_count,
-                                        float_output, two_outputs,      compute_norm, destroy_kernel, required, required};
+LINEAR_OP(float_linear, "FloatLinear", input_type, 2, 1, run_linear(ctx, PLAIN))
+LINEAR_OP(float_linear_split, "FloatLinearSplit", input_type, 2, 2, run_linear(ctx, SPLIT))
+LINEAR_OP(float_linear_silu_mul, "FloatLinearSiluMul", input_type, 2, 1, run_linear(ctx, GATED))
+LINEAR_OP(float_linear_skip_norm, "FloatLinearSkipNorm", input_type, 5, 2, run_linear(ctx, NORM))

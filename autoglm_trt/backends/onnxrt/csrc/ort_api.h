@@ -104,6 +104,17 @@ static inline int input(OrtKernelContext *ctx, size_t index, void **data, int64_
   return input_of_rank(ctx, index, data, dims, want, &rank) || rank != want;
 }
 
+/* the data of outputs 0..count-1, each of shape ``dims`` (rank ``rank``), into ``out``; 1 on failure */
+static inline int float_outputs(OrtKernelContext *ctx, int count, const int64_t *dims, size_t rank, float **out) {
+  for (int o = 0; o < count; o++) {
+    OrtValue *value = NULL;
+    if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, dims, rank, &value)) ||
+        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(value, (void **)&out[o])))
+      return 1;
+  }
+  return 0;
+}
+
 /* the trivial callbacks every operator here shares */
 void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info);
 const char *cpu_provider(const CustomOp *op);
@@ -111,6 +122,16 @@ void destroy_kernel(void *kernel);
 int required(const CustomOp *op, size_t index);
 size_t one_output(const CustomOp *op);
 int float_output(const CustomOp *op, size_t index);
+
+/* one operator of the linear family (float outputs, stateless): its variable, name, input types,
+ * input and output counts, and the call that computes it (``ctx`` is the kernel context) */
+#define LINEAR_OP(var, name, types, inputs, outputs, call)                                                      \
+  static const char *var##_name(const CustomOp *op) { (void)op; return name; }                                  \
+  static size_t var##_inputs(const CustomOp *op) { (void)op; return inputs; }                                   \
+  static size_t var##_outputs(const CustomOp *op) { (void)op; return outputs; }                                 \
+  static void var##_compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, call; }                          \
+  const CustomOp var = {8,           stateless_kernel, var##_name,    cpu_provider,   types,    var##_inputs,     \
+                        float_output, var##_outputs,   var##_compute, destroy_kernel, required, required};
 
 extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, int8_linear, int8_linear_split,
     rope_qkv, float_linear, float_linear_split, int8_linear_silu_mul, float_linear_silu_mul,
