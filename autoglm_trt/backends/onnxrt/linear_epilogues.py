@@ -40,9 +40,9 @@ def silu_mul(nodes: list[onnx.NodeProto], readers: dict[str, int]) -> list[onnx.
     merged: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for act in nodes:
-        split = splits.get(act.input[0]) if act.op_type == "QuickGelu" and act.input else None
-        alpha = {a.name: helper.get_attribute_value(a) for a in act.attribute}.get("alpha")
-        if split is None or act.domain != "com.microsoft" or alpha != 1.0 or readers.get(split.output[0]) != 1:
+        split = splits.get(act.input[0]) if act.op_type == "QuickGelu" and act.domain == "com.microsoft" else None
+        if split is None or readers.get(split.output[0]) != 1 or \
+                {a.name: helper.get_attribute_value(a) for a in act.attribute}.get("alpha") != 1.0:
             continue
         gate, up = split.output
         muls = by_input.get(act.output[0], [])

@@ -7,8 +7,8 @@
  * the rewrite (``linear_op.py``) uses this operator only where the library was built with FMA.
  *
  * Batch-1 decode steps read each weight once: one 64-byte load feeds 16 outputs, and the tiles
- * stream front to back. With more rows, each block of 256 inputs x 32 columns (32 KiB) is read
- * from cache for every group of rows.
+ * stream front to back. With more rows, each block of 256 inputs is read from cache for every
+ * group of rows: 32 columns (32 KiB) at once up to PAIRED_ROWS rows, 16 (16 KiB) past them.
  *
  * Inputs:
  *   0 x       float32 [..., K]
