@@ -7,7 +7,8 @@ branch is one ``autoglm.trt.PagedAttention`` node (``csrc/paged_attention.c``) t
 pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache). The condition is "one new
 token per sequence": decode steps take the operator; prefill steps keep the graph's nodes,
 whose GEMMs are faster over many new tokens than the operator's dot products (a 1,000-token
-prompt took 1.5x as long through the operator). As the engine is loaded, ``step_branch.py``
+prompt took 1.5x as long through the operator), with their scores computed query by query
+(``prefill_scores.py``, the same bits). As the engine is loaded, ``step_branch.py``
 then hoists the 30 ``If`` nodes into one for the whole step.
 Everything else, the INT8 GEMMs included, is untouched, and the portable graph that TensorRT
 builds never sees the operator.
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import onnx
 from onnx import TensorProto, helper
+
+from . import prefill_scores
 
 DOMAIN = "autoglm.trt"
 DECODE_CONDITION = "native.decode"  # true when every sequence has one new token
@@ -103,6 +106,7 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
         nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in core_ids]
         for n in nodes:
             n.output[:] = [f"layers.{i}.attn_graph" if o == f"layers.{i}.attn" else o for o in n.output]
+        nodes = prefill_scores.by_row(nodes, i)
         out = lambda name: [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)]
         branch = helper.make_node(
             "If", [DECODE_CONDITION], [f"layers.{i}.attn"], name=f"layers.{i}.attention",
@@ -114,4 +118,5 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
     del graph.node[:]
     graph.node.extend(cond + kept)
     use_domain(model)
+    use_domain(model, prefill_scores.DOMAIN)
     return True, ""
