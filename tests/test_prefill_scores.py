@@ -9,6 +9,13 @@ import pytest
 from autoglm_trt.graph.paged_kv import SeqState, step_inputs
 
 
+@pytest.fixture(scope="module")
+def int8_kv_engine(tiny_dir, tmp_path_factory):
+    from conftest import build_tiny_engine
+
+    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("prefill") / "int8-kv", kv_cache_dtype="int8")
+
+
 def _runner(engine_dir, by_row: bool, monkeypatch):
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
@@ -20,11 +27,12 @@ def _runner(engine_dir, by_row: bool, monkeypatch):
         return open_runner(Manifest.read(engine_dir), num_blocks=32, threads=2)
 
 
-@pytest.mark.parametrize("engine", ["tiny_engine", "tiny_int8_engine"])
+@pytest.mark.parametrize("engine", ["tiny_engine", "tiny_int8_engine", "int8_kv_engine"])
 def test_scores_by_row_give_the_graphs_logits_and_kv_bit_for_bit(engine, library, monkeypatch, request):
     """Prefill of two prompts (11 and 3 tokens), a second prefill of both over their past (4 and
     6 more tokens: scores over past and new keys), then a decode step: every step's logits and
-    the K/V written back equal those of the graph's own key-by-key scores exactly."""
+    the K/V written back equal those of the graph's own key-by-key scores exactly (float32
+    weights, INT8 weights, an INT8 KV cache)."""
     engine_dir = request.getfixturevalue(engine)
     runners = [_runner(engine_dir, by_row, monkeypatch) for by_row in (True, False)]
     states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in runners]
