@@ -112,21 +112,30 @@ def library():
     return path
 
 
+def step_all(runners, states, new):
+    """One step of the same new tokens (a list per sequence) on each runner, over its own
+    sequence states (advanced): each runner's logits."""
+    from autoglm_trt.graph.paged_kv import step_inputs
+
+    logits = []
+    for runner, st in zip(runners, states):
+        feeds, slots = step_inputs(new, st, runner.block_size)
+        logits.append(runner.step(feeds, slots))
+        for s, toks in zip(st, new):
+            s.num_computed_tokens += len(toks)
+    return logits
+
+
 def logits_over_steps(runners, steps: int = 3):
     """The same prefill of two prompts (11 and 3 tokens) on each runner, then ``steps - 1``
     greedy decode steps (the next tokens from the last runner's logits): each step's logits,
     one array per runner."""
-    from autoglm_trt.graph.paged_kv import SeqState, step_inputs
+    from autoglm_trt.graph.paged_kv import SeqState
 
     states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in runners]
     new = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
     for _ in range(steps):
-        logits = []
-        for runner, st in zip(runners, states):
-            feeds, slots = step_inputs(new, st, runner.block_size)
-            logits.append(runner.step(feeds, slots))
-            for s, toks in zip(st, new):
-                s.num_computed_tokens += len(toks)
+        logits = step_all(runners, states, new)
         yield logits
         new = [[int(t)] for t in logits[-1].argmax(axis=-1)]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import step_all
 
-from autoglm_trt.graph.paged_kv import SeqState, step_inputs
+from autoglm_trt.graph.paged_kv import SeqState
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +38,7 @@ def test_scores_by_row_give_the_graphs_logits_and_kv_bit_for_bit(engine, library
     runners = [_runner(engine_dir, by_row, monkeypatch) for by_row in (True, False)]
     states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in runners]
     for new in ([[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]], [[3, 1, 4, 1], [5, 9, 2, 6, 5, 3]], [[7], [8]]):
-        logits = []
-        for runner, st in zip(runners, states):
-            feeds, slots = step_inputs(new, st, runner.block_size)
-            logits.append(runner.step(feeds, slots))
-            for s, toks in zip(st, new):
-                s.num_computed_tokens += len(toks)
-        np.testing.assert_array_equal(*logits)
+        np.testing.assert_array_equal(*step_all(runners, states, new))
         np.testing.assert_array_equal(runners[0].pools.data, runners[1].pools.data)
     for r in runners:
         r.close()
