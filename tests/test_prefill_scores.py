@@ -1,5 +1,5 @@
-"""Prefill attention's scores computed query by query (``prefill_scores.py``): the graph's bits,
-in fewer passes over the scores."""
+"""Prefill attention's scores computed query by query, and its join + mask + Softmax + split as
+one ``MaskedSoftmax`` (``prefill_scores.py``): the graph's bits, in fewer passes over the scores."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _runner(engine_dir, by_row: bool, monkeypatch):
 
     with monkeypatch.context() as m:
         if not by_row:
-            m.setattr(prefill_scores, "by_row", lambda nodes, i: nodes)
+            m.setattr(prefill_scores, "by_row", lambda nodes, i, softmax=False: nodes)
         return open_runner(Manifest.read(engine_dir), num_blocks=32, threads=2)
 
 
@@ -46,6 +46,7 @@ def test_scores_by_row_give_the_graphs_logits_and_kv_bit_for_bit(engine, library
 
 def test_the_prefill_branch_computes_scores_by_row_and_decode_is_untouched(tiny_engine, library):
     from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.native import softmax_exact
     from autoglm_trt.backends.onnxrt.runner import load_rewritten
 
     manifest = Manifest.read(tiny_engine)
@@ -58,6 +59,12 @@ def test_the_prefill_branch_computes_scores_by_row_and_decode_is_untouched(tiny_
     perms = [list(a.ints) for n in prefill if n.op_type == "Transpose" for a in n.attribute if a.name == "perm"]
     assert [0, 1, 2, 4, 3] not in perms and perms.count([2, 0, 3, 1, 4]) == layers
     assert "FusedMatMul" not in [n.op_type for n in decode]
+    ops = [n.op_type for n in prefill]
+    if softmax_exact(library):  # join, mask, Softmax and split: one node a layer
+        assert ops.count("MaskedSoftmax") == layers and "Softmax" not in ops
+        assert not [n for n in prefill if n.op_type == "Slice" and n.output[0].endswith((".probs_past", ".probs_new"))]
+    else:
+        assert "MaskedSoftmax" not in ops and ops.count("Softmax") == layers
 
 
 def test_a_layer_not_in_the_expected_form_is_left_alone(tiny_engine):

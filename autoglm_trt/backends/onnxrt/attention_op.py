@@ -69,8 +69,10 @@ def _kv_inputs(i: int, outputs: dict, producer: dict, initializers: set) -> tupl
     return None
 
 
-def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
-    """Rewrite ``model`` in place; (True, "") or (False, why it was left as it was)."""
+def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False) -> tuple[bool, str]:
+    """Rewrite ``model`` in place; (True, "") or (False, why it was left as it was). ``softmax``:
+    the library's ``MaskedSoftmax`` gives Softmax's bits, so the prefill branch may use it
+    (``prefill_scores.py``)."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list] = {}
@@ -106,7 +108,7 @@ def rewrite(model: onnx.ModelProto, num_layers: int) -> tuple[bool, str]:
         nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in core_ids]
         for n in nodes:
             n.output[:] = [f"layers.{i}.attn_graph" if o == f"layers.{i}.attn" else o for o in n.output]
-        nodes = prefill_scores.by_row(nodes, i)
+        nodes = prefill_scores.by_row(nodes, i, softmax)
         out = lambda name: [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)]
         branch = helper.make_node(
             "If", [DECODE_CONDITION], [f"layers.{i}.attn"], name=f"layers.{i}.attention",

@@ -2,8 +2,8 @@
 
 ``native_library()`` compiles ``csrc/*.c`` (a custom operator library for ONNX
 Runtime's CPU execution provider: ``PagedAttention``, ``PagedAttentionInt8KV``,
-``HadamardQuantize``, ``Int8Linear``, ``FloatLinear``, ``RopeQKV``; and, called through ctypes, calibration's
-per-batch statistics, ``calib/native_stats.py``) with the machine's C compiler, for this
+``HadamardQuantize``, ``Int8Linear``, ``FloatLinear``, ``RopeQKV``, ``MaskedSoftmax``; and,
+called through ctypes, calibration's per-batch statistics, ``calib/native_stats.py``) with the machine's C compiler, for this
 CPU (``-march=native``), into a cache directory, and returns its path; or ``None`` and the reason when it cannot (no
 compiler, a failed build, or ``AUTOGLM_TRT_NATIVE=0``). The runner then keeps the engine
 graph's own nodes, which compute the same things more slowly.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("ort_api.h", "rotate.h", "silu.h", "skip_norm.h", "register.c", "paged_attention.c", "hadamard_quantize.c",
-           "int8_linear.c", "rope_qkv.c", "float_linear.c", "calib_stats.c")
+           "int8_linear.c", "rope_qkv.c", "float_linear.c", "masked_softmax.c", "calib_stats.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden"]
 ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
 ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)
@@ -81,6 +81,14 @@ def float_kernel(library: Path) -> str:
     """Which instructions the library's float GEMM (``FloatLinear``) uses: "avx512", "avx2-fma" or
     "portable C"."""
     return _kernel(library, "AutoglmFloatKernel")
+
+
+def softmax_exact(library: Path) -> bool:
+    """Whether the library's ``MaskedSoftmax`` computes ONNX Runtime's Softmax bit for bit (a build
+    for AVX-512F, where MLAS runs its AVX-512F kernels, whose order it repeats)."""
+    import ctypes
+
+    return bool(ctypes.CDLL(str(library)).AutoglmSoftmaxExact())
 
 
 def _kernel(library: Path, symbol: str) -> str:

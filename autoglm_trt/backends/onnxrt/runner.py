@@ -47,15 +47,19 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
     from . import linear_epilogues, linear_op, rope_op
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
-    from .native import float_kernel, native_library
+    from .native import float_kernel, native_library, softmax_exact
     from .step_branch import branch_once
 
     model = onnx.load(str(model_path), load_external_data=False)
     library, why = native_library()
     native_attention, packed, fma = False, {}, False
     if library is not None:
+        try:  # where MaskedSoftmax repeats ONNX Runtime's Softmax, the prefill's softmax is one node
+            exact = softmax_exact(library)
+        except (OSError, AttributeError):  # a library that does not load: the session fails and says so
+            exact = False
         if kv_dtype in (np.float32, np.int8):
-            native_attention, why = rewrite(model, spec.num_layers)
+            native_attention, why = rewrite(model, spec.num_layers, exact)
         else:
             why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
         fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, model_path.parent)

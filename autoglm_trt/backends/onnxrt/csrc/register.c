@@ -35,7 +35,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_silu_mul)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_silu_mul)) ||
         (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_skip_norm)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_skip_norm)))
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_skip_norm)) ||
+        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &masked_softmax)))
       return status;
   }
   return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
@@ -46,3 +47,6 @@ __attribute__((visibility("default"))) const char *AutoglmInt8Kernel(void) { ret
 
 /* which instructions FloatLinear's multiply-adds use ("avx512", "avx2-fma" or "portable C") */
 __attribute__((visibility("default"))) const char *AutoglmFloatKernel(void) { return float_linear_kernel; }
+
+/* 1 where MaskedSoftmax computes ONNX Runtime's Softmax bit for bit (built for AVX-512F), else 0 */
+__attribute__((visibility("default"))) int AutoglmSoftmaxExact(void) { return masked_softmax_exact; }

@@ -1,0 +1,147 @@
+/* MaskedSoftmax: a prefill's attention probabilities from its two blocks of scores, in one pass.
+ *
+ * The engine graph joins a layer's scores over the past and over the new tokens along the keys
+ * (Concat), adds the mask bias (Add), takes the Softmax over the keys and slices the result back
+ * into its past and new parts (two Slices): five passes over a [T, P + T] tensor per query row
+ * group. This operator reads the two blocks and the bias once and writes the two parts once, and
+ * computes each row's softmax as ONNX Runtime's does on a CPU with AVX-512F (MLAS): the row's
+ * maximum; exp(x - max) by MLAS's AVX-512F kernel (clamp to -103.97, range reduction by ln 2 in
+ * two parts, a degree-6 polynomial by fused multiply-adds, vscalefps), each 16 of them added to
+ * one 16-lane sum in order (a last partial vector masked), the lanes reduced as its kernel does
+ * (upper 8 + lower 8, two horizontal adds, the two halves); then each exp times 1 / sum. So the
+ * outputs equal the graph's bit for bit (``tests/test_masked_softmax.py`` checks it against
+ * ONNX Runtime's own nodes); the rewrite (``prefill_scores.py``) uses it only where the library
+ * is built for AVX-512F, as MLAS then is. Other builds give zeros (never used).
+ *
+ * Inputs:
+ *   0 past   float32 [H, B, G, T, P]       scores over the past keys
+ *   1 new    float32 [H, B, G, T, N]       scores over the new keys
+ *   2 bias   float32 [1, B, 1, T, P + N]   0 where a query may attend, a large negative elsewhere
+ * Outputs:
+ *   0 probs_past  float32 [H, B, G, T, P]
+ *   1 probs_new   float32 [H, B, G, T, N]
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_api.h"
+
+#define ROWS_PER_ITEM 32 /* rows one parallel work item takes */
+
+typedef struct {
+  const float *past, *fresh, *bias;
+  float *out_past, *out_new;
+  int64_t rows, b_count, t_count, p, n; /* rows = H * B * G * T */
+  int64_t group;                        /* G * T: rows of one (head, batch) pair */
+} Job;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+const int masked_softmax_exact = 1;
+
+/* MLAS's exp constants (MlasExpConstants) */
+static const float LOWER = -103.9720840454f, BIAS = 12582912.f, LOG2E = 1.44269504088896341f,
+                   LN2_HIGH = -6.93145752e-1f, LN2_LOW = -1.42860677e-6f, P0 = 0x1.694000p-10f,
+                   P1 = 0x1.125edcp-7f, P2 = 0x1.555b5ap-5f, P3 = 0x1.555450p-3f, P4 = 0x1.fffff6p-2f,
+                   P56 = 0x1.000000p+0f;
+
+static inline __m512 exp16(__m512 v) {
+  __m512 x = _mm512_max_ps(_mm512_set1_ps(LOWER), v);
+  const __m512 biased = _mm512_fmadd_ps(_mm512_set1_ps(LOG2E), x, _mm512_set1_ps(BIAS));
+  const __m512 m = _mm512_sub_ps(biased, _mm512_set1_ps(BIAS));
+  x = _mm512_fmadd_ps(m, _mm512_set1_ps(LN2_HIGH), x);
+  x = _mm512_fmadd_ps(m, _mm512_set1_ps(LN2_LOW), x);
+  __m512 p = _mm512_set1_ps(P0);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P1));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P2));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P3));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P4));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P56));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P56));
+  return _mm512_scalef_ps(p, m);
+}
+
+/* row[0:len] = its softmax, as MLAS computes it in place */
+static void softmax(float *row, int64_t len) {
+  float top = -3.402823466e+38f;
+  for (int64_t i = 0; i < len; i++) top = row[i] > top ? row[i] : top;
+  const __m512 negative = _mm512_set1_ps(-top);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512 e = exp16(_mm512_add_ps(negative, _mm512_loadu_ps(row + i)));
+    acc = _mm512_add_ps(acc, e);
+    _mm512_storeu_ps(row + i, e);
+  }
+  if (i < len) {
+    const __mmask16 k = (__mmask16)((1u << (len - i)) - 1);
+    const __m512 e = exp16(_mm512_maskz_add_ps(k, negative, _mm512_maskz_loadu_ps(k, row + i)));
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
+    _mm512_mask_storeu_ps(row + i, k, e);
+  }
+  __m256 t = _mm256_add_ps(_mm512_extractf32x8_ps(acc, 1), _mm512_castps512_ps256(acc));
+  t = _mm256_hadd_ps(t, t);
+  t = _mm256_hadd_ps(t, t);
+  const float sum = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  const float scale = 1.0f / sum;
+  const __m512 s = _mm512_set1_ps(scale);
+  for (i = 0; i + 16 <= len; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(s, _mm512_loadu_ps(row + i)));
+  for (; i < len; i++) row[i] *= scale;
+}
+
+/* rows [ROWS_PER_ITEM * item, ...) */
+static void rows_item(void *data, size_t item) {
+  const Job *j = data;
+  const int64_t width = j->p + j->n, first = (int64_t)item * ROWS_PER_ITEM;
+  const int64_t last = first + ROWS_PER_ITEM < j->rows ? first + ROWS_PER_ITEM : j->rows;
+  float *row = malloc((size_t)width * sizeof(float));
+  if (row == NULL) return; /* the outputs keep the zeros they were given */
+  for (int64_t r = first; r < last; r++) {
+    const int64_t b = r / j->group % j->b_count, t = r % j->t_count; /* r = ((h B + b) G + g) T + t */
+    const float *bias = j->bias + (b * j->t_count + t) * width;
+    for (int64_t i = 0; i < j->p; i++) row[i] = j->past[r * j->p + i] + bias[i];
+    for (int64_t i = 0; i < j->n; i++) row[j->p + i] = j->fresh[r * j->n + i] + bias[j->p + i];
+    softmax(row, width);
+    memcpy(j->out_past + r * j->p, row, (size_t)j->p * sizeof(float));
+    memcpy(j->out_new + r * j->n, row + j->p, (size_t)j->n * sizeof(float));
+  }
+  free(row);
+}
+#else
+const int masked_softmax_exact = 0;
+static void rows_item(void *data, size_t item) { (void)data, (void)item; }
+#endif
+
+static void compute(void *kernel, OrtKernelContext *ctx) {
+  (void)kernel;
+  int64_t pd[5], nd[5], bd[5];
+  void *past, *fresh, *bias;
+  if (input(ctx, 0, &past, pd, 5) || input(ctx, 1, &fresh, nd, 5) || input(ctx, 2, &bias, bd, 5)) return;
+  float *out[2];
+  for (int o = 0; o < 2; o++) {
+    OrtValue *value = NULL;
+    if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, o ? nd : pd, 5, &value)) ||
+        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(value, (void **)&out[o])))
+      return;
+  }
+  const int64_t rows = pd[0] * pd[1] * pd[2] * pd[3];
+  memset(out[0], 0, (size_t)(rows * pd[4]) * sizeof(float));
+  memset(out[1], 0, (size_t)(rows * nd[4]) * sizeof(float));
+  /* shapes that do not fit together (the rewrite never makes them) leave the zeros */
+  if (memcmp(pd, nd, 4 * sizeof(int64_t)) || bd[0] != 1 || bd[1] != pd[1] || bd[2] != 1 || bd[3] != pd[3] ||
+      bd[4] != pd[4] + nd[4] || pd[4] + nd[4] < 1 || rows == 0)
+    return;
+  Job job = {past, fresh, bias, out[0], out[1], rows, pd[1], pd[3], pd[4], nd[4], pd[2] * pd[3]};
+  const size_t items = (size_t)((rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
+  if (!has_parallel_for || items < 2 ||
+      failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, rows_item, items, 0, &job)))
+    for (size_t i = 0; i < items; i++) rows_item(&job, i);
+}
+
+static const char *op_name(const CustomOp *op) { (void)op; return "MaskedSoftmax"; }
+static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
+static size_t three_inputs(const CustomOp *op) { (void)op; return 3; }
+static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
+
+const CustomOp masked_softmax = {8,            stateless_kernel, op_name, cpu_provider, input_type, three_inputs,
+                                 float_output, two_outputs,      compute, destroy_kernel, required, required};
