@@ -61,3 +61,17 @@ def test_equals_onnx_runtimes_join_mask_softmax_and_split(library, h, b, g, t, p
     for a, e in zip(native, ref):
         np.testing.assert_array_equal(a, e)
     assert np.allclose(native[0].sum(-1) + native[1].sum(-1), 1.0, atol=1e-5)  # rows that are distributions
+
+
+def test_doctor_says_which_softmax_prefill_steps_run(tiny_engine, library, monkeypatch):
+    from conftest import run_cli
+
+    from autoglm_trt.backends.onnxrt.native import softmax_exact
+
+    r = run_cli("doctor", str(tiny_engine))
+    want = ("prefill softmax: native MaskedSoftmax operator" if softmax_exact(library)
+            else "prefill softmax: ONNX Runtime's Softmax (the library is not built for AVX-512F)")
+    assert r.returncode == 0 and want in r.stdout, r.stdout
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    r = run_cli("doctor", str(tiny_engine))
+    assert r.returncode == 0 and "prefill softmax: ONNX Runtime's Softmax\n" in r.stdout, r.stdout

@@ -235,7 +235,7 @@ def doctor_cmd(engine_dir: Path) -> None:
         native = library is not None and not why
         click.echo("info     decode attention: " + (f"native PagedAttention operator ({library})" if native
                                                     else f"the graph's own nodes, slower ({why})"))
-        from ..backends.onnxrt.native import float_kernel, int8_kernel
+        from ..backends.onnxrt.native import float_kernel, int8_kernel, softmax_exact
 
         if manifest.precision == "int8":
             click.echo("info     INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)"
@@ -245,4 +245,8 @@ def doctor_cmd(engine_dir: Path) -> None:
             f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)"
             if kernel not in (None, "portable C") else
             "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)" if kernel else "")))
+        exact = library is not None and native and softmax_exact(library)  # with the native attention's rewrite
+        click.echo("info     prefill softmax: " + ("native MaskedSoftmax operator (ONNX Runtime's Softmax's bits)" if exact
+                                                  else "ONNX Runtime's Softmax" + (
+                                                      " (the library is not built for AVX-512F)" if native else "")))
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")
