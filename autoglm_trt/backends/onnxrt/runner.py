@@ -54,20 +54,17 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
     library, why = native_library()
     native_attention, packed, fma = False, {}, False
     if library is not None:
-        try:  # where MaskedSoftmax repeats ONNX Runtime's Softmax, the prefill's softmax is one node
-            exact = softmax_exact(library)
+        try:  # what the build can repeat bit for bit: Softmax (the prefill's softmax as one node) and,
+            # with FMA, MatMul's sums (without it, FloatLinear's sums would not be MatMul's)
+            exact, fma = softmax_exact(library), float_kernel(library) != "portable C"
         except (OSError, AttributeError):  # a library that does not load: the session fails and says so
-            exact = False
+            exact, fma = False, False
         if kv_dtype in (np.float32, np.int8):
             native_attention, why = rewrite(model, spec.num_layers, exact)
         else:
             why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
         fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, model_path.parent)
         quantized = hadamard_quantize(model)
-        try:  # without FMA, FloatLinear's sums would not be MatMul's
-            fma = float_kernel(library) != "portable C"
-        except (OSError, AttributeError):  # a library that does not load: the session fails and says so
-            fma = False
         if quantized or fma:
             packed = linear_op.rewrite(model, model_path.parent, pack, fma)
         elif not native_attention and not fused_rope:

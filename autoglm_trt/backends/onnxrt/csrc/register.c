@@ -21,23 +21,15 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
   const void *const *newer = base->GetApi(18);
   has_parallel_for = newer != NULL;
   api = newer != NULL ? newer : base->GetApi(1);
-  OrtStatus *status = NULL;
+  static const CustomOp *const ops[] = {&paged_attention, &paged_attention_int8, &hadamard_quantize, &int8_linear,
+                                         &int8_linear_split, &rope_qkv, &float_linear, &float_linear_split,
+                                         &int8_linear_silu_mul, &float_linear_silu_mul, &int8_linear_skip_norm,
+                                         &float_linear_skip_norm, &masked_softmax};
   if (domain == NULL) {
-    if ((status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &paged_attention_int8)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &hadamard_quantize)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_split)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rope_qkv)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_split)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_silu_mul)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_silu_mul)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int8_linear_skip_norm)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &float_linear_skip_norm)) ||
-        (status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &masked_softmax)))
-      return status;
+    OrtStatus *status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain);
+    for (size_t i = 0; status == NULL && i < sizeof ops / sizeof ops[0]; i++)
+      status = API(API_CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, ops[i]);
+    if (status != NULL) return status;
   }
   return API(API_ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);
 }
