@@ -198,12 +198,13 @@ static void for_each(OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t c
     for (size_t i = 0; i < count; i++) fn(job, i);
 }
 
-static void run_linear(OrtKernelContext *ctx, int mode) {
+static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
   const int halves = mode == SPLIT || mode == GATED, outputs = mode == SPLIT || mode == NORM ? 2 : 1;
   size_t rank = 0;
   int64_t dims[MAX_DIMS], wd[3];
   void *x, *w;
-  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || input(ctx, 1, &w, wd, 3)) return;
+  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || fixed_input(ctx, constants, 1, &w, wd, 3))
+    return;
   const int64_t k = dims[rank - 1], n = 16 * wd[0];
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
@@ -213,7 +214,8 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
   /* FloatLinearSkipNorm: the linear's output goes to the sum (output 1), the norm to output 0 */
   float *y = mode == NORM ? out[1] : out[0], *y2 = mode == SPLIT ? out[1] : NULL;
   NormJob norm = {y, NULL, NULL, 0.0f, n, out[0]};
-  if (wd[1] != k || wd[2] != 16 || k < 1 || (halves && n % 32) || (mode == NORM && norm_inputs(ctx, 2, rows, n, &norm))) {
+  if (wd[1] != k || wd[2] != 16 || k < 1 || (halves && n % 32) ||
+      (mode == NORM && norm_inputs(ctx, constants, 2, rows, n, &norm))) {
     for (int o = 0; o < outputs; o++) memset(out[o], 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
     return;
   }
@@ -228,7 +230,7 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
 
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
 
-LINEAR_OP(float_linear, "FloatLinear", input_type, 2, 1, run_linear(ctx, PLAIN))
-LINEAR_OP(float_linear_split, "FloatLinearSplit", input_type, 2, 2, run_linear(ctx, SPLIT))
-LINEAR_OP(float_linear_silu_mul, "FloatLinearSiluMul", input_type, 2, 1, run_linear(ctx, GATED))
-LINEAR_OP(float_linear_skip_norm, "FloatLinearSkipNorm", input_type, 5, 2, run_linear(ctx, NORM))
+LINEAR_OP(float_linear, "FloatLinear", input_type, 2, 1, run_linear(ctx, constants, PLAIN))
+LINEAR_OP(float_linear_split, "FloatLinearSplit", input_type, 2, 2, run_linear(ctx, constants, SPLIT))
+LINEAR_OP(float_linear_silu_mul, "FloatLinearSiluMul", input_type, 2, 1, run_linear(ctx, constants, GATED))
+LINEAR_OP(float_linear_skip_norm, "FloatLinearSkipNorm", input_type, 5, 2, run_linear(ctx, constants, NORM))

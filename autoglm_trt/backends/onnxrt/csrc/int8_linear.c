@@ -237,14 +237,15 @@ static void run(OrtKernelContext *ctx, ParallelForFn parallel, void (*fn)(void *
 
 enum { PLAIN, SPLIT, GATED, NORM }; /* Int8Linear, Int8LinearSplit, Int8LinearSiluMul, Int8LinearSkipNorm */
 
-static void run_linear(OrtKernelContext *ctx, int mode) {
+static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
   const int halves = mode == SPLIT || mode == GATED, outputs = mode == SPLIT || mode == NORM ? 2 : 1;
   size_t rank = 0;
   int64_t dims[MAX_DIMS], hd[2], none[1], wd[4], cd[1], sd[1];
   void *x, *h, *scale, *zero, *w, *col_sums, *w_scale;
-  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || input(ctx, 1, &h, hd, 2) ||
-      input(ctx, 2, &scale, none, 0) || input(ctx, 3, &zero, none, 0) || input(ctx, 4, &w, wd, 4) ||
-      input(ctx, 5, &col_sums, cd, 1) || input(ctx, 6, &w_scale, sd, 1))
+  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || fixed_input(ctx, constants, 1, &h, hd, 2) ||
+      fixed_input(ctx, constants, 2, &scale, none, 0) || fixed_input(ctx, constants, 3, &zero, none, 0) ||
+      fixed_input(ctx, constants, 4, &w, wd, 4) || fixed_input(ctx, constants, 5, &col_sums, cd, 1) ||
+      fixed_input(ctx, constants, 6, &w_scale, sd, 1))
     return;
   const int64_t k = dims[rank - 1], n = sd[0];
   int64_t rows = 1;
@@ -256,7 +257,7 @@ static void run_linear(OrtKernelContext *ctx, int mode) {
   /* Int8LinearSkipNorm: the linear's output goes to the sum (output 1), the norm to output 0 */
   float *y = mode == NORM ? out[1] : out[0], *y2 = mode == SPLIT ? out[1] : NULL;
   NormJob norm = {y, NULL, NULL, 0.0f, n, out[0]};
-  if (mode == NORM && norm_inputs(ctx, 7, rows, n, &norm)) {
+  if (mode == NORM && norm_inputs(ctx, constants, 7, rows, n, &norm)) {
     zero_outputs(out[0], out[1], each);
     return;
   }
@@ -295,7 +296,7 @@ static int input_type(const CustomOp *op, size_t i) {
   return i < 7 ? types[i] : ELEM_FLOAT;
 }
 
-LINEAR_OP(int8_linear, "Int8Linear", input_type, 7, 1, run_linear(ctx, PLAIN))
-LINEAR_OP(int8_linear_split, "Int8LinearSplit", input_type, 7, 2, run_linear(ctx, SPLIT))
-LINEAR_OP(int8_linear_silu_mul, "Int8LinearSiluMul", input_type, 7, 1, run_linear(ctx, GATED))
-LINEAR_OP(int8_linear_skip_norm, "Int8LinearSkipNorm", input_type, 10, 2, run_linear(ctx, NORM))
+LINEAR_OP(int8_linear, "Int8Linear", input_type, 7, 1, run_linear(ctx, constants, PLAIN))
+LINEAR_OP(int8_linear_split, "Int8LinearSplit", input_type, 7, 2, run_linear(ctx, constants, SPLIT))
+LINEAR_OP(int8_linear_silu_mul, "Int8LinearSiluMul", input_type, 7, 1, run_linear(ctx, constants, GATED))
+LINEAR_OP(int8_linear_skip_norm, "Int8LinearSkipNorm", input_type, 10, 2, run_linear(ctx, constants, NORM))

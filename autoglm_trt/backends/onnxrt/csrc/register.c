@@ -1,4 +1,6 @@
 /* The library's entry point, and the callbacks its operators share. */
+#include <stdlib.h>
+
 #include "ort_api.h"
 
 const void *const *api;
@@ -7,6 +9,32 @@ int has_parallel_for;
 void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
   (void)op, (void)ort_api, (void)info;
   return (void *)1; /* the operators keep no state: any non-null kernel */
+}
+/* the inputs past the first that are constant initializers; where the table has no
+ * KernelInfoGetConstantInput_tensor (before version 15) or memory runs out, a kernel that knows none */
+static const Constants none;
+void *constants_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
+  (void)ort_api;
+  if (!has_parallel_for) return (void *)&none; /* a table older than version 18 */
+  Constants *c = calloc(1, sizeof *c);
+  if (c == NULL) return (void *)&none;
+  const size_t count = op->GetInputTypeCount(op);
+  for (size_t i = 1; i < count && i < MAX_CONSTANTS; i++) {
+    int constant = 0;
+    const OrtValue *value = NULL;
+    OrtTensorTypeAndShapeInfo *shape = NULL;
+    if (failed(API(API_KERNEL_INFO_GET_CONSTANT_INPUT, ConstantInputFn)(info, i, &constant, &value)) || !constant ||
+        value == NULL || failed(API(API_GET_TENSOR_TYPE_AND_SHAPE, TypeAndShapeFn)(value, &shape)))
+      continue;
+    c->known[i] = !failed(API(API_GET_DIMENSIONS_COUNT, DimsCountFn)(shape, &c->rank[i])) && c->rank[i] <= 4 &&
+                  !failed(API(API_GET_DIMENSIONS, DimsFn)(shape, c->dims[i], c->rank[i])) &&
+                  !failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, &c->data[i]));
+    API(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseInfoFn)(shape);
+  }
+  return c;
+}
+void release_constants(void *kernel) {
+  if (kernel != &none) free(kernel);
 }
 const char *cpu_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 void destroy_kernel(void *kernel) { (void)kernel; }

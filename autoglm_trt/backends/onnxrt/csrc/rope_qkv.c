@@ -62,11 +62,12 @@ static void token(void *data, size_t at) {
 }
 
 static void compute(void *kernel, OrtKernelContext *ctx) {
-  (void)kernel;
+  const Constants *constants = kernel; /* R's entries and the head counts */
   int64_t xd[3], cd[4], sd[4], id[2], vd[1], hd[1];
   void *qkv, *cos, *sin, *index, *value, *heads;
   if (input(ctx, 0, &qkv, xd, 3) || input(ctx, 1, &cos, cd, 4) || input(ctx, 2, &sin, sd, 4) ||
-      input(ctx, 3, &index, id, 2) || input(ctx, 4, &value, vd, 1) || input(ctx, 5, &heads, hd, 1) || hd[0] != 2)
+      fixed_input(ctx, constants, 3, &index, id, 2) || fixed_input(ctx, constants, 4, &value, vd, 1) ||
+      fixed_input(ctx, constants, 5, &heads, hd, 1) || hd[0] != 2)
     return;
   const int64_t hq = ((const int64_t *)heads)[0], hkv = ((const int64_t *)heads)[1];
   const int64_t d = hq + 2 * hkv > 0 ? xd[2] / (hq + 2 * hkv) : 0;
@@ -108,5 +109,5 @@ static int input_type(const CustomOp *op, size_t i) {
 static size_t input_count(const CustomOp *op) { (void)op; return 6; }
 static size_t three_outputs(const CustomOp *op) { (void)op; return 3; }
 
-const CustomOp rope_qkv = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
-                           float_output, three_outputs,    compute, destroy_kernel, required, required};
+const CustomOp rope_qkv = {8,            constants_kernel, op_name, cpu_provider,      input_type, input_count,
+                           float_output, three_outputs,    compute, release_constants, required,   required};

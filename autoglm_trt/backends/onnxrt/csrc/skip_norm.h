@@ -44,12 +44,13 @@ static inline void norm_row(void *data, size_t r) {
 
 /* inputs first.. (skip, of rows x n values; gamma [n]; epsilon, a float scalar) into ``job``; 1
  * when they are missing or do not fit */
-static inline int norm_inputs(OrtKernelContext *ctx, size_t first, int64_t rows, int64_t n, NormJob *job) {
+static inline int norm_inputs(OrtKernelContext *ctx, const Constants *constants, size_t first, int64_t rows, int64_t n,
+                              NormJob *job) {
   int64_t sd[8], gd[1], none[1];
   size_t rank = 0;
   void *skip, *gamma, *epsilon;
-  if (input_of_rank(ctx, first, &skip, sd, 8, &rank) || input(ctx, first + 1, &gamma, gd, 1) ||
-      input(ctx, first + 2, &epsilon, none, 0) || gd[0] != n)
+  if (input_of_rank(ctx, first, &skip, sd, 8, &rank) || fixed_input(ctx, constants, first + 1, &gamma, gd, 1) ||
+      fixed_input(ctx, constants, first + 2, &epsilon, none, 0) || gd[0] != n)
     return 1;
   int64_t count = 1;
   for (size_t i = 0; i < rank; i++) count *= sd[i];
