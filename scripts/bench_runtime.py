@@ -11,6 +11,10 @@
    copy bandwidth of this machine (numpy copies on all cores, bytes read + written), for the
    fp32 engine (its weight file) and the int8 engine (linear weights as calib.json counts them),
    the bandwidth measured in every round and each share the median of the rounds' shares;
+   and the fp32 16-concurrent aggregate against the compute bound: the multiply-adds its
+   linears do (16 prompts through every linear, each generated token through the LM head too)
+   over the time, as a share of numpy's float32 GEMM rate on this machine (a 2048-square
+   product on all cores, measured every round);
 5. time to first token of a 1,000-token prompt (random token ids, a new prompt every time so no
    prefix is cached): transformers' forward pass vs the fp32 and int8 engines' prefill;
 6. the native operators (attention, INT8 linears, rope) against the graph's own nodes
@@ -41,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SMOL = ROOT / "models" / "smollm2-135m"
 TTFT_PROMPT = 1000
+PROMPT_TOKENS = 48  # each prompt of the concurrent runs
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -104,7 +109,7 @@ def aggregate(engine, n: int, gen: int) -> float:
     from autoglm_trt.runtime import SamplingParams
 
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, 48).tolist() for _ in range(n)]
+    prompts = [rng.integers(100, 40000, PROMPT_TOKENS).tolist() for _ in range(n)]
     t = time.perf_counter()
     res = engine.generate(prompts, SamplingParams(max_new_tokens=gen, ignore_eos=True))
     return sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
@@ -127,6 +132,28 @@ def copy_bandwidth(threads: int = 2) -> float:
             th.join()
         best = min(best, time.perf_counter() - t)
     return 2 * sum(x.nbytes for x in a) / best
+
+
+def gemm_rate() -> float:
+    """Floating-point operations per second of numpy's float32 GEMM (its BLAS, on all cores): the
+    best of 5 products of two 2048 x 2048 matrices."""
+    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048**3 / best
+
+
+def aggregate_flops(spec, weight_bytes: int, n: int, prompt: int, gen: int) -> float:
+    """Floating-point operations of ``aggregate``'s linears: n prompts of ``prompt`` tokens and
+    ``gen`` tokens each; every token but the last generated one goes through the body's linears,
+    every generated one through the LM head (the fp32 weight file holds the body and the tied
+    embedding, i.e. the head, 4 bytes a parameter)."""
+    head = spec.vocab_size * spec.hidden_size
+    body = weight_bytes // 4 - head
+    return 2.0 * n * ((prompt + gen - 1) * body + gen * head)
 
 
 def main() -> None:
@@ -165,6 +192,7 @@ def main() -> None:
         "int8_ttft_1000_ms": lambda: engine_ttft(engines["int8"], rng),
         # the bound moves with the machine's load as much as the rates do: measured every round
         "copy_bandwidth_GBps": lambda: copy_bandwidth() / 1e9,
+        "gemm_GFLOPs": lambda: gemm_rate() / 1e9,
     }
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):
@@ -199,6 +227,10 @@ def main() -> None:
         "int8_weight_bytes": int(int8_bytes),
         "int8_fraction_of_bound": median(lambda m: m["int8_tok_s"] * int8_bytes / (m["copy_bandwidth_GBps"] * 1e9)),
     })
+    flops = aggregate_flops(engines["fp32"].spec, weight_bytes, 16, PROMPT_TOKENS, args.gen)
+    out["fp32_16x_GFLOP"] = flops / 1e9
+    out["fp32_16x_fraction_of_gemm"] = median(  # the aggregate's seconds are 16 * gen tokens over its rate
+        lambda m: flops / (16 * args.gen / m["fp32_16x_aggregate_tok_s"]) / (m["gemm_GFLOPs"] * 1e9))
     from autoglm_trt.fileutil import cpu_model
 
     out["cpu"] = cpu_model()

@@ -10,12 +10,13 @@ void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelI
   (void)op, (void)ort_api, (void)info;
   return (void *)1; /* the operators keep no state: any non-null kernel */
 }
-/* the inputs past the first that are constant initializers; where the table has no
- * KernelInfoGetConstantInput_tensor (before version 15) or memory runs out, a kernel that knows none */
+/* the inputs past the first that are constant initializers; where ONNX Runtime is older than 1.18
+ * (the library then uses version 1 of the table, which has no KernelInfoGetConstantInput_tensor) or
+ * memory runs out, a kernel that knows none, whose inputs are all read on every run */
 static const Constants none;
 void *constants_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
   (void)ort_api;
-  if (!has_parallel_for) return (void *)&none; /* a table older than version 18 */
+  if (!has_parallel_for) return (void *)&none;
   Constants *c = calloc(1, sizeof *c);
   if (c == NULL) return (void *)&none;
   const size_t count = op->GetInputTypeCount(op);
