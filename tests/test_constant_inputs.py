@@ -45,19 +45,13 @@ def test_int8_linear_with_norm(library, rows):
     """Int8LinearSkipNorm: constant inputs 1-6 (rotation, activation scale and zero, packed
     weights, column sums, weight scales) and 8-9 (norm weight, epsilon); input 7 (the skip) is
     not constant."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
     from test_float_linear import skip_norm_graph
+    from test_int8_linear import skip_norm_inits
 
-    from autoglm_trt.backends.onnxrt.linear_op import pack_weights
-    from autoglm_trt.graph.hadamard import hadamard
-
-    k, n, b = 576, 320, 64
+    k, n = 576, 320
     rng = np.random.default_rng(rows)
-    packed, sums = pack_weights(rng.integers(-128, 128, (k, n)).astype(np.int8))
-    inits = [numpy_helper.from_array(np.array(hadamard(b)), "h"), numpy_helper.from_array(np.float32(0.03), "s"),
-             numpy_helper.from_array(np.uint8(120), "z"), numpy_helper.from_array(packed, "wp"),
-             numpy_helper.from_array(sums, "cs"), numpy_helper.from_array(np.float32(1e-5), "eps"),
-             numpy_helper.from_array(rng.uniform(1e-3, 1e-2, n).astype(np.float32), "ws")]
+    inits = skip_norm_inits(rng, k, n, zero=120)
     node = helper.make_node("Int8LinearSkipNorm", ["x", "h", "s", "z", "wp", "cs", "ws", "skip", "gamma", "eps"],
                             ["normalized", "sum"], domain="autoglm.trt")
     model = skip_norm_graph([node], k, n, inits)

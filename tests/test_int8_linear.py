@@ -137,23 +137,32 @@ def test_the_gated_form_is_silu_times_up_as_onnx_runtime_computes_it(kernel_libr
     np.testing.assert_array_equal(got, want)
 
 
+def skip_norm_inits(rng: np.random.Generator, k: int, n: int, zero: int, b: int = 64) -> list:
+    """Initializers of an INT8 linear with random weights (``h``, ``s``, ``z``, ``wp``, ``cs``,
+    ``ws``: Int8Linear's inputs 1-6) and an RMSNorm epsilon (``eps``)."""
+    from onnx import numpy_helper
+
+    from autoglm_trt.graph.hadamard import hadamard
+
+    packed, sums = pack_weights(rng.integers(-128, 128, (k, n)).astype(np.int8))
+    return [numpy_helper.from_array(np.array(hadamard(b)), "h"), numpy_helper.from_array(np.float32(0.03), "s"),
+            numpy_helper.from_array(np.uint8(zero), "z"), numpy_helper.from_array(packed, "wp"),
+            numpy_helper.from_array(sums, "cs"), numpy_helper.from_array(np.float32(1e-5), "eps"),
+            numpy_helper.from_array(rng.uniform(1e-3, 1e-2, n).astype(np.float32), "ws")]
+
+
 @pytest.mark.parametrize("rows", [0, 1, 5, 37])
 def test_the_skip_norm_form_is_onnx_runtimes_residual_and_rmsnorm(kernel_library, rows):
     """Int8LinearSkipNorm's outputs are ONNX Runtime's SkipSimplifiedLayerNormalization of
     Int8Linear's output and the skip: the normalized rows and the sums, bit for bit."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
     from test_float_linear import skip_norm_graph
 
-    from autoglm_trt.graph.hadamard import hadamard
     from autoglm_trt.graph.session import make_session
 
-    k, n, b = 576, 576, 64
+    k, n = 576, 576
     rng = np.random.default_rng(rows)
-    packed, sums = pack_weights(rng.integers(-128, 128, (k, n)).astype(np.int8))
-    inits = [numpy_helper.from_array(np.array(hadamard(b)), "h"), numpy_helper.from_array(np.float32(0.03), "s"),
-             numpy_helper.from_array(np.uint8(128), "z"), numpy_helper.from_array(packed, "wp"),
-             numpy_helper.from_array(sums, "cs"), numpy_helper.from_array(np.float32(1e-5), "eps"),
-             numpy_helper.from_array(rng.uniform(1e-3, 1e-2, n).astype(np.float32), "ws")]
+    inits = skip_norm_inits(rng, k, n, zero=128)
     linear = ["x", "h", "s", "z", "wp", "cs", "ws"]
     plain = skip_norm_graph([helper.make_node("Int8Linear", linear, ["y"], domain="autoglm.trt")], k, n, inits)
     fused = skip_norm_graph([helper.make_node("Int8LinearSkipNorm", linear + ["skip", "gamma", "eps"],
