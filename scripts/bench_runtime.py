@@ -12,9 +12,10 @@
    fp32 engine (its weight file) and the int8 engine (linear weights as calib.json counts them),
    the bandwidth measured in every round and each share the median of the rounds' shares;
    and the fp32 16-concurrent aggregate against the compute bound: the multiply-adds its
-   linears do (16 prompts through every linear, each generated token through the LM head too)
-   over the time, as a share of numpy's float32 GEMM rate on this machine (a 2048-square
-   product on all cores, measured every round);
+   linears do (the prompt tokens the prefix cache does not supply and the generated tokens
+   through every linear, the generated ones through the LM head too) over the time, as a share
+   of numpy's float32 GEMM rate on this machine (a 2048-square product on all cores, measured
+   every round);
 5. time to first token of a 1,000-token prompt (random token ids, a new prompt every time so no
    prefix is cached): transformers' forward pass vs the fp32 and int8 engines' prefill;
 6. the native operators (attention, INT8 linears, rope) against the graph's own nodes
