@@ -52,16 +52,19 @@ def session(model, threads: int, profile: str | None = None):
                                 providers=["CPUExecutionProvider"])
 
 
-def decode_feeds(spec, batch: int, ctx: int, block_size: int = 16) -> dict[str, np.ndarray]:
+def decode_feeds(spec, batch: int, ctx: int, block_size: int = 16, slots: bool = False) -> dict[str, np.ndarray]:
     """A decode step's inputs (``paged_kv.step_inputs``): ``batch`` sequences of ``ctx`` cached tokens
-    each, in blocks of their own, over pools of random K/V."""
+    each, in blocks of their own, over pools of random K/V; with ``slots``, also where the native
+    attention operator stores the new tokens' K/V (``native.slots``, an input of the runner's graph)."""
     from autoglm_trt.graph.paged_kv import KVPools, SeqState, blocks_needed, step_inputs
 
     nb = blocks_needed(ctx + 1, block_size)
     pools = KVPools(spec.num_layers, batch * nb, block_size, spec.num_kv_heads, spec.head_dim)
     pools.data[:] = np.random.default_rng(0).standard_normal(pools.data.shape, np.float32)
     states = [SeqState(ctx, list(range(b * nb, (b + 1) * nb))) for b in range(batch)]
-    feeds, _ = step_inputs([[5]] * batch, states, block_size)
+    feeds, where = step_inputs([[5]] * batch, states, block_size)
+    if slots:
+        feeds["native.slots"] = where.block * block_size + where.offset
     return {**feeds, **pools.feeds()}
 
 

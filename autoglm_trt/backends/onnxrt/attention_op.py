@@ -13,6 +13,11 @@ then hoists the 30 ``If`` nodes into one for the whole step.
 Everything else, the INT8 GEMMs included, is untouched, and the portable graph that TensorRT
 builds never sees the operator.
 
+The operator also stores a decode step's new K/V in the pools, at the slots of the graph input
+``native.slots`` that the rewrite adds (each sequence's block * block size + offset, vLLM's slot
+mapping; -1 stores nothing, and every run must feed it); the runner's scatter of them after the
+step is left for prefill steps.
+
 Per layer ``i`` the graph names what the operator needs: the queries after RoPE are the input
 of ``layers.<i>.q_grouped``, the new keys and values are the outputs ``new_key.<i>`` and
 ``new_value.<i>``, the result is ``layers.<i>.attn``; the layer's attention nodes are those
@@ -30,6 +35,7 @@ from . import prefill_scores
 
 DOMAIN = "autoglm.trt"
 DECODE_CONDITION = "native.decode"  # true when every sequence has one new token
+SLOTS = "native.slots"  # [batch] int64: where each sequence's new token's K/V go (decode); -1: nowhere
 OP, OP_INT8_KV = "PagedAttention", "PagedAttentionInt8KV"
 
 
@@ -98,11 +104,13 @@ def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False) -> t
                              axis=0),
             helper.make_node("Equal", ["native.new_tokens", "native.one"], [DECODE_CONDITION], name=DECODE_CONDITION)]
     graph.initializer.append(helper.make_tensor("native.one", TensorProto.INT64, [], [1]))
+    graph.input.append(helper.make_tensor_value_info(SLOTS, TensorProto.INT64, ["batch"]))
     branch_of: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for i, q, core, (op, k, v, scales) in plans:
+        store = [SLOTS] + ([f"new_key.{i}", f"new_value.{i}"] if scales else [])
         native = helper.make_node(op, [q, k, v, f"past_key.{i}", f"past_value.{i}", "block_tables", "context_lens",
-                                       "query_lens", *scales], [f"layers.{i}.attn_native"],
+                                       "query_lens", *scales, *store], [f"layers.{i}.attn_native"],
                                   name=f"layers.{i}.paged_attention", domain=DOMAIN)
         core_ids = {id(c) for c in core}
         nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in core_ids]

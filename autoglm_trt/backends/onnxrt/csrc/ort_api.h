@@ -21,6 +21,7 @@ typedef struct OrtSessionOptions OrtSessionOptions;
 typedef struct OrtCustomOpDomain OrtCustomOpDomain;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
 
+enum { OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic: an input that may be absent */
 enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT8 = 3, ELEM_INT32 = 6, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
 
 /* positions in ONNX Runtime's OrtApi function table */
@@ -34,6 +35,7 @@ enum {
   API_GET_TENSOR_TYPE_AND_SHAPE = 65,
   API_KERNEL_CONTEXT_GET_INPUT = 90,
   API_KERNEL_CONTEXT_GET_OUTPUT = 91,
+  API_KERNEL_CONTEXT_GET_INPUT_COUNT = 88,
   API_RELEASE_STATUS = 93,
   API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
   API_KERNEL_INFO_GET_CONSTANT_INPUT = 249, /* from version 15 of the table */
@@ -66,6 +68,7 @@ extern const void *const *api;
 extern int has_parallel_for; /* the table is of version 18 or later: ONNX Runtime's threads run the work */
 
 #define API(index, type) ((type)api[index])
+typedef OrtStatus *(*InputCountFn)(const OrtKernelContext *, size_t *);
 typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
 typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
 typedef OrtStatus *(*MutableDataFn)(OrtValue *, void **);

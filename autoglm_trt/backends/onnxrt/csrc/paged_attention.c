@@ -23,6 +23,16 @@
  *   8 k_scales     [Hkv]           the pools' symmetric scales of each KV head (value = int8 * scale)
  *   9 v_scales     [Hkv]
  * The new tokens' K and V (inputs 1 and 2) stay float, as in the graph.
+ *
+ * Storing a decode step's new K/V (optional inputs, both operators): given ``slots`` (input 8, or
+ * 10 for int8 pools: [B] int64, the flat pool slot block * BS + offset of each sequence's new
+ * token, as vLLM's slot mapping), the operator also writes each sequence's new K and V there, so
+ * the runner need not scatter them after the step (vLLM's kernels do the same). Only for one new
+ * token a sequence (T = 1); a negative slot, or one past the pools, stores nothing. The pools are
+ * written in place through their inputs: they are bound to the runner's own arrays, which nothing
+ * else reads during the step, and a new token's slot is past the context that attention reads.
+ * For int8 pools the values stored are inputs 11 and 12 ([B, 1, Hkv, D] int8: the graph's
+ * quantized ``new_key.<i>``/``new_value.<i>``, what the runner stored before).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -387,7 +397,19 @@ typedef struct {
   const int64_t *tables, *ctx_lens, *q_lens;
   int64_t T, Hq, Hkv, D, NB, BS, MB;
   const float *k_scales, *v_scales; /* per KV head, for int8 pools; NULL for float32 pools */
+  const int64_t *slots;          /* each sequence's slot for its new K/V, or NULL: none stored */
+  const void *k_store, *v_store; /* the new K/V to store, [B, 1, Hkv, D] of the pools' type */
 } Job;
+
+/* sequence b's new K and V of KV head h into its slot, if that is inside the pools */
+static void store(const Job *j, int64_t b, int64_t h) {
+  const int64_t slot = j->slots[b], D = j->D;
+  if (slot < 0 || slot >= j->NB * j->BS) return;
+  const size_t size = j->k_scales != NULL ? sizeof(int8_t) : sizeof(float);
+  const size_t to = (size_t)((h * j->NB * j->BS + slot) * D) * size, from = (size_t)((b * j->Hkv + h) * D) * size;
+  memcpy((char *)j->pool_k + to, (const char *)j->k_store + from, (size_t)D * size);
+  memcpy((char *)j->pool_v + to, (const char *)j->v_store + from, (size_t)D * size);
+}
 
 /* work item i: sequence i / Hkv, KV head i % Hkv (each with scratch of its own) */
 static void run_item(void *data, size_t i) {
@@ -414,10 +436,27 @@ static void run_item(void *data, size_t i) {
   free(scores);
   free(qr);
   free(orow);
+  if (j->slots != NULL) store(j, b, h);
+}
+
+/* the optional store inputs, if given for a step of one new token a sequence, into ``job``; else
+ * the job stores nothing */
+static void store_inputs(OrtKernelContext *ctx, int int8, Job *job, int64_t B) {
+  const size_t at = int8 ? 10 : 8;
+  size_t count = 0;
+  void *slots, *k_store = (void *)job->k_new, *v_store = (void *)job->v_new;
+  int64_t sd[1], kd[4], vd[4];
+  const int64_t want[4] = {B, 1, job->Hkv, job->D};
+  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT_COUNT, InputCountFn)(ctx, &count)) || count <= at || job->T != 1 ||
+      input(ctx, at, &slots, sd, 1) || sd[0] != B ||
+      (int8 && (input(ctx, 11, &k_store, kd, 4) || input(ctx, 12, &v_store, vd, 4) || memcmp(kd, want, sizeof kd) ||
+                memcmp(vd, want, sizeof vd))))
+    return;
+  job->slots = slots, job->k_store = k_store, job->v_store = v_store;
 }
 
 /* both operators: inputs 0..7 as documented at the top; with int8 pools, 8 and 9 are the K and V
- * scales of each KV head */
+ * scales of each KV head; then the optional store inputs */
 static void run(OrtKernelContext *ctx, int int8) {
   void *p[10];
   int64_t qd[4], kd[4], vd[4], pk[4], pv[4], bt[2], cl[1], ql[1], ks[1] = {0}, vs[1] = {0};
@@ -441,7 +480,8 @@ static void run(OrtKernelContext *ctx, int int8) {
       (int8 && (ks[0] != Hkv || vs[0] != Hkv)))
     return;
   Job job = {p[0], p[1], p[2], p[3], p[4], out, p[5], p[6], p[7], T, Hq, Hkv, D, NB, BS, MB,
-             int8 ? p[8] : NULL, int8 ? p[9] : NULL};
+             int8 ? p[8] : NULL, int8 ? p[9] : NULL, NULL, NULL, NULL};
+  store_inputs(ctx, int8, &job, B);
   const size_t items = (size_t)(B * Hkv);
   if (!has_parallel_for || items < 2 ||
       failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, run_item, items, 0, &job)))
@@ -454,16 +494,18 @@ static void compute_int8(void *kernel, OrtKernelContext *ctx) { (void)kernel, ru
 static const char *op_name(const CustomOp *op) { (void)op; return "PagedAttention"; }
 static const char *op_name_int8(const CustomOp *op) { (void)op; return "PagedAttentionInt8KV"; }
 static int input_type(const CustomOp *op, size_t i) { (void)op; return i >= 5 ? ELEM_INT64 : ELEM_FLOAT; }
-static size_t input_count(const CustomOp *op) { (void)op; return 8; }
+static size_t input_count(const CustomOp *op) { (void)op; return 9; }
+static int optional_store(const CustomOp *op, size_t i) { (void)op; return i >= 8 ? OPTIONAL : 0; }
 static int input_type_int8(const CustomOp *op, size_t i) {
   (void)op;
-  return i == 3 || i == 4 ? ELEM_INT8 : i >= 5 && i <= 7 ? ELEM_INT64 : ELEM_FLOAT;
+  return i == 3 || i == 4 || i >= 11 ? ELEM_INT8 : (i >= 5 && i <= 7) || i == 10 ? ELEM_INT64 : ELEM_FLOAT;
 }
-static size_t input_count_int8(const CustomOp *op) { (void)op; return 10; }
+static size_t input_count_int8(const CustomOp *op) { (void)op; return 13; }
+static int optional_store_int8(const CustomOp *op, size_t i) { (void)op; return i >= 10 ? OPTIONAL : 0; }
 
-const CustomOp paged_attention = {8,           stateless_kernel, op_name,  cpu_provider, input_type, input_count,
-                                  float_output, one_output,       compute,  destroy_kernel, required, required};
+const CustomOp paged_attention = {8,           stateless_kernel, op_name,  cpu_provider,   input_type,     input_count,
+                                  float_output, one_output,       compute,  destroy_kernel, optional_store, required};
 const CustomOp paged_attention_int8 = {8,           stateless_kernel, op_name_int8, cpu_provider, input_type_int8,
                                        input_count_int8, float_output, one_output, compute_int8, destroy_kernel,
-                                       required,         required};
+                                       optional_store_int8, required};
 
