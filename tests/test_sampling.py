@@ -47,3 +47,55 @@ def test_seeded_sampling_is_reproducible():
 def test_bad_params(kwargs, message):
     with pytest.raises(SamplingError, match=message):
         SamplingParams(**kwargs)
+
+
+def _full_sort(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """The sampler's distribution by its definition, in float64 over a full stable sort (as the
+    sampler computed it before it stopped sorting the vocabulary): token -> probability."""
+    x = logits.astype(np.float64) / temperature
+    if 0 < top_k < x.size:
+        cut = np.partition(x, -top_k)[-top_k]
+        x = np.where(x >= cut, x, -np.inf)
+    order = np.argsort(-x, kind="stable")
+    p = np.exp(x[order] - x[order[0]])
+    p /= p.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), top_p, side="left")) + 1
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    return {int(t): float(q) for t, q in zip(order, p) if q > 1e-12}
+
+
+@pytest.mark.parametrize("vocab", [7, 3000, 49152])
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 0, 0.5), (0.05, 0, 0.99), (1.0, 40, 1.0), (0.8, 40, 0.9), (2.0, 0, 0.99)])
+def test_the_distribution_is_the_full_sorts(vocab, temperature, top_k, top_p):
+    """Without sorting the vocabulary, the tokens and probabilities are those of the definition
+    (a full sort in float64), for logits with ties and a long tail."""
+    from autoglm_trt.runtime.sampling import distribution
+
+    rng = np.random.default_rng(vocab + int(100 * temperature) + top_k)
+    logits = (rng.standard_normal(vocab) * 4).astype(np.float32)
+    logits[rng.choice(vocab, vocab // 3)] = logits[0]  # ties, some of them near the top
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    ids, probs = distribution(logits, params)
+    got = {int(t): float(q) for t, q in zip(ids, probs) if q > 1e-12}
+    want = _full_sort(logits, temperature, top_k, top_p)
+    assert got.keys() == want.keys()
+    np.testing.assert_allclose([got[t] for t in want], list(want.values()), rtol=2e-5, atol=1e-12)
+    assert abs(probs.sum() - 1.0) < 1e-9
+
+
+@pytest.mark.parametrize("size", [5, 1024, 1025, 49152])
+def test_draw_gives_each_index_its_share_of_the_uniform_range(size):
+    """For u evenly over [0, 1), each index comes up in proportion to its weight (zeros never),
+    through the block sums as within one block."""
+    from autoglm_trt.runtime.sampling import draw
+
+    rng = np.random.default_rng(size)
+    weights = rng.random(size).astype(np.float32) * (rng.random(size) < 0.5)  # half of them zero
+    weights[0] = weights[-1] = 0.0
+    m = 30_000  # draws: index i gets the points u = (j + 0.5) / m in its share of [0, 1), within 2
+    counts = np.bincount([draw(weights, (j + 0.5) / m) for j in range(m)], minlength=size)
+    share = weights.astype(np.float64) / weights.sum(dtype=np.float64)
+    assert not counts[weights == 0].any()
+    np.testing.assert_allclose(counts / m, share, rtol=0, atol=2 / m)
