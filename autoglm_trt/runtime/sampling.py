@@ -14,6 +14,7 @@ logits that are not finite (a broken engine) with a ``SamplingError`` for that r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -209,7 +210,7 @@ def _nucleus(d: np.ndarray, p: np.ndarray, top_p: float) -> np.ndarray:
     return order[:min(int(np.searchsorted(mass, need, side="left")) + 1, order.size)]
 
 
-def _near(d: np.ndarray, enough) -> np.ndarray:
+def _near(d: np.ndarray, enough: Callable[[np.ndarray], bool]) -> np.ndarray:
     """The positions of ``d`` (<= 0) within 4, 8, 16 or 32 of its largest (0), the first set that
     is ``enough``; else all. Every position of a larger ``d`` than one in the set is in it."""
     for t in (4.0, 8.0, 16.0, 32.0):

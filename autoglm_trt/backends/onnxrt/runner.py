@@ -8,7 +8,7 @@ step's new K/V are stored by the native attention operator, where it runs, at th
 runner feeds (``native.slots``): after the step their cache lines are cold, and the scatter took
 ~0.12 ms of a 6-8 ms batch-1 step and ~0.8 ms of a 16-sequence one (ad hoc, SmolLM2 INT8).
 For decode steps the binding (pools and output buffers bound) is kept per batch size, so a
-decode step only rebinds its six small inputs; a prefill step's outputs (new K/V of up to
+decode step only rebinds its small inputs (six, and the slots); a prefill step's outputs (new K/V of up to
 max_batch x max_input_len tokens) are bound afresh and freed after the step.
 
 The graph is rewritten for ONNX Runtime as it is loaded. Where the native library can be
@@ -133,8 +133,8 @@ class OrtRunner:
         self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
         self._bindings: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray], list[Any]]] = {}
-        # decode steps store their new K/V in the attention operator (``attention_op.py``)
-        # (the graph's input ``native.slots``; False: the runner stores them, as in the graph's form)
+        # where the graph has ``native.slots`` (``attention_op.py``), decode steps' attention operator
+        # stores their new K/V; with ``stores_kv`` False (tests) it is fed -1s and the runner scatters them
         self._slots = SLOTS if SLOTS in {i.name for i in self.session.get_inputs()} else None
         self.stores_kv = self._slots is not None
 

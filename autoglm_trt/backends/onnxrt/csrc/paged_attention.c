@@ -30,7 +30,9 @@
  * the runner need not scatter them after the step (vLLM's kernels do the same). Only for one new
  * token a sequence (T = 1); a negative slot, or one past the pools, stores nothing. The pools are
  * written in place through their inputs: they are bound to the runner's own arrays, which nothing
- * else reads during the step, and a new token's slot is past the context that attention reads.
+ * else reads during the step; a new token's slot is past its sequence's context, which attention
+ * reads, in a block no other sequence holds (the scheduler copies a shared block before a
+ * sequence writes to it), so no other work item reads it either.
  * For int8 pools the values stored are inputs 11 and 12 ([B, 1, Hkv, D] int8: the graph's
  * quantized ``new_key.<i>``/``new_value.<i>``, what the runner stored before).
  */
