@@ -69,6 +69,12 @@ def tiny_engine(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def int8_kv_engine(tiny_dir, tmp_path_factory):
+    """The tiny Llama as an fp32 engine with an INT8 KV cache."""
+    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("eng") / "int8-kv", kv_cache_dtype="int8")
+
+
+@pytest.fixture(scope="session")
 def tiny_int8_engine(tiny_dir, tmp_path_factory):
     """The tiny Llama as an INT8 engine, calibrated on a little English text."""
     data = tmp_path_factory.mktemp("tiny-calib")

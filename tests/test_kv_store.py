@@ -85,13 +85,6 @@ def test_the_operator_stores_each_new_token_at_its_slot(library, int8_kv, t):
         np.testing.assert_array_equal(got, w)
 
 
-@pytest.fixture(scope="module")
-def int8_kv_engine(tiny_dir, tmp_path_factory):
-    from conftest import build_tiny_engine
-
-    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("store") / "int8-kv", kv_cache_dtype="int8")
-
-
 @pytest.mark.parametrize("kv", ["float", "int8"])
 def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(tiny_engine, int8_kv_engine, library,
                                                                             monkeypatch, kv):

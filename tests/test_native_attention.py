@@ -103,13 +103,6 @@ def _runner(engine_dir, monkeypatch, native: bool):
     return open_runner(Manifest.read(engine_dir), num_blocks=32, threads=1)
 
 
-@pytest.fixture(scope="module")
-def int8_kv_engine(tiny_dir, tmp_path_factory):
-    from conftest import build_tiny_engine
-
-    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("native") / "int8-kv", kv_cache_dtype="int8")
-
-
 @pytest.mark.parametrize("kv", ["float", "int8"])
 def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine, int8_kv_engine, library,
                                                                      monkeypatch, kv):

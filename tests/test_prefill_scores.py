@@ -10,13 +10,6 @@ from conftest import step_all
 from autoglm_trt.graph.paged_kv import SeqState
 
 
-@pytest.fixture(scope="module")
-def int8_kv_engine(tiny_dir, tmp_path_factory):
-    from conftest import build_tiny_engine
-
-    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("prefill") / "int8-kv", kv_cache_dtype="int8")
-
-
 def _runner(engine_dir, by_row: bool, monkeypatch):
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
