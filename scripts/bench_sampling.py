@@ -7,7 +7,7 @@
    for a chat prompt; SmolLM2's vocabulary is 49,152) for greedy, temperature 1 (the OpenAI
    API's default, and the server's), temperature 0.7 with top_p 0.9, and temperature 0.8 with
    top_k 40 and top_p 0.95; against ``full_sort``, the sampler before this one (it sorted the
-   whole vocabulary for every token), on the same rows; median over rows and rounds.
+   whole vocabulary for every token), on the same rows; the median over rows, then over rounds.
 2. Aggregate tokens/s of 16 concurrent requests (48-token prompts, 64 new tokens, temperature 1,
    seeded) on the engine with this sampler and with ``full_sort`` in its place, and greedy, the
    three alternating in each round; medians over rounds, each ratio the median of its rounds'.
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+DEFAULT_ENGINE = ROOT / "engines" / "smollm2-int8"  # built by bench_runtime.ensure_engine if missing
 PARAMS = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0},
           "t0.7_p0.9": {"temperature": 0.7, "top_p": 0.9},
           "t0.8_k40_p0.95": {"temperature": 0.8, "top_k": 40, "top_p": 0.95}}
@@ -95,7 +96,7 @@ def aggregate(engine, temperature: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", type=Path, default=ROOT / "engines" / "smollm2-int8")
+    ap.add_argument("--engine", type=Path, default=DEFAULT_ENGINE)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     from bench_runtime import ensure_engine
@@ -105,6 +106,8 @@ def main() -> None:
     from autoglm_trt.runtime import engine as engine_module
     from autoglm_trt.runtime.sampling import sample
 
+    if not args.engine.is_dir() and args.engine != DEFAULT_ENGINE:
+        sys.exit(f"no engine at {args.engine}: build one with `autoglm-trt build`, or leave --engine out")
     path = args.engine if args.engine.is_dir() else ensure_engine("int8")
     engine = Engine.load(path)
     rows = engine_logits(engine)
