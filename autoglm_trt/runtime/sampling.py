@@ -186,14 +186,15 @@ def _weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | N
     top = float(x.max())  # NaN if any is NaN
     if not math.isfinite(top):
         raise SamplingError(_NOT_FINITE)
-    d = (x - np.float32(top)) / np.float32(params.temperature)  # <= 0; 0 for the most likely
+    d = x - np.float32(top)
+    d /= np.float32(params.temperature)  # <= 0; 0 for the most likely
     ids = None
     if 0 < params.top_k < d.size:
         near = _near(d, lambda near: near.size >= params.top_k)
         cut = np.partition(d[near], -params.top_k)[-params.top_k]
         ids = near[d[near] >= cut]  # ties with the k-th largest stay
         d = d[ids]
-    p = np.exp(d)
+    p = np.exp(d) if params.top_p < 1.0 else np.exp(d, out=d)  # d is needed only for the nucleus
     if params.top_p < 1.0:
         order = _nucleus(d, p, params.top_p)
         ids, p = (order if ids is None else ids[order]), p[order]
