@@ -78,8 +78,8 @@ def rotated_quantized(x: np.ndarray, b: int, scale: float, zero: int) -> np.ndar
 
 @pytest.mark.parametrize("rows,k,n,b", [
     (1, 576, 960, 64),  # a decode step of SmolLM2's QKV
-    (1, 64, 1000, 64),  # a decode step's tiles (63, the last partial) in runs of 4, the last run of 3
-    (1, 64, 592, 16),  # 37 tiles in runs of 3, the last run of one tile
+    (1, 64, 1000, 64),  # 63 tiles (the last partial): on 2 processors, runs of 4, the last of 3
+    (1, 64, 592, 16),  # 37 tiles: on 2 processors, runs of 3, the last of one tile
     (8, 576, 40, 64),  # a batch: rows in groups of the kernel's width
     (5, 1536, 576, 128),
     (37, 64, 40, 16),  # enough rows for ONNX Runtime's threads; N not a multiple of 16

@@ -7,7 +7,7 @@
  * mostly made of), ONNX Runtime's quantization + MatMulIntegerToFloat read them at about half
  * the rate this operator does on this project's machines (16-20 against 31-42 GB/s). The
  * packed layout lets one 64-byte load feed 16 outputs x 4 inputs; each thread takes runs of
- * adjacent tiles (``RUNS`` below). A batch (a decode step of
+ * adjacent tiles (``RUNS_PER_CPU`` below). A batch (a decode step of
  * several sequences, a prefill) goes 8 rows at a time, 8 chains of accumulation over each tile,
  * the last group of rows prefetching the next tile: the SmolLM2 INT8 engine's linears chained in
  * one graph ran 1.64x faster at 8 rows and 1.31x at 16 than with 4 rows at a time and no
@@ -35,8 +35,11 @@
  * output plus skip, and its RMSNorm, as ONNX Runtime's SkipSimplifiedLayerNormalization computes
  * them (``skip_norm.h``).
  */
+#define _POSIX_C_SOURCE 200809L /* sysconf, under -std=c11 */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ort_api.h"
 #include "rotate.h"
@@ -224,15 +227,27 @@ static void gated_tile(void *data, size_t t) {
   }
 }
 
-/* A batch-1 step's work items: runs of about 1/RUNS of the tiles each (column_tile's, or
- * gated_tile's gate tiles with their up tiles), adjacent ones, so that each thread reads the
+/* A batch-1 step's work items: runs of adjacent tiles (column_tile's, or gated_tile's gate
+ * tiles with their up tiles), RUNS_PER_CPU runs per processor, so that each thread reads the
  * weights in long runs front to back, which the processor's prefetchers follow, rather than
- * every other tile as the two threads claim them one at a time (a tile of SmolLM2's K = 576 is
- * 9 KiB). The INT8 engine's batch-1 decode step ran 1.09x and 1.13x faster with runs of 1/16
- * (1.05x with 1/32, 1.08x with 1/12, 1.03x with 1/6; no change at batch 4 and 16, nor for the
- * float linears' tile pairs at batch 1, which are 8 times longer; ad hoc, each the median of
- * 40-60 pairs of steps alternating in one process). */
-#define RUNS 16
+ * every other tile as the threads claim them one at a time (a tile of SmolLM2's K = 576 is
+ * 9 KiB). On this project's 2-processor machines (runs of 1/16) the INT8 engine's batch-1
+ * decode step ran 1.09x and 1.13x faster (1.05x with runs of 1/32, 1.08x with 1/12, 1.03x with
+ * 1/6; no change at batch 4 and 16, nor for the float linears' tile pairs at batch 1, which are
+ * 8 times longer; ad hoc, each the median of 40-60 pairs of steps alternating in one process).
+ * Per processor, so that a machine with many keeps them all busy. */
+#define RUNS_PER_CPU 8
+
+static size_t runs_wanted(void) {
+  static atomic_long cpus; /* the processors online, asked once */
+  long n = atomic_load_explicit(&cpus, memory_order_relaxed);
+  if (n <= 0) {
+    n = sysconf(_SC_NPROCESSORS_ONLN);
+    n = n > 2 ? n : 2;
+    atomic_store_explicit(&cpus, n, memory_order_relaxed);
+  }
+  return (size_t)(RUNS_PER_CPU * n);
+}
 
 typedef struct {
   void *job;
@@ -306,7 +321,7 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
   run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
   const size_t tiles = mode == GATED ? (size_t)wd[0] / 2 : (size_t)wd[0]; /* gated: the gate tiles */
-  const size_t per = rows == 1 && tiles > RUNS ? (tiles + RUNS - 1) / RUNS : 1;
+  const size_t want = runs_wanted(), per = rows == 1 && tiles > want ? (tiles + want - 1) / want : 1;
   Runs runs = {&job, mode == GATED ? gated_tile : column_tile, tiles, per};
   run(ctx, parallel, tile_run, (tiles + runs.per - 1) / runs.per, 2, &runs);
   if (mode == NORM) run(ctx, parallel, norm_row, (size_t)rows, 4, &norm);
