@@ -158,8 +158,8 @@ static void tiles_into(const Job *j, const int64_t *tile, int tiles, int64_t r0,
          * cache: with more than one row the weights are otherwise read from memory only while the
          * first group passes, and memory waits while the others compute (not for one row, which
          * only streams; there a prefetch slowed it). In a decode batch's few groups the first group
-         * asks for it too, a block earlier (measured: both faster than either alone; why the
-         * last group's repeated requests still help, presumably requests the first's lost, is a guess) */
+         * asks for it too, a block earlier: measured faster than either group asking alone (why
+         * the last group's requests still help is not known; perhaps some of the first's dropped) */
         const float *next[2] = {w[t0] + 16 * k1, w[t0 + together - 1] + 16 * k1};
         const int ask = r + ROWS >= r1 || (r == r0 && r1 - r0 <= PAIRED_ROWS);
         const int prefetch = ask && k1 < j->k;

@@ -235,7 +235,8 @@ static void gated_tile(void *data, size_t t) {
  * decode step ran 1.09x and 1.13x faster (1.05x with runs of 1/32, 1.08x with 1/12, 1.03x with
  * 1/6; no change at batch 4 and 16, nor for the float linears' tile pairs at batch 1, which are
  * 8 times longer; ad hoc, each the median of 40-60 pairs of steps alternating in one process).
- * Per processor, so that a machine with many keeps them all busy. */
+ * Per processor, so that a machine with many keeps them all busy (the processors online: in a
+ * container allowed fewer of them, runs are shorter than they need be). */
 #define RUNS_PER_CPU 8
 
 static size_t runs_wanted(void) {
