@@ -46,6 +46,7 @@ def runner_session(engine: Path, native: bool, threads: int):
 def main() -> None:
     from profile_decode import decode_feeds, run_ms
 
+    from autoglm_trt.backends.onnxrt.attention_op import SLOTS
     from autoglm_trt.fileutil import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,8 +64,9 @@ def main() -> None:
           f"median of {args.rounds} rounds")
     for ctx in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            feeds = decode_feeds(spec, batch, ctx, block_size=native.block_size)
+            # one set of pools for both: the native session's stores go past every context the steps read
             stored = decode_feeds(spec, batch, ctx, block_size=native.block_size, slots=native.stores_kv)
+            feeds = {name: arr for name, arr in stored.items() if name != SLOTS}
             rounds = [(run_ms(native.session, stored, runs=20), run_ms(graph.session, feeds, runs=20))
                       for _ in range(args.rounds)]
             row = {"context": ctx, "batch": batch,
