@@ -126,7 +126,7 @@ def step_all(runners, states, new):
     logits = []
     for runner, st in zip(runners, states):
         feeds, slots = step_inputs(new, st, runner.block_size)
-        logits.append(runner.step(feeds, slots))
+        logits.append(runner.step(feeds, slots).copy())  # the runner's next step may overwrite them
         for s, toks in zip(st, new):
             s.num_computed_tokens += len(toks)
     return logits

@@ -67,6 +67,20 @@ def prefilled(sched: Scheduler, tokens: list[int]) -> Sequence:
     return s
 
 
+def test_a_beam_group_holds_a_copy_of_the_logits_it_waits_with():
+    """The runner's next step may overwrite the logits it returned (``StepRunner.step``); a beam
+    that reported waits for the others with its own copy."""
+    from autoglm_trt.runtime.groups import BeamGroup
+
+    root = Sequence([5, 6, 7], SamplingParams(beam_width=2, max_new_tokens=4))
+    group = BeamGroup(root, [0])
+    buffer = logits(0.1, 0.5, 0.3, 0.1).astype(np.float32)
+    expected = buffer.copy()
+    assert group.report(root, buffer)
+    buffer[:] = 0  # the runner's next step
+    np.testing.assert_array_equal(group.logits[root.seq_id], expected)
+
+
 def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
     pool = BlockPool(8)
     sched = Scheduler(pool, BS, 4, 16)

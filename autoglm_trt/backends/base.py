@@ -2,9 +2,10 @@
 
 A runner owns the KV block pools and runs one step of the engine's graph: given the step
 inputs (``graph.paged_kv.step_inputs``) and the slots of the new tokens, it returns each
-sequence's logits and has written the new K/V into its pools. ``copy_blocks`` copies whole
-blocks of every pool (copy-on-write of a block that forked sequences share; the scheduler
-asks for it before the step that writes there). ``close`` frees what it holds.
+sequence's logits (which its next step may overwrite) and has written the new K/V into its
+pools. ``copy_blocks`` copies whole blocks of every pool (copy-on-write of a block that forked
+sequences share; the scheduler asks for it before the step that writes there). ``close`` frees
+what it holds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ class StepRunner(Protocol):
     block_size: int
 
     def step(self, feeds: dict[str, np.ndarray], slots: SlotMap) -> np.ndarray:
-        """Run one step; return float32 logits ``[batch, vocab]``."""
+        """Run one step; return float32 logits ``[batch, vocab]``: possibly the runner's own output
+        buffer, valid until its next step (a caller that keeps logits longer copies them)."""
         ...
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -38,8 +38,9 @@ class BeamGroup:
         self.reason: str | None = None  # why the search ended early ("timeout", "cancelled", "error")
 
     def report(self, seq: Sequence, logits: np.ndarray) -> bool:
-        """Hold a beam's logits; True when every running beam has reported."""
-        self.logits[seq.seq_id] = logits
+        """Hold a copy of a beam's logits (the runner's next step may overwrite them); True when
+        every running beam has reported."""
+        self.logits[seq.seq_id] = logits.copy()
         return all(s.seq_id in self.logits for s in self.seqs)
 
     def advance(self, scheduler: Scheduler, on_fork: Callable[[Sequence], None]) -> list[Sequence]:

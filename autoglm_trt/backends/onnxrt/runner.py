@@ -176,7 +176,10 @@ class OrtRunner:
         self.session.run_with_iobinding(binding)
         if not stored:
             self.pools.write_stacked(outs["kv"], slots)
-        return outs["logits"][:, 0].copy()  # a decode buffer is reused by the next step of its shape
+        # not a copy: a decode step's buffer is bound again by the next step of its shape (the
+        # contract allows it); a new 3 MB array a 16-sequence step came with fresh pages to zero,
+        # ~3% of the fp32 engine's 16-request generate (ad hoc, alternating calls in one process)
+        return outs["logits"][:, 0]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.pools.copy_blocks(pairs)  # in place: the bound OrtValues alias these arrays
