@@ -89,6 +89,29 @@ def test_bad_requests(tiny_engine):
         SamplingParams(top_p=1.5)
 
 
+def test_a_batch_is_checked_whole_and_prefilled_in_one_step(tiny_engine):
+    """``generate``'s prompts: one bad prompt queues none of them (nothing is left running for a
+    call that raised), and the good ones are queued together, so their first step prefills them
+    all (not the first alone because the loop woke before the others were queued)."""
+    with Engine.load(tiny_engine) as engine:
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            engine.generate([[5, 6, 7], [1, 2, 9999]], SamplingParams(max_new_tokens=50, ignore_eos=True))
+        stats = engine.stats()
+        assert stats["waiting"] == stats["running"] == 0
+        batches = []
+        step = engine.backend.step
+
+        def counting(feeds, slots):
+            batches.append(feeds["input_ids"].shape)
+            return step(feeds, slots)
+
+        engine.backend.step = counting
+        for _ in range(5):  # the loop thread races each call's submissions: give it chances to win
+            batches.clear()
+            engine.generate([[5 + i, 6, 7, 8] for i in range(6)], SamplingParams(max_new_tokens=2, ignore_eos=True))
+            assert batches[0] == (6, 4), batches
+
+
 def test_missing_and_corrupt_engine(tiny_engine, tmp_path):
     with pytest.raises(EngineError, match="does not exist"):
         Engine.load(tmp_path / "nope")

@@ -112,6 +112,11 @@ class Engine:
         self._cancel(req)
 
     def _submit(self, prompt: object, params: object, stream: bool | Sink, timeout: float | None) -> Request:
+        [req] = self._queue([self._prepare(prompt, params, stream, timeout)])
+        return req
+
+    def _prepare(self, prompt: object, params: object, stream: bool | Sink, timeout: float | None) -> Request:
+        """A checked request, not yet queued (``RequestError`` if it is malformed or cannot fit)."""
         if self._closed:
             raise RequestError("the engine is closed")
         if not isinstance(params, SamplingParams):
@@ -126,22 +131,30 @@ class Engine:
                       params.timeout)
         if beam:
             req.beam = BeamGroup(seq, [] if params.ignore_eos else sorted(self.eos))
+        return req
+
+    def _queue(self, reqs: list[Request]) -> list[Request]:
+        """Queue requests at once: the loop sees all or none of them (a batch's prompts are
+        prefilled in the same step, not the first alone because the loop woke before the rest came)."""
         with self._cv:
             if self._closed:
                 raise RequestError("the engine is closed")
-            self.scheduler.add(seq)
-            self.requests.add(seq, req)
+            for req in reqs:
+                self.scheduler.add(req.seq)
+                self.requests.add(req.seq, req)
             self._cv.notify()
-        return req
+        return reqs
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
                  timeout: float | None = None) -> list[GenerationResult]:
         """Generate for each prompt (a single prompt is a list of one); results in prompt order.
+        Every prompt is checked before any is queued (a ``RequestError`` queues none), and all
+        are queued together.
 
         ``timeout`` (seconds, per request) overrides ``params.timeout``.
         """
         params = params or SamplingParams()
-        reqs = [self._submit(p, params, False, timeout) for p in split_prompts(prompts)]
+        reqs = self._queue([self._prepare(p, params, False, timeout) for p in split_prompts(prompts)])
         return [self._result(r) for r in reqs]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
