@@ -36,14 +36,38 @@ typedef struct {
   int64_t count;
   float *q, *k, *v;
   int64_t hq, hkv, d;
+  /* where each column of R has one entry (every family's rope: 1 or -1), its row and value */
+  int single;
+  int32_t row[MAX_HEAD];
+  float sign[MAX_HEAD];
 } Job;
 
 /* x @ R for one head, over R's nonzero entries in the order a row-by-row product adds them
- * (the zero entries add zeros, which change no sum): for every family's rope each column of R
- * has one entry, 1 or -1, so every sum is exact */
+ * (the zero entries add zeros, which change no sum). With one entry a column, each output is
+ * that one product added to zero, read straight from the entry's row: the same value (0 + p, so
+ * a product of -0 gives +0 as before) without the pass over the entries that stores each sum
+ * and reads it back (SmolLM2's heads: 430 -> 298 us a node for 16 x 48 tokens, 9.9 -> 7.8 us
+ * for 16 x 1; ad hoc, the two alternating in one process, outputs equal) */
 static void turn(const Job *j, const float *x, float *out) {
+  if (j->single) {
+#pragma omp simd
+    for (int64_t e = 0; e < j->d; e++) out[e] = 0.0f + x[j->row[e]] * j->sign[e];
+    return;
+  }
   memset(out, 0, (size_t)j->d * sizeof(float));
   for (int64_t e = 0; e < j->count; e++) out[j->index[2 * e + 1]] += x[j->index[2 * e]] * j->value[e];
+}
+
+/* fill ``row`` and ``sign`` and set ``single`` where each of R's d columns has exactly one entry */
+static void single_entries(Job *j) {
+  int32_t seen[MAX_HEAD] = {0};
+  j->single = j->count == j->d;
+  for (int64_t e = 0; e < j->count && j->single; e++) {
+    const int32_t col = j->index[2 * e + 1];
+    j->single = !seen[col]++;
+    j->row[col] = j->index[2 * e];
+    j->sign[col] = j->value[e];
+  }
 }
 
 static void token(void *data, size_t at) {
@@ -95,7 +119,8 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
       if (counts[i] > 0 && d > 0) memset(out[i], 0, (size_t)(tokens * counts[i] * d) * sizeof(float));
     return;
   }
-  Job job = {qkv, cos, sin, index, value, id[0], out[0], out[1], out[2], hq, hkv, d};
+  Job job = {qkv, cos, sin, index, value, id[0], out[0], out[1], out[2], hq, hkv, d, 0, {0}, {0}};
+  single_entries(&job);
   if (!has_parallel_for || tokens < 16 ||
       failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, token, (size_t)tokens, 0, &job)))
     for (int64_t t = 0; t < tokens; t++) token(&job, (size_t)t);
