@@ -47,11 +47,12 @@ def _model(k: int, n: int, op: str, w: np.ndarray | None = None):
     (576, 1040, "Gemm"),  # a tied LM head (transB); 65 tiles: the last pair has one
     (40, 16, "MatMul"),  # one partial block, one tile
 ])
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 16, 37])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 16, 37, 300])
 def test_it_equals_onnx_runtime_bit_for_bit(kernel_library, k, n, op, rows):
     """Each output is the same float ONNX Runtime's MatMul (MLAS) computes: each block of 256
     inputs summed by fused multiply-adds from zero, the blocks' sums added in order. Rows cover a
-    decode step (1), groups of 4 and 8 with rows left over, and a prefill's many rows."""
+    decode step (1), groups of 4 and 8 with rows left over, and a prefill's many rows (300: work
+    items of 128 rows, the last partial)."""
     import onnx
 
     from autoglm_trt.graph.session import make_session
