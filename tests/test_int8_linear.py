@@ -83,6 +83,7 @@ def rotated_quantized(x: np.ndarray, b: int, scale: float, zero: int) -> np.ndar
     (8, 576, 40, 64),  # a batch: rows in groups of the kernel's width
     (5, 1536, 576, 128),
     (37, 64, 40, 16),  # enough rows for ONNX Runtime's threads; N not a multiple of 16
+    (300, 576, 96, 64),  # a prefill: work items of 128 rows, the last partial
     (3, 12, 7, 4),  # K and N both padded
     (0, 64, 32, 64),  # no rows at all
 ])
@@ -124,7 +125,7 @@ def test_the_split_form_gives_the_two_halves_bit_for_bit(kernel_library, rows, n
         np.testing.assert_array_equal(y1, y[..., n // 2:])
 
 
-@pytest.mark.parametrize("rows", [1, 6, 37])
+@pytest.mark.parametrize("rows", [1, 6, 37, 300])
 def test_the_gated_form_is_silu_times_up_as_onnx_runtime_computes_it(kernel_library, rows):
     """Int8LinearSiluMul's output is ONNX Runtime's QuickGelu(alpha 1) of Int8LinearSplit's first
     half times its second half, bit for bit (outputs large enough to reach the logistic's clamp)."""

@@ -177,51 +177,48 @@ static void dequantize(const Job *j, const int32_t *sums, int rows, int64_t firs
       y[i * stride + c] = (float)(sums[16 * i + c] - zero * j->col_sums[first + c]) * (j->a_scale * j->w_scale[first + c]);
 }
 
-/* the quantized inputs of rows r.. (at most ROWS; past ``rows`` they repeat row r) */
-static int row_group(const Job *j, int64_t r, const uint8_t **x) {
-  const int rows = (int)(j->rows - r < ROWS ? j->rows - r : ROWS);
+/* the quantized inputs of rows r.. (at most ROWS, below r1; past ``rows`` they repeat row r) */
+static int row_group(const Job *j, int64_t r, int64_t r1, const uint8_t **x) {
+  const int rows = (int)(r1 - r < ROWS ? r1 - r : ROWS);
   for (int i = 0; i < ROWS; i++) x[i] = j->xq + (r + (i < rows ? i : 0)) * j->kp;
   return rows;
 }
 
-/* the tile after tile t, if below tile ``end``, while the last group of rows r.. passes over tile
- * t (the next tile is where this thread most likely goes next); NULL for one row, which only
- * streams, and there a prefetch slowed it */
-static const int8_t *next_tile(const Job *j, int64_t r, int64_t t, int64_t end) {
-  return j->rows > 1 && r + ROWS >= j->rows && t + 1 < end ? j->w + (t + 1) * (j->kp * 16) : NULL;
+/* the tile after tile t, if below tile ``end``, while the last group of rows r.. (below r1)
+ * passes over tile t (the next tile is where this thread most likely goes next); NULL for one
+ * row, which only streams, and there a prefetch slowed it */
+static const int8_t *next_tile(const Job *j, int64_t r, int64_t r1, int64_t t, int64_t end) {
+  return j->rows > 1 && r + ROWS >= r1 && t + 1 < end ? j->w + (t + 1) * (j->kp * 16) : NULL;
 }
 
-/* every row's 16 outputs of column tile t */
-static void column_tile(void *data, size_t t) {
-  const Job *j = data;
+/* rows [r0, r1)'s 16 outputs of column tile t */
+static void column_tile(const Job *j, int64_t t, int64_t r0, int64_t r1) {
   const int8_t *w = j->w + (int64_t)t * (j->kp * 16);
   int32_t sums[ROWS * 16];
   const int64_t first = (int64_t)t * 16, count = j->n - first < 16 ? j->n - first : 16;
   const int64_t width = j->y2 != NULL ? j->n / 2 : j->n; /* an output row */
   float *const out = j->y2 != NULL && first >= width ? j->y2 : j->y;
   const int64_t col = out == j->y ? first : first - width;
-  for (int64_t r = 0; r < j->rows; r += ROWS) {
+  for (int64_t r = r0; r < r1; r += ROWS) {
     const uint8_t *x[ROWS];
-    const int rows = row_group(j, r, x);
-    tile(x, rows, w, j->kp / 4, sums, next_tile(j, r, (int64_t)t, (j->n + 15) / 16));
+    const int rows = row_group(j, r, r1, x);
+    tile(x, rows, w, j->kp / 4, sums, next_tile(j, r, r1, t, (j->n + 15) / 16));
     dequantize(j, sums, rows, first, count, out + r * width + col, width);
   }
 }
 
-/* Int8LinearSiluMul: every row's 16 outputs of gate tile t and of the up tile n / 32 tiles on,
- * as SiLU(gate) * up */
-static void gated_tile(void *data, size_t t) {
-  const Job *j = data;
-  const int64_t half = j->n / 2, first = (int64_t)t * 16;
+/* Int8LinearSiluMul: rows [r0, r1)'s 16 outputs of gate tile t and of the up tile n / 32 tiles
+ * on, as SiLU(gate) * up */
+static void gated_tile(const Job *j, int64_t t, int64_t r0, int64_t r1) {
+  const int64_t half = j->n / 2, first = t * 16;
   int32_t sums[ROWS * 16];
   float gate[ROWS * 16], up[ROWS * 16];
-  for (int64_t r = 0; r < j->rows; r += ROWS) {
+  for (int64_t r = r0; r < r1; r += ROWS) {
     const uint8_t *x[ROWS];
-    const int rows = row_group(j, r, x);
-    tile(x, rows, j->w + (int64_t)t * (j->kp * 16), j->kp / 4, sums, next_tile(j, r, (int64_t)t, half / 16));
+    const int rows = row_group(j, r, r1, x);
+    tile(x, rows, j->w + t * (j->kp * 16), j->kp / 4, sums, next_tile(j, r, r1, t, half / 16));
     dequantize(j, sums, rows, first, 16, gate, 16);
-    tile(x, rows, j->w + (half / 16 + (int64_t)t) * (j->kp * 16), j->kp / 4, sums,
-         next_tile(j, r, half / 16 + (int64_t)t, j->n / 16));
+    tile(x, rows, j->w + (half / 16 + t) * (j->kp * 16), j->kp / 4, sums, next_tile(j, r, r1, half / 16 + t, j->n / 16));
     dequantize(j, sums, rows, half + first, 16, up, 16);
     for (int i = 0; i < rows; i++) silu_mul(gate + 16 * i, up + 16 * i, j->y + (r + i) * half + first, 16);
   }
@@ -250,16 +247,25 @@ static size_t runs_wanted(void) {
   return (size_t)(RUNS_PER_CPU * n);
 }
 
+/* Past CHUNK_ROWS rows (a prefill), a work item computes its tiles for CHUNK_ROWS rows, not for
+ * all: the items of one chunk of rows run one after another, so its quantized inputs stay in the
+ * second-level cache while the threads pass over every tile, as FloatLinear's do (the SmolLM2
+ * INT8 engine's 16 x 48-token prefill 1.07x and 1.10x faster in two runs; ad hoc, alternating
+ * in one process) */
+#define CHUNK_ROWS 128
+
 typedef struct {
-  void *job;
-  void (*tile)(void *, size_t);
-  size_t tiles, per; /* tiles in all, and in a run */
+  const Job *job;
+  void (*tile)(const Job *, int64_t, int64_t, int64_t);
+  int64_t tiles, per, runs, chunk; /* tiles in all, in a run, runs a chunk of ``chunk`` rows */
 } Runs;
 
 static void tile_run(void *data, size_t i) {
   const Runs *r = data;
-  const size_t end = (i + 1) * r->per < r->tiles ? (i + 1) * r->per : r->tiles;
-  for (size_t t = i * r->per; t < end; t++) r->tile(r->job, t);
+  const int64_t run = (int64_t)i % r->runs, r0 = (int64_t)i / r->runs * r->chunk, rows = r->job->rows;
+  const int64_t r1 = rows - r0 < r->chunk ? rows : r0 + r->chunk;
+  const int64_t end = (run + 1) * r->per < r->tiles ? (run + 1) * r->per : r->tiles;
+  for (int64_t t = run * r->per; t < end; t++) r->tile(r->job, t, r0, r1);
 }
 
 /* zeros in the output(s), of ``each`` values each */
@@ -323,8 +329,9 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
   const size_t tiles = mode == GATED ? (size_t)wd[0] / 2 : (size_t)wd[0]; /* gated: the gate tiles */
   const size_t want = runs_wanted(), per = rows == 1 && tiles > want ? (tiles + want - 1) / want : 1;
-  Runs runs = {&job, mode == GATED ? gated_tile : column_tile, tiles, per};
-  run(ctx, parallel, tile_run, (tiles + runs.per - 1) / runs.per, 2, &runs);
+  const int64_t chunk = rows > CHUNK_ROWS ? CHUNK_ROWS : rows, runs_each = ((int64_t)tiles + (int64_t)per - 1) / (int64_t)per;
+  Runs runs = {&job, mode == GATED ? gated_tile : column_tile, (int64_t)tiles, (int64_t)per, runs_each, chunk};
+  run(ctx, parallel, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
   if (mode == NORM) run(ctx, parallel, norm_row, (size_t)rows, 4, &norm);
   free(xq);
 }
