@@ -38,8 +38,8 @@ typedef struct {
   int64_t hq, hkv, d;
   /* where each column of R has one entry (every family's rope: 1 or -1), its row and value */
   int single;
-  int32_t row[MAX_HEAD];
-  float sign[MAX_HEAD];
+  int32_t *row;
+  float *sign;
 } Job;
 
 /* x @ R for one head, over R's nonzero entries in the order a row-by-row product adds them
@@ -60,7 +60,8 @@ static void turn(const Job *j, const float *x, float *out) {
 
 /* fill ``row`` and ``sign`` and set ``single`` where each of R's d columns has exactly one entry */
 static void single_entries(Job *j) {
-  int32_t seen[MAX_HEAD] = {0};
+  int32_t seen[MAX_HEAD];
+  memset(seen, 0, (size_t)j->d * sizeof seen[0]);
   j->single = j->count == j->d;
   for (int64_t e = 0; e < j->count && j->single; e++) {
     const int32_t col = j->index[2 * e + 1];
@@ -119,7 +120,9 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
       if (counts[i] > 0 && d > 0) memset(out[i], 0, (size_t)(tokens * counts[i] * d) * sizeof(float));
     return;
   }
-  Job job = {qkv, cos, sin, index, value, id[0], out[0], out[1], out[2], hq, hkv, d, 0, {0}, {0}};
+  int32_t row[MAX_HEAD];
+  float sign[MAX_HEAD];
+  Job job = {qkv, cos, sin, index, value, id[0], out[0], out[1], out[2], hq, hkv, d, 0, row, sign};
   single_entries(&job);
   if (!has_parallel_for || tokens < 16 ||
       failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, token, (size_t)tokens, 0, &job)))
