@@ -218,7 +218,8 @@ static void gated_tile(const Job *j, int64_t t, int64_t r0, int64_t r1) {
     const int rows = row_group(j, r, r1, x);
     tile(x, rows, j->w + t * (j->kp * 16), j->kp / 4, sums, next_tile(j, r, r1, t, half / 16));
     dequantize(j, sums, rows, first, 16, gate, 16);
-    tile(x, rows, j->w + (half / 16 + t) * (j->kp * 16), j->kp / 4, sums, next_tile(j, r, r1, half / 16 + t, j->n / 16));
+    tile(x, rows, j->w + (half / 16 + t) * (j->kp * 16), j->kp / 4, sums,
+         next_tile(j, r, r1, half / 16 + t, j->n / 16));
     dequantize(j, sums, rows, half + first, 16, up, 16);
     for (int i = 0; i < rows; i++) silu_mul(gate + 16 * i, up + 16 * i, j->y + (r + i) * half + first, 16);
   }
@@ -329,7 +330,8 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
   const size_t tiles = mode == GATED ? (size_t)wd[0] / 2 : (size_t)wd[0]; /* gated: the gate tiles */
   const size_t want = runs_wanted(), per = rows == 1 && tiles > want ? (tiles + want - 1) / want : 1;
-  const int64_t chunk = rows > CHUNK_ROWS ? CHUNK_ROWS : rows, runs_each = ((int64_t)tiles + (int64_t)per - 1) / (int64_t)per;
+  const int64_t chunk = rows > CHUNK_ROWS ? CHUNK_ROWS : rows;
+  const int64_t runs_each = ((int64_t)tiles + (int64_t)per - 1) / (int64_t)per; /* runs of tiles a chunk */
   Runs runs = {&job, mode == GATED ? gated_tile : column_tile, (int64_t)tiles, (int64_t)per, runs_each, chunk};
   run(ctx, parallel, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
   if (mode == NORM) run(ctx, parallel, norm_row, (size_t)rows, 4, &norm);
