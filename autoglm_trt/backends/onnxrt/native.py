@@ -25,8 +25,8 @@ import threading
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ort_api.h", "rotate.h", "silu.h", "skip_norm.h", "register.c", "paged_attention.c", "hadamard_quantize.c",
-           "int8_linear.c", "rope_qkv.c", "float_linear.c", "masked_softmax.c", "calib_stats.c")
+SOURCES = ("ort_api.h", "chunks.h", "rotate.h", "silu.h", "skip_norm.h", "register.c", "paged_attention.c",
+           "hadamard_quantize.c", "int8_linear.c", "rope_qkv.c", "float_linear.c", "masked_softmax.c", "calib_stats.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden"]
 ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never build or load the native kernel
 ENV_CACHE = "AUTOGLM_TRT_CACHE"  # where built libraries are kept (default ~/.cache/autoglm-trt)

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunks.h"
 #include "ort_api.h"
 #include "silu.h"
 #include "skip_norm.h"
@@ -40,14 +41,6 @@
 #define BLOCK 256 /* MLAS_SGEMM_STRIDEK: the inputs one partial sum covers */
 #define PAIRED_ROWS 32 /* up to this many rows, two tiles are computed together */
 #define GATED_ROWS 64  /* FloatLinearSiluMul's rows at a time */
-/* Past PAIRED_ROWS rows (a prefill), a work item computes its tiles for CHUNK_ROWS rows, not for
- * all: the items of one chunk of rows run one after another, so its inputs (128 rows of K = 1536
- * floats: 768 KiB) stay in the second-level cache while the threads pass over every tile, rather
- * than coming from the third level for every tile pair. For 768 rows (16 prompts of 48 tokens),
- * 1536 x 576 went from 162-167 to 202-208 GFLOP/s (ONNX Runtime's MatMul: 204-210), 576 x 960
- * from 205 to 213, SiLU-gated 576 x 3072 unchanged (~190); the SmolLM2 fp32 engine's 16 x 48
- * prefill 1.025x faster (ad hoc, alternating in one process). A multiple of GATED_ROWS. */
-#define CHUNK_ROWS 128
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -138,7 +131,7 @@ typedef struct {
   int64_t rows, k, n;
   const float *w;
   float *y, *y2; /* FloatLinearSplit: columns from n / 2 on go to y2, and each output row has n / 2 */
-  int64_t chunk, items; /* rows a work item computes (CHUNK_ROWS, or all); work items a chunk */
+  int64_t chunk, items; /* rows a work item computes (``chunks.h``); work items a chunk */
 } Job;
 
 /* rows [r0, r1) of ``tiles`` (1 or 2) column tiles, tile t's outputs of row r at
@@ -177,18 +170,11 @@ static void tiles_into(const Job *j, const int64_t *tile, int tiles, int64_t r0,
     }
 }
 
-/* the rows [r0, r1) of work item i's chunk, and its place in the chunk (i % items) */
-static int64_t item_rows(const Job *j, size_t i, int64_t *r0, int64_t *r1) {
-  *r0 = (int64_t)i / j->items * j->chunk;
-  *r1 = j->rows - *r0 < j->chunk ? j->rows : *r0 + j->chunk;
-  return (int64_t)i % j->items;
-}
-
 /* a chunk's outputs of column tiles 2p and 2p + 1 (the last pair may have one) */
 static void tile_pair(void *data, size_t i) {
   const Job *j = data;
   int64_t r0, r1;
-  const int64_t p = item_rows(j, i, &r0, &r1);
+  const int64_t p = chunk_item(i, j->items, j->chunk, j->rows, &r0, &r1);
   const int64_t width = j->y2 != NULL ? j->n / 2 : j->n, tile[2] = {2 * p, 2 * p + 1};
   float *out[2];
   for (int t = 0; t < 2; t++) { /* where each tile's outputs of row r0 go */
@@ -203,7 +189,7 @@ static void tile_pair(void *data, size_t i) {
 static void gated_pair(void *data, size_t i) {
   const Job *j = data;
   int64_t c0, c1;
-  const int64_t t = item_rows(j, i, &c0, &c1);
+  const int64_t t = chunk_item(i, j->items, j->chunk, j->rows, &c0, &c1);
   const int64_t half = j->n / 2, tile[2] = {t, half / 16 + t};
   float sums[GATED_ROWS * 32];
   float *const out[2] = {sums, sums + 16};
@@ -245,7 +231,7 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
     return;
   }
   if (rows == 0) return;
-  const int64_t chunk = rows > PAIRED_ROWS ? CHUNK_ROWS : rows, chunks = (rows + chunk - 1) / chunk;
+  const int64_t chunk = chunk_rows(rows), chunks = (rows + chunk - 1) / chunk;
   const int64_t items = mode == GATED ? wd[0] / 2 : (wd[0] + 1) / 2; /* gate tiles, or tile pairs */
   Job job = {x, rows, k, n, w, y, y2, chunk, items};
   for_each(ctx, mode == GATED ? gated_pair : tile_pair, (size_t)(items * chunks), &job);

@@ -41,6 +41,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "chunks.h"
 #include "ort_api.h"
 #include "rotate.h"
 #include "silu.h"
@@ -248,23 +249,16 @@ static size_t runs_wanted(void) {
   return (size_t)(RUNS_PER_CPU * n);
 }
 
-/* Past CHUNK_ROWS rows (a prefill), a work item computes its tiles for CHUNK_ROWS rows, not for
- * all: the items of one chunk of rows run one after another, so its quantized inputs stay in the
- * second-level cache while the threads pass over every tile, as FloatLinear's do (the SmolLM2
- * INT8 engine's 16 x 48-token prefill 1.07x and 1.10x faster in two runs; ad hoc, alternating
- * in one process) */
-#define CHUNK_ROWS 128
-
 typedef struct {
   const Job *job;
   void (*tile)(const Job *, int64_t, int64_t, int64_t);
-  int64_t tiles, per, runs, chunk; /* tiles in all, in a run, runs a chunk of ``chunk`` rows */
+  int64_t tiles, per, runs, chunk; /* tiles in all, in a run, runs a chunk of ``chunk`` rows (``chunks.h``) */
 } Runs;
 
 static void tile_run(void *data, size_t i) {
   const Runs *r = data;
-  const int64_t run = (int64_t)i % r->runs, r0 = (int64_t)i / r->runs * r->chunk, rows = r->job->rows;
-  const int64_t r1 = rows - r0 < r->chunk ? rows : r0 + r->chunk;
+  int64_t r0, r1;
+  const int64_t run = chunk_item(i, r->runs, r->chunk, r->job->rows, &r0, &r1);
   const int64_t end = (run + 1) * r->per < r->tiles ? (run + 1) * r->per : r->tiles;
   for (int64_t t = run * r->per; t < end; t++) r->tile(r->job, t, r0, r1);
 }
@@ -330,7 +324,7 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
   const size_t tiles = mode == GATED ? (size_t)wd[0] / 2 : (size_t)wd[0]; /* gated: the gate tiles */
   const size_t want = runs_wanted(), per = rows == 1 && tiles > want ? (tiles + want - 1) / want : 1;
-  const int64_t chunk = rows > CHUNK_ROWS ? CHUNK_ROWS : rows;
+  const int64_t chunk = chunk_rows(rows);
   const int64_t runs_each = ((int64_t)tiles + (int64_t)per - 1) / (int64_t)per; /* runs of tiles a chunk */
   Runs runs = {&job, mode == GATED ? gated_tile : column_tile, (int64_t)tiles, (int64_t)per, runs_each, chunk};
   run(ctx, parallel, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
