@@ -30,7 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autoglm_trt.backends.trt import cuda as cu  # noqa: E402
-from autoglm_trt.graph.paged_kv import KVPools, SeqState, pool_shape, step_inputs  # noqa: E402
+from autoglm_trt.kvcache.host_pools import KVPools  # noqa: E402
+from autoglm_trt.kvcache.layout import pool_shape  # noqa: E402
+from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 

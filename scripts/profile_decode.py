@@ -56,7 +56,9 @@ def decode_feeds(spec, batch: int, ctx: int, block_size: int = 16, slots: bool =
     """A decode step's inputs (``paged_kv.step_inputs``): ``batch`` sequences of ``ctx`` cached tokens
     each, in blocks of their own, over pools of random K/V; with ``slots``, also where the native
     attention operator stores the new tokens' K/V (``native.slots``, an input of the runner's graph)."""
-    from autoglm_trt.graph.paged_kv import KVPools, SeqState, blocks_needed, step_inputs
+    from autoglm_trt.kvcache.host_pools import KVPools
+    from autoglm_trt.kvcache.layout import blocks_needed
+    from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
     nb = blocks_needed(ctx + 1, block_size)
     pools = KVPools(spec.num_layers, batch * nb, block_size, spec.num_kv_heads, spec.head_dim)

@@ -39,7 +39,8 @@ def decode_logits(engine: Path, windows: np.ndarray, native: bool) -> np.ndarray
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
     from autoglm_trt.graph.metrics import log_softmax
-    from autoglm_trt.graph.paged_kv import SeqState, blocks_needed, step_inputs
+    from autoglm_trt.kvcache.layout import blocks_needed
+    from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
     os.environ["AUTOGLM_TRT_NATIVE"] = "1" if native else "0"
     manifest = Manifest.read(engine)

@@ -121,7 +121,7 @@ def library():
 def step_all(runners, states, new):
     """One step of the same new tokens (a list per sequence) on each runner, over its own
     sequence states (advanced): each runner's logits."""
-    from autoglm_trt.graph.paged_kv import step_inputs
+    from autoglm_trt.kvcache.step_inputs import step_inputs
 
     logits = []
     for runner, st in zip(runners, states):
@@ -136,7 +136,7 @@ def logits_over_steps(runners, steps: int = 3):
     """The same prefill of two prompts (11 and 3 tokens) on each runner, then ``steps - 1``
     greedy decode steps (the next tokens from the last runner's logits): each step's logits,
     one array per runner."""
-    from autoglm_trt.graph.paged_kv import SeqState
+    from autoglm_trt.kvcache.step_inputs import SeqState
 
     states = [[SeqState(0, [0, 1]), SeqState(0, [2, 3])] for _ in runners]
     new = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from autoglm_trt.errors import RequestError
+from autoglm_trt.kvcache.block_pool import BlockPool
 from autoglm_trt.runtime import Engine, SamplingParams
 from autoglm_trt.runtime.beam import BeamSearch, Hypothesis
-from autoglm_trt.runtime.block_pool import BlockPool
+from autoglm_trt.runtime.kv_cache_manager import KVCacheManager
 from autoglm_trt.runtime.scheduler import Scheduler, Sequence
 
 BS = 4
@@ -83,7 +84,7 @@ def test_a_beam_group_holds_a_copy_of_the_logits_it_waits_with():
 
 def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
     pool = BlockPool(8)
-    sched = Scheduler(pool, BS, 4, 16)
+    sched = Scheduler(KVCacheManager(pool, BS), 4, 16)
     a = prefilled(sched, [1, 2, 3, 4, 5, 6])  # block 0 full, block 1 holds 2 tokens
     b = sched.fork(a)
     assert b.cache.block_table == [0, 1] and b.cache.num_computed_tokens == 6 and sched.running == [a, b]
@@ -105,7 +106,7 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
 
 def test_full_blocks_are_never_copied():
     pool = BlockPool(8)
-    sched = Scheduler(pool, BS, 4, 16)
+    sched = Scheduler(KVCacheManager(pool, BS), 4, 16)
     a = prefilled(sched, [1, 2, 3, 4, 5, 6, 7, 8])  # two full blocks: the next token opens block 3
     b = sched.fork(a)
     a.output_ids.append(9)
@@ -116,14 +117,14 @@ def test_full_blocks_are_never_copied():
 
 
 def test_a_fork_without_a_running_slot_waits_to_recompute():
-    sched = Scheduler(BlockPool(8), BS, 1, 16)
+    sched = Scheduler(KVCacheManager(BlockPool(8), BS), 1, 16)
     a = prefilled(sched, [1, 2, 3])
     b = sched.fork(a)
     assert b in sched.waiting and b.cache.block_table == [] and b.prompt_ids == a.prompt_ids
 
 
 def test_an_idle_sequence_is_preempted_when_nothing_else_can_run():
-    sched = Scheduler(BlockPool(8), BS, 1, 16)
+    sched = Scheduler(KVCacheManager(BlockPool(8), BS), 1, 16)
     a = prefilled(sched, [1, 2, 3])  # computed, nothing sampled yet: idle (a beam waiting for its siblings)
     b = Sequence([4, 5], SamplingParams())
     sched.add(b)

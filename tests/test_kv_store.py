@@ -96,7 +96,7 @@ def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(tiny
 
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
-    from autoglm_trt.graph.paged_kv import SeqState
+    from autoglm_trt.kvcache.step_inputs import SeqState
 
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
     runners = [open_runner(Manifest.read(tiny_engine if kv == "float" else int8_kv_engine), num_blocks=32, threads=1)

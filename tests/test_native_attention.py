@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import cpu_has
 
-from autoglm_trt.graph.paged_kv import SeqState, step_inputs
+from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
 
 def reference(q, k_new, v_new, pool_k, pool_v, tables, ctx, qlens):

@@ -7,8 +7,9 @@ import onnx
 
 from autoglm_trt.artifacts import Manifest
 from autoglm_trt.backends.onnxrt.fusions import skip_rms_norm
-from autoglm_trt.graph.paged_kv import KVPools, SeqState, step_inputs
 from autoglm_trt.graph.session import make_session
+from autoglm_trt.kvcache.host_pools import KVPools
+from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
 
 def test_residual_add_and_rms_norm_become_one_node_with_the_same_outputs(tiny_engine):

@@ -2,11 +2,14 @@ import dataclasses
 
 import numpy as np
 
-from autoglm_trt.graph.paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
+from autoglm_trt.kvcache.block_pool import BlockPool
+from autoglm_trt.kvcache.host_pools import KVPools
+from autoglm_trt.kvcache.layout import blocks_needed
+from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
 
 def test_allocator_hands_out_lowest_first_and_appends_freed():
-    a = BlockAllocator(6)
+    a = BlockPool(6, caching=False)
     assert a.allocate(2) == [0, 1]
     assert a.allocate(3) == [2, 3, 4]
     assert a.allocate(2) is None and a.num_free == 1

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import step_all
 
-from autoglm_trt.graph.paged_kv import SeqState
+from autoglm_trt.kvcache.step_inputs import SeqState
 
 
 def _runner(engine_dir, by_row: bool, monkeypatch):

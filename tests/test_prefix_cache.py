@@ -7,9 +7,10 @@ import itertools
 
 import pytest
 
+from autoglm_trt.kvcache.block_pool import ROOT_HASH, BlockPool, block_hash, chained_hashes
 from autoglm_trt.runtime import Engine, SamplingParams
 from autoglm_trt.runtime import scheduler as scheduler_module
-from autoglm_trt.runtime.block_pool import ROOT_HASH, BlockPool, block_hash, chained_hashes
+from autoglm_trt.runtime.kv_cache_manager import KVCacheManager
 from autoglm_trt.runtime.scheduler import Scheduler, Sequence
 
 BS = 4
@@ -61,7 +62,7 @@ def test_block_pool_evicts_only_when_the_free_list_is_dry():
 
 
 def test_admission_shares_the_cached_prefix_and_computes_the_rest():
-    sched = Scheduler(BlockPool(10), BS, 4, 16)
+    sched = Scheduler(KVCacheManager(BlockPool(10), BS), 4, 16)
     a = seq(range(1, 11), max_new=1)  # 10 tokens: blocks 0, 1 full, block 2 partial
     sched.add(a)
     run_step(sched)  # a prefilled, sampled its one token, finished: blocks go back
@@ -73,7 +74,7 @@ def test_admission_shares_the_cached_prefix_and_computes_the_rest():
     step = sched.schedule()
     assert b.cache.block_table[:2] == [0, 1] and pool.ref_cnt[0] == pool.ref_cnt[1] == 1
     assert step.new_tokens == [[50, 51, 52]] and b.cache.num_computed_tokens == 8
-    assert pool.hit_tokens == 8 and pool.queried_tokens == 10 + 11
+    assert sched.kv.hit_tokens == 8 and sched.kv.queried_tokens == 10 + 11  # the manager keeps hit statistics
     c = seq(range(1, 9), max_new=2)  # the whole prompt is cached: its last block is recomputed
     sched.add(c)
     step = sched.schedule()
@@ -82,7 +83,7 @@ def test_admission_shares_the_cached_prefix_and_computes_the_rest():
 
 
 def test_preempting_a_sharer_keeps_the_shared_blocks():
-    sched = Scheduler(BlockPool(6), BS, 4, 16)
+    sched = Scheduler(KVCacheManager(BlockPool(6), BS), 4, 16)
     a, b = seq(range(1, 9), max_new=12), seq([*range(1, 9), 7], max_new=9)
     sched.add(a)
     run_step(sched)
@@ -103,7 +104,7 @@ def test_preempting_a_sharer_keeps_the_shared_blocks():
 
 
 def test_high_priority_request_submitted_last_starts_first():
-    sched = Scheduler(BlockPool(64), BS, 1, 16)
+    sched = Scheduler(KVCacheManager(BlockPool(64), BS), 1, 16)
     running = seq(range(1, 5), max_new=3)
     sched.add(running)
     run_step(sched)
@@ -119,7 +120,7 @@ def test_high_priority_request_submitted_last_starts_first():
 
 
 def test_lowest_priority_running_sequence_is_preempted():
-    sched = Scheduler(BlockPool(4), BS, 4, 16)
+    sched = Scheduler(KVCacheManager(BlockPool(4), BS), 4, 16)
     high, low = seq(range(1, 5), max_new=8, priority=0), seq(range(1, 4), max_new=8, priority=9)
     sched.add(low)
     sched.add(high)
@@ -131,7 +132,7 @@ def test_lowest_priority_running_sequence_is_preempted():
 def test_aging_lets_low_priority_finish_under_steady_high_priority_load(monkeypatch):
     clock = itertools.count()
     monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: float(next(clock)))
-    sched = Scheduler(BlockPool(64), BS, 1, 16, aging_s=20.0)
+    sched = Scheduler(KVCacheManager(BlockPool(64), BS), 1, 16, aging_s=20.0)
     low = seq([5], max_new=1, priority=3)
     sched.add(low)
     sched.add(seq([6], max_new=2, priority=0))

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from autoglm_trt.runtime.sampling import SamplingError, SamplingParams, sample
-from autoglm_trt.runtime.scheduler import Sequence
+from autoglm_trt.runtime.sequence import Sequence
 
 
 def test_greedy_is_argmax():

@@ -1,12 +1,13 @@
 """Scheduler and block allocator: exact block ids and free-list order after each step (no model)."""
 
-from autoglm_trt.graph.paged_kv import BlockAllocator
+from autoglm_trt.kvcache.block_pool import BlockPool
+from autoglm_trt.runtime.kv_cache_manager import KVCacheManager
 from autoglm_trt.runtime.sampling import SamplingParams
 from autoglm_trt.runtime.scheduler import Scheduler, Sequence, Step
 
 
 def make(num_blocks=8, block_size=4, max_batch=4, max_input_len=16):
-    return Scheduler(BlockAllocator(num_blocks), block_size, max_batch, max_input_len)
+    return Scheduler(KVCacheManager(BlockPool(num_blocks, caching=False), block_size), max_batch, max_input_len)
 
 
 def seq(n, max_new=8):

@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from autoglm_trt.graph.paged_kv import BlockAllocator, blocks_needed
+from autoglm_trt.kvcache.block_pool import BlockPool
+from autoglm_trt.kvcache.layout import blocks_needed
+from autoglm_trt.runtime.kv_cache_manager import KVCacheManager
 from autoglm_trt.runtime.sampling import SamplingParams
 from autoglm_trt.runtime.scheduler import Scheduler, Sequence
 
@@ -30,7 +32,7 @@ def run_workload(rng: random.Random) -> int:
     max_seq = rng.randrange(4, 130)
     num_blocks = blocks_needed(max_seq, block_size) + rng.randrange(0, 12)
     max_input = rng.randrange(1, 20)
-    sched = Scheduler(BlockAllocator(num_blocks), block_size, rng.randrange(1, 9), max_input,
+    sched = Scheduler(KVCacheManager(BlockPool(num_blocks, caching=False), block_size), rng.randrange(1, 9), max_input,
                       max_prefill_tokens=rng.choice([1, 8, 64, 4096]))
     jobs = []
     for _ in range(rng.randrange(1, 12)):
@@ -74,7 +76,7 @@ def test_random_workloads_finish_with_every_block_free(seed):
 
 def test_chunked_recompute_after_preemption_does_not_livelock():
     """The shape of the issue's repro: 3-token prompts, chunks of 3, 8 blocks of 16, all queued first."""
-    sched = Scheduler(BlockAllocator(8), 16, 16, 3)
+    sched = Scheduler(KVCacheManager(BlockPool(8, caching=False), 16), 16, 3)
     seqs = [Sequence([5, 5, 5], SamplingParams(max_new_tokens=90)) for _ in range(4)]
     for s in seqs:
         sched.add(s)

@@ -7,8 +7,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from autoglm_trt.export.validate import paged_decode_logits, reference_logits
-from autoglm_trt.graph.paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
 from autoglm_trt.graph.session import make_session, run
+from autoglm_trt.kvcache.block_pool import BlockPool
+from autoglm_trt.kvcache.host_pools import KVPools
+from autoglm_trt.kvcache.layout import blocks_needed
+from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 from autoglm_trt.model.spec import spec_from_config
 
 pytestmark = pytest.mark.slow
@@ -56,7 +59,7 @@ def test_parity_at_every_position_of_several_lengths(smollm2, smollm2_export):
 def greedy_paged(session, spec, prompts, new_tokens, eos):
     """Batched prefill, then one token per step for every unfinished sequence, via block tables."""
     pool_blocks = sum(blocks_needed(len(p) + new_tokens, BLOCK_SIZE) for p in prompts)
-    alloc = BlockAllocator(pool_blocks)
+    alloc = BlockPool(pool_blocks, caching=False)
     pools = KVPools(spec.num_layers, pool_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
     states = [SeqState() for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..graph.paged_kv import SlotMap
+from ..kvcache.host_pools import SlotMap
 
 
 class StepRunner(Protocol):

@@ -29,7 +29,7 @@ from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, library_versions, sha256_files, staged_directory, write_json
 from ..graph.decoder import GRAPH_VERSION
 from ..graph.kv_int8 import int8_kv_graph
-from ..graph.paged_kv import POOL_LAYOUT
+from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from .config import BuildConfig
 from .profiles import profile_shapes

@@ -11,7 +11,7 @@ In both, ``block_tables`` is ``[batch, 1..blocks_per_seq]`` and each pool input 
 
 from __future__ import annotations
 
-from ..graph.paged_kv import pool_shape
+from ..kvcache.layout import pool_shape
 from ..model.spec import ModelSpec
 from .config import BuildConfig
 

@@ -20,7 +20,7 @@ from ..errors import ExportError
 from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory, write_json
 from ..graph.builder import GraphBuilder
 from ..graph.decoder import GRAPH_VERSION, OPSET, DecoderGraph, GraphOptions, io_names
-from ..graph.paged_kv import POOL_LAYOUT
+from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec, spec_from_config
 from ..model.weights import WeightReader

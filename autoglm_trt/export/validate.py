@@ -15,8 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ValidationError
-from ..graph.paged_kv import BlockAllocator, KVPools, SeqState, blocks_needed, step_inputs
 from ..graph.session import make_session, run
+from ..kvcache.block_pool import BlockPool
+from ..kvcache.host_pools import KVPools
+from ..kvcache.layout import blocks_needed
+from ..kvcache.step_inputs import SeqState, step_inputs
 from ..model.reference import hf_logits
 from ..model.spec import ModelSpec
 
@@ -56,7 +59,7 @@ def reference_logits(checkpoint: Path, prompts: list[list[int]], allow_pickle: b
 def paged_decode_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_dtype: str) -> list[np.ndarray]:
     """Logits at every position, one token per step for all prompts at once, via the pool."""
     total_blocks = sum(blocks_needed(len(p), BLOCK_SIZE) for p in prompts) + 1
-    alloc = BlockAllocator(total_blocks)
+    alloc = BlockPool(total_blocks, caching=False)
     alloc.allocate(1)  # keep block 0 unused so that a wrong table would read zeros, not data
     pools = KVPools(spec.num_layers, total_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, kv_dtype)
     states = [SeqState() for _ in prompts]
@@ -81,7 +84,7 @@ def prefill_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_dtype:
     """Logits at every position of every prompt, all prompts in one padded prefill step."""
     pools = KVPools(spec.num_layers, 1 + sum(blocks_needed(len(p), BLOCK_SIZE) for p in prompts), BLOCK_SIZE,
                     spec.num_kv_heads, spec.head_dim, kv_dtype)
-    alloc = BlockAllocator(pools.num_blocks)
+    alloc = BlockPool(pools.num_blocks, caching=False)
     states = []
     for p in prompts:
         table = alloc.allocate(blocks_needed(len(p), BLOCK_SIZE))

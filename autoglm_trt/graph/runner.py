@@ -13,8 +13,10 @@ import numpy as np
 
 from ..artifacts import ExportRecord, inside
 from ..errors import AutoGLMError
+from ..kvcache.host_pools import KVPools
+from ..kvcache.layout import blocks_needed
+from ..kvcache.step_inputs import SeqState, step_inputs
 from ..model.spec import ModelSpec
-from .paged_kv import KVPools, SeqState, blocks_needed, step_inputs
 from .session import make_session, run
 
 

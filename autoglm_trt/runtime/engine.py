@@ -32,19 +32,21 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts import Manifest
-from ..backends import StepRunner
+from ..artifacts import EngineError, Manifest
+from ..backends import StepRunner, check_engine, open_runner
 from ..errors import RequestError
-from ..graph.paged_kv import step_inputs
+from ..fileutil import available_memory_bytes
+from ..graph.session import MAX_THREADS
+from ..kvcache.block_pool import BlockPool
+from ..kvcache.step_inputs import step_inputs
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
-from .block_pool import BlockPool
 from .groups import BeamGroup, fork_samples
-from .limits import RequestLimits
-from .loading import open_parts
+from .kv_cache_manager import KVCacheManager
 from .registry import Registry
-from .request import Choice, GenerationResult, Prompt, PromptEncoder, Request, Sink, split_prompts
+from .request import Choice, GenerationResult, Prompt, PromptEncoder, Request, RequestLimits, Sink, split_prompts
 from .sampling import SamplingParams, sample
-from .scheduler import Scheduler, Sequence, Step
+from .scheduler import Scheduler
+from .sequence import Sequence, Step
 
 log = logging.getLogger(__name__)
 __all__ = ["Choice", "Engine", "GenerationResult", "Prompt", "RequestError"]
@@ -60,7 +62,8 @@ class Engine:
                                                                 limits["max_seq_len"])
         self.block_size = backend.block_size
         self.allocator = BlockPool(backend.num_blocks, caching=prefix_caching)
-        self.scheduler = Scheduler(self.allocator, self.block_size, self.max_batch, self.max_input_len)
+        self.kv = KVCacheManager(self.allocator, self.block_size)
+        self.scheduler = Scheduler(self.kv, self.max_batch, self.max_input_len)
         self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1)
         self.limits = RequestLimits(self.max_seq_len, self.max_batch, self.block_size, self.allocator.num_blocks,
                                     tokenizer is not None, str(self.dir))
@@ -84,7 +87,7 @@ class Engine:
             threads: ONNX Runtime intra-op threads (0: one per core; at most 256).
             prefix_caching: share the KV blocks of prompts' common prefixes (on by default).
         """
-        manifest, backend, tokenizer = open_parts(Path(path), verify, num_blocks, kv_memory_bytes, threads)
+        manifest, backend, tokenizer = _open_parts(Path(path), verify, num_blocks, kv_memory_bytes, threads)
         return cls(manifest, backend, tokenizer, prefix_caching)
 
     # -- requests ----------------------------------------------------------------
@@ -281,7 +284,7 @@ class Engine:
         with self._cv:
             return {"free_blocks": self.allocator.num_free, "num_blocks": self.allocator.num_blocks,
                     "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                    "preemptions": self.scheduler.preemptions, **self.allocator.stats()}
+                    "preemptions": self.scheduler.preemptions, **self.kv.stats()}
 
     @property
     def alive(self) -> bool:
@@ -304,3 +307,29 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_bytes: int | None,
+               threads: int) -> tuple[Manifest, StepRunner, TextTokenizer | None]:
+    """The checked manifest, a runner for its backend, its tokenizer. The KV pool may be resized for
+    ONNX Runtime engines; a pool larger than the memory available here is refused before anything
+    is allocated."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
+        raise EngineError(f"threads must be an integer from 0 (one per core) to {MAX_THREADS}, got {threads!r}")
+    manifest = check_engine(path, verify_hashes=verify)
+    kv = manifest.kv
+    per_block = kv["bytes"] // kv["num_blocks"]
+    blocks = kv["num_blocks"]
+    if num_blocks is not None or kv_memory_bytes is not None:
+        if manifest.backend != "onnxruntime":
+            raise EngineError("the KV pool of a TensorRT engine is fixed at build time; rebuild to change it")
+        blocks = num_blocks if num_blocks is not None else max(1, int(kv_memory_bytes or 0) // per_block)
+    if manifest.backend == "onnxruntime":
+        pool = blocks * per_block
+        have = available_memory_bytes()
+        if have is not None and pool > have:
+            raise EngineError(f"the KV pool of {blocks} blocks would take {pool / 2**30:.1f} GiB but this machine "
+                              f"has {have / 2**30:.1f} GiB available; load with fewer blocks (num_blocks=...)")
+    backend = open_runner(manifest, blocks, threads)
+    tokenizer = TextTokenizer(path) if (path / "tokenizer.json").is_file() else None
+    return manifest, backend, tokenizer

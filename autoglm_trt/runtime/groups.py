@@ -24,7 +24,8 @@ from collections.abc import Callable
 import numpy as np
 
 from .beam import BeamSearch, Hypothesis
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 PRUNED = "pruned"  # the finish reason of a beam the search dropped (never reported)
 

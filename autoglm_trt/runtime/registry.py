@@ -8,7 +8,8 @@ blocks in the scheduler, drops its ids, ends its stream and wakes its caller, ex
 from __future__ import annotations
 
 from .request import Request
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 
 class Registry:

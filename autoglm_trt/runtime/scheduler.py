@@ -1,10 +1,9 @@
 """Continuous batching over a paged KV cache (one scheduler; the engine's loop thread calls it).
 
-Vocabulary as in vLLM: a sequence has ``num_computed_tokens`` in the pool and a
-``block_table``; a step gives some sequences ``num_new_tokens`` each. The scheduler asks the
-``BlockAllocator`` for blocks; when it says no, the scheduler decides: a waiting sequence
+Policy only: who is admitted, who runs in a step, who is preempted. The scheduler asks the
+``KVCacheManager`` for blocks; when it says no, the scheduler decides: a waiting sequence
 stays waiting, a running one may be preempted (its blocks freed, its tokens recomputed later
-by a prefill of prompt + output so far). Nobody else touches block ids.
+by a prefill of prompt + output so far).
 
 Each step is one of:
 * prefill: sequences with more than one token to compute (new, or recomputing after
@@ -24,16 +23,12 @@ Priorities: a request's ``priority`` (lower runs first, 0 by default) orders adm
 arrival; a waiting request gains one level per ``aging_s`` seconds so that low priorities
 do not starve under a steady high-priority load.
 
-Prefix caching (with a ``BlockPool`` whose ``caching`` is on): a waiting sequence shares the
-longest run of cached full blocks that starts its tokens and computes only the rest (at least
-its last token, so that there are logits to sample); as its blocks fill they are named by
-their chained hashes, and blocks it frees stay cached (evictable) until the pool needs them.
-Blocks shared by prefix caching are full and wholly computed, so no sequence writes to one.
+Prefix caching and copy-on-write are the manager's (``kv_cache_manager.py``): a waiting
+sequence shares the longest cached prefix of its tokens; a step carries the block ``copies``
+the runner makes before it runs.
 
 Forks (parallel samples, beams): ``fork`` gives a new sequence the parent's tokens and one
-more reference to each of its blocks. The last block may be partly filled; the first of them
-to write into it while it is shared gets a fresh block and a copy of it (copy-on-write: the
-step carries the ``copies`` the runner makes before it runs). A sequence whose tokens are all
+more reference to each of its blocks. A sequence whose tokens are all
 computed and which waits for something else (a beam waiting for its siblings' logits) is
 "idle": it is never scheduled, and when nothing else can run an idle one is preempted
 ("parked": admitted again only after the other waiting sequences, and parked ones in the
@@ -44,72 +39,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
-
-from ..graph.paged_kv import BlockAllocator, SeqState, blocks_needed
-from .block_pool import BlockPool, chained_hashes
-from .sampling import SamplingParams
+from .kv_cache_manager import KVCacheManager
+from .sequence import Sequence, Step
 
 AGING_S = 10.0  # a waiting request gains one priority level per this many seconds
-
-
-@dataclass
-class Sequence:
-    prompt_ids: list[int]
-    params: SamplingParams
-    seq_id: int = -1  # given by the scheduler that admits it (its arrival order)
-    output_ids: list[int] = field(default_factory=list)
-    cache: SeqState = field(default_factory=SeqState)
-    finish_reason: str | None = None
-    preemptions: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed, cached blocks
-    token_hashes: list[bytes] = field(default_factory=list)  # of every full block of its tokens (kept while waiting)
-    arrival: float = 0.0
-    stream: int = 0  # which random stream of the request's seed (fork k draws from stream k)
-    parked: int = 0  # n > 0: the n-th sequence preempted while idle (admitted after the unparked, in that order)
-
-    def __post_init__(self) -> None:
-        seed = self.params.seed
-        self.rng = np.random.default_rng(seed if seed is None or self.stream == 0 else [seed, self.stream])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def num_pending(self) -> int:
-        return self.num_tokens - self.cache.num_computed_tokens
-
-    @property
-    def priority(self) -> int:
-        return self.params.priority
-
-    def pending_ids(self, limit: int) -> list[int]:
-        start = self.cache.num_computed_tokens
-        ids = self.prompt_ids + self.output_ids
-        return ids[start : start + min(limit, self.num_pending)]
-
-
-@dataclass
-class Step:
-    seqs: list[Sequence]
-    new_tokens: list[list[int]]
-    prefill: bool
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks, made first
-
-    def completes(self, i: int) -> bool:
-        """Whether sequence i's tokens are all computed after this step (then it samples)."""
-        s = self.seqs[i]
-        return s.cache.num_computed_tokens + len(self.new_tokens[i]) == s.num_tokens
+__all__ = ["Scheduler", "Sequence", "Step"]
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator | BlockPool, block_size: int, max_batch: int, max_input_len: int,
-                 max_prefill_tokens: int = 4096, aging_s: float = AGING_S):
-        self.allocator, self.block_size = allocator, block_size
-        self.caching = isinstance(allocator, BlockPool) and allocator.caching
+    def __init__(self, kv: KVCacheManager, max_batch: int, max_input_len: int, max_prefill_tokens: int = 4096,
+                 aging_s: float = AGING_S):
+        self.kv, self.block_size = kv, kv.block_size
+        self.allocator = kv.pool  # for inspection (tests, stats); only the manager changes it
         self.aging_s = aging_s
         self.max_batch, self.max_input_len = max_batch, max_input_len
         self.max_prefill_tokens = max(max_prefill_tokens, max_input_len)
@@ -118,7 +60,6 @@ class Scheduler:
         self.preemptions = 0
         self._ids = itertools.count()
         self._parks = itertools.count(1)
-        self._copies: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence) -> None:
         seq.seq_id = next(self._ids)
@@ -140,25 +81,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- blocks ----------------------------------------------------------------
-    def _grow(self, seq: Sequence, num_new: int) -> bool:
-        """Blocks for ``num_new`` more tokens, and a private copy of a shared block they would write to."""
-        table = seq.cache.block_table
-        first = seq.cache.num_computed_tokens // self.block_size  # the block the next token goes into
-        shared = isinstance(self.allocator, BlockPool) and first < len(table) and self.allocator.ref_cnt[table[first]] > 1
-        need = blocks_needed(seq.cache.num_computed_tokens + num_new, self.block_size) - len(table) + shared
-        if need <= 0:
-            return True
-        got = self.allocator.allocate(need)
-        if got is None:
-            return False
-        if shared:
-            fresh = got.pop(0)
-            self._copies.append((table[first], fresh))
-            self.allocator.release([table[first]])
-            table[first] = fresh
-        table += got
-        return True
-
     def fork(self, parent: Sequence, stream: int = 0) -> Sequence:
         """A new sequence with the parent's tokens, parameters and arrival, sharing its blocks, drawing from
         random stream ``stream``; without a free running slot it waits with no blocks (and recomputes its
@@ -166,10 +88,8 @@ class Scheduler:
         child = Sequence(list(parent.prompt_ids), parent.params, output_ids=list(parent.output_ids),
                          arrival=parent.arrival, stream=stream)
         child.seq_id = next(self._ids)
-        if parent in self.running and len(self.running) < self.max_batch and isinstance(self.allocator, BlockPool):
-            self.allocator.take(parent.cache.block_table)
-            child.cache = SeqState(parent.cache.num_computed_tokens, list(parent.cache.block_table))
-            child.block_hashes = list(parent.block_hashes)
+        if parent in self.running and len(self.running) < self.max_batch:
+            self.kv.fork(parent, child)
             self.running.append(child)
         else:
             self.waiting.append(child)
@@ -179,7 +99,7 @@ class Scheduler:
         """Blocks for ``num_new`` more tokens of a running sequence, preempting the newest running
         sequences (perhaps ``seq`` itself) until they are found; False if ``seq`` was preempted.
         A preempted sequence leaves this step's plan too."""
-        while not self._grow(seq, num_new):
+        while not self.kv.allocate_slots(seq, num_new):
             victim = max(self.running, key=self._rank)
             self._preempt(victim)
             planned.pop(victim.seq_id, None)
@@ -187,13 +107,8 @@ class Scheduler:
                 return False
         return True
 
-    def free(self, seq: Sequence) -> None:
-        self.allocator.release(seq.cache.block_table)
-        seq.cache = SeqState()
-        seq.block_hashes = []
-
     def _preempt(self, seq: Sequence) -> None:
-        self.free(seq)
+        self.kv.free(seq)
         self.running.remove(seq)
         seq.preemptions += 1
         self.preemptions += 1
@@ -202,43 +117,7 @@ class Scheduler:
     def computed(self, seq: Sequence, n: int) -> None:
         """The step computed ``n`` more tokens of ``seq``: count them and cache the blocks they filled."""
         seq.cache.num_computed_tokens += n
-        full = seq.cache.num_computed_tokens // self.block_size
-        if self.caching and full > len(seq.block_hashes):
-            tokens = (seq.prompt_ids + seq.output_ids)[: full * self.block_size]
-            start = len(seq.block_hashes)
-            seq.block_hashes = chained_hashes(tokens, self.block_size, seq.block_hashes)
-            assert isinstance(self.allocator, BlockPool)
-            for b in range(start, full):
-                self.allocator.cache_block(seq.cache.block_table[b], seq.block_hashes[b])
-
-    def _admit(self, seq: Sequence) -> bool:
-        """Blocks for a waiting sequence's whole prompt, sharing its longest cached prefix; False if
-        they would not leave one free block per running sequence."""
-        hits: list[int] = []
-        hashes: list[bytes] = []
-        revived = 0
-        if self.caching:
-            assert isinstance(self.allocator, BlockPool)
-            tokens = seq.prompt_ids + seq.output_ids
-            # its tokens only grow, so the chain computed while it waited is extended, not redone
-            hashes = seq.token_hashes = chained_hashes(tokens, self.block_size, seq.token_hashes)
-            hits = self.allocator.lookup(hashes)
-            if len(hits) * self.block_size >= len(tokens):  # keep the last token to compute
-                hits = hits[:-1]
-            revived = sum(1 for b in hits if self.allocator.ref_cnt[b] == 0)
-        need = blocks_needed(seq.num_tokens, self.block_size) - len(hits)
-        if need + revived > self.allocator.num_free - len(self.running):
-            return False
-        if self.caching:
-            assert isinstance(self.allocator, BlockPool)
-            self.allocator.take(hits)
-            self.allocator.queried_tokens += seq.num_tokens
-            self.allocator.hit_tokens += len(hits) * self.block_size
-            seq.cache = SeqState(len(hits) * self.block_size, list(hits))
-            seq.block_hashes = hashes[: len(hits)]
-        if not self._grow(seq, seq.num_pending):  # cannot happen: the blocks were counted free above
-            raise RuntimeError("block allocator refused blocks it reported free")
-        return True
+        self.kv.cache_full_blocks(seq)
 
     # -- steps -----------------------------------------------------------------
     def schedule(self) -> Step | None:
@@ -249,7 +128,7 @@ class Scheduler:
             self._preempt(victim)
             victim.parked = next(self._parks)
             step = self._schedule_prefill() or self._schedule_decode()
-        copies, self._copies = self._copies, []
+        copies = self.kv.take_copies()
         if step is not None:
             step.copies = copies
         return step
@@ -272,7 +151,7 @@ class Scheduler:
                 planned[seq.seq_id] = (seq, seq.pending_ids(n))
         while self.waiting and len(self.running) < self.max_batch:
             seq = self._next_waiting()
-            if not fits(min(seq.num_pending, self.max_input_len)) or not self._admit(seq):
+            if not fits(min(seq.num_pending, self.max_input_len)) or not self.kv.admit(seq, len(self.running)):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -301,7 +180,7 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.free(seq)
+        self.kv.free(seq)
 
     def cancel(self, seq: Sequence) -> None:
         self.finish(seq, "cancelled")

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ...graph.paged_kv import KVPools, SlotMap
 from ...graph.session import make_session
+from ...kvcache.host_pools import KVPools, SlotMap
 from ...model.spec import ModelSpec
 
 

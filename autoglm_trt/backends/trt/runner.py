@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from ...artifacts import EngineError
-from ...graph.paged_kv import SlotMap, blocks_needed, pool_shape
+from ...kvcache.host_pools import SlotMap
+from ...kvcache.layout import blocks_needed, pool_shape
 from ...model.spec import ModelSpec
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1

@@ -13,10 +13,11 @@ so equal hashes mean equal prefixes::
     tokens   | t0 .. t15 | t16 .. t31 | t32 .. t40 (partial: never cached)
     hashes   | h0=H(-,b0)| h1=H(h0,b1)|
 
-``allocate`` answers None when it cannot give n blocks (the scheduler decides what to do);
-``free`` drops one reference per block, in reverse order so that a sequence's last blocks
-are evicted before its first (the shared prefix outlives the tails). Nobody but the
-scheduler calls this.
+``allocate`` answers None when it cannot give n blocks (the caller decides what to do);
+``release`` drops one reference per block, in reverse order so that a sequence's last blocks
+are evicted before its first (the shared prefix outlives the tails). With ``caching`` off it
+is a plain free list: lowest ids first, freed blocks back at its end in table order. In the
+engine only ``runtime.kv_cache_manager`` calls it; the export's validation uses it uncached.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # hash -> block holding that content
         self._free: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()
-        self.queried_tokens = 0
-        self.hit_tokens = 0
 
     # -- the allocator interface -----------------------------------------------------
     @property
@@ -84,7 +83,7 @@ class BlockPool:
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference per block; a block nobody holds becomes evictable (if cached) or free."""
-        for b in reversed(blocks):
+        for b in reversed(blocks) if self.caching else blocks:
             self.ref_cnt[b] -= 1
             assert self.ref_cnt[b] >= 0, f"block {b} released more often than taken"
             if self.ref_cnt[b] == 0:
@@ -119,5 +118,4 @@ class BlockPool:
             self.cached[h] = block
 
     def stats(self) -> dict:
-        return {"cached_blocks": len(self.cached), "evictable_blocks": len(self.evictable),
-                "prefix_queried_tokens": self.queried_tokens, "prefix_hit_tokens": self.hit_tokens}
+        return {"cached_blocks": len(self.cached), "evictable_blocks": len(self.evictable)}

@@ -1,0 +1,27 @@
+"""The paged KV layout of the engine contract, on the host.
+
+One pool per layer for K and one for V::
+
+    pool[kv_heads, num_blocks, block_size, head_dim]
+    sequence s, token at position p, KV head h  ->  pool[h, block_table[s][p // block_size], p % block_size]
+
+    block_table of a 40-token sequence, block_size 16:  [7, 2, 9]
+      block 7: positions  0..15 | block 2: 16..31 | block 9: 32..39 (8 slots still free)
+
+KV heads come first so that the graph's ``Gather(pool, block_tables, axis=1)`` yields
+``[kv_heads, batch, blocks, block_size, head_dim]``: each head's past keys and values are
+already the contiguous ``[tokens, head_dim]`` matrices attention multiplies, with no
+transpose or copy of the past in the step.
+"""
+
+from __future__ import annotations
+
+POOL_LAYOUT = "[kv_heads, num_blocks, block_size, head_dim]"
+
+
+def pool_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    return (kv_heads, num_blocks, block_size, head_dim)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

@@ -1,0 +1,90 @@
+"""The graph inputs of one step: from each sequence's new tokens and cache state (``SeqState``)
+to ``input_ids``, ``position_ids``, ``context_lens``, ``query_lens``, ``block_tables``,
+``logits_indices``, and the slots (``SlotMap``) where the new tokens' K/V go."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .host_pools import SlotMap
+from .layout import blocks_needed
+
+
+@dataclass
+class SeqState:
+    """One sequence's cache state: tokens already in the pool and its block table."""
+
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+
+def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size: int,
+                all_logits: bool = False) -> tuple[dict[str, np.ndarray], SlotMap]:
+    """Graph inputs (without the pools) for one step, and the slots of the new tokens.
+
+    Every sequence must have at least one new token and a block table that already covers
+    ``num_computed_tokens + len(new_tokens)`` positions. Logits are asked for the last new
+    token of each sequence, or with ``all_logits`` for every new token (padding repeats the
+    last one).
+    """
+    batch = len(new_tokens)
+    assert batch == len(states) and batch > 0
+    if not all_logits and all(len(t) == 1 for t in new_tokens):
+        return _decode_inputs(new_tokens, states, block_size)
+    t_max = max(len(t) for t in new_tokens)
+    max_ctx = max(s.num_computed_tokens for s in states)
+    max_blocks = max(1, blocks_needed(max_ctx, block_size))
+    input_ids = np.zeros((batch, t_max), np.int64)
+    position_ids = np.zeros((batch, t_max), np.int64)
+    block_tables = np.zeros((batch, max_blocks), np.int64)
+    context_lens = np.zeros(batch, np.int64)
+    query_lens = np.zeros(batch, np.int64)
+    logits_indices = np.zeros((batch, t_max if all_logits else 1), np.int64)
+    sb, st, sk, so = [], [], [], []
+    for b, (toks, state) in enumerate(zip(new_tokens, states)):
+        n, ctx = len(toks), state.num_computed_tokens
+        assert n >= 1, "every sequence in a step needs at least one new token"
+        table = state.block_table
+        assert len(table) * block_size >= ctx + n, "block table does not cover the new tokens"
+        input_ids[b, :n] = toks
+        positions = np.arange(ctx, ctx + n)
+        position_ids[b, :n] = positions
+        used = blocks_needed(ctx, block_size)
+        block_tables[b, :used] = table[:used]
+        context_lens[b], query_lens[b] = ctx, n
+        logits_indices[b] = np.minimum(np.arange(logits_indices.shape[1]), n - 1) if all_logits else n - 1
+        sb.append(np.full(n, b))
+        st.append(np.arange(n))
+        sk.append(np.asarray(table, np.int64)[positions // block_size])
+        so.append(positions % block_size)
+    feeds = {"input_ids": input_ids, "position_ids": position_ids, "context_lens": context_lens,
+             "query_lens": query_lens, "block_tables": block_tables, "logits_indices": logits_indices}
+    slots = SlotMap(*(np.concatenate(a).astype(np.int64) for a in (sb, st, sk, so)))
+    return feeds, slots
+
+
+def _decode_inputs(new_tokens: list[list[int]], states: list[SeqState],
+                   block_size: int) -> tuple[dict[str, np.ndarray], SlotMap]:
+    """``step_inputs`` of a decode step (one new token per sequence, the last token's logits):
+    the same arrays, built from lists in a few numpy calls rather than a dozen per sequence
+    (at batch 1 the general form took about 0.09 ms of a 6 ms step)."""
+    batch = len(new_tokens)
+    ctx = [s.num_computed_tokens for s in states]
+    tables = np.zeros((batch, max(1, blocks_needed(max(ctx), block_size))), np.int64)
+    slot_blocks = []
+    for b, (state, c) in enumerate(zip(states, ctx)):
+        table = state.block_table
+        assert len(table) * block_size >= c + 1, "block table does not cover the new tokens"
+        used = blocks_needed(c, block_size)
+        if used:
+            tables[b, :used] = table[:used]
+        slot_blocks.append(table[c // block_size])
+    positions = np.array(ctx, np.int64)
+    feeds = {"input_ids": np.array(new_tokens, np.int64), "position_ids": positions[:, None].copy(),
+             "context_lens": positions, "query_lens": np.ones(batch, np.int64), "block_tables": tables,
+             "logits_indices": np.zeros((batch, 1), np.int64)}
+    slots = SlotMap(np.arange(batch, dtype=np.int64), np.zeros(batch, np.int64), np.array(slot_blocks, np.int64),
+                    positions % block_size)
+    return feeds, slots
