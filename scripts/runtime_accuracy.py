@@ -7,7 +7,7 @@ is shorter gives fewer windows: dialogue gives 5).
                                        [--windows 16] [--tokens 256] [--json out.json]
 
 ``eval`` and ``accuracy_kinds.py`` score the saved engine graph. The runner loads that graph
-rewritten for ONNX Runtime (native operators where the C compiler allows: ``runner.py``), whose
+rewritten for ONNX Runtime (native operators where the native library is installed: ``runner.py``), whose
 arithmetic rounds differently in places (the attention's sums, the MLP's sigmoid), so this
 script measures what a user's requests see. Each kind's first ``--windows`` windows of
 ``--tokens`` tokens go through the runner together: a prefill of their first 16 tokens, then

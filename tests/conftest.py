@@ -109,12 +109,12 @@ def slow_engine(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def library():
-    """The native operator library built for this machine (skips where it cannot be built)."""
-    from autoglm_trt.backends.onnxrt.native import native_library
+    """The installed native library's build for this machine (skips where there is none)."""
+    from autoglm_trt.native import library as native_library
 
     path, why = native_library()
     if path is None:
-        pytest.skip(f"the native operators cannot be built here: {why}")
+        pytest.skip(f"no native library here: {why}")
     return path
 
 
@@ -159,27 +159,25 @@ def cpu_has(flag: str) -> bool:
         return False
 
 
-KERNELS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
+KERNELS = {"native": None, "avx2": "avx2", "portable": "generic"}  # the builds of autoglm_trt/native/variants.py
 
 
 @pytest.fixture(scope="session", params=list(KERNELS))
 def kernel_library(request):
-    """The library built for this CPU, and where the CPU allows, built again for the AVX2 and the
-    portable C kernels, so each of the three is checked on a machine that has AVX-512."""
+    """The best installed build for this CPU, and where the CPU allows, the AVX2 and the generic
+    (portable C kernels) builds, so each of the three is checked on a machine that has AVX-512."""
     name = request.param
     if name == "avx2" and not cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
-    if name == "portable" and not cpu_has("avx2"):
-        pytest.skip("the portable kernel is built here by turning x86 extensions off")
-    from autoglm_trt.backends.onnxrt.native import int8_kernel, native_library
+    from autoglm_trt.native import int8_kernel
+    from autoglm_trt.native import library as native_library
 
     path, why = native_library(KERNELS[name])
     if path is None:
-        pytest.skip(f"the native operators cannot be built here: {why}")
+        pytest.skip(f"no {name} build of the native library here: {why}")
     kernel = int8_kernel(path)
     if name == "avx2":
         assert kernel == "avx2"
     if name == "portable":
         assert kernel == "portable C"
     return path
-

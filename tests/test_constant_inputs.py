@@ -69,7 +69,7 @@ def test_float_linear_with_norm(library, rows):
     from test_float_linear import skip_norm_graph
 
     from autoglm_trt.backends.onnxrt import linear_epilogues, linear_op
-    from autoglm_trt.backends.onnxrt.native import float_kernel
+    from autoglm_trt.native import float_kernel
 
     if float_kernel(library) == "portable C":
         pytest.skip("FloatLinear replaces MatMul only where the library has FMA (x86-64 with AVX2)")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from autoglm_trt.backends.onnxrt import linear_epilogues, linear_op
-from autoglm_trt.backends.onnxrt.native import float_kernel, native_library
+from autoglm_trt.native import float_kernel
+from autoglm_trt.native import library as native_library
 
 
 def _model(k: int, n: int, op: str, w: np.ndarray | None = None):
@@ -181,9 +182,10 @@ def test_an_engine_runs_them_and_keeps_its_logits_bit_for_bit(engine, request, m
     exactly, through a prefill of two prompts and two decode steps."""
     from conftest import logits_over_steps
 
+    from autoglm_trt import native
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
-    from autoglm_trt.backends.onnxrt import native, runner
+    from autoglm_trt.backends.onnxrt import runner
 
     library, why = native_library()
     if library is None:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from autoglm_trt.backends.onnxrt.linear_op import pack_weights, rewrite
-from autoglm_trt.backends.onnxrt.native import float_kernel, int8_kernel, native_library
+from autoglm_trt.native import float_kernel, int8_kernel
+from autoglm_trt.native import library as native_library
 
 
 def test_packed_weights_put_each_weight_where_the_kernel_reads_it():

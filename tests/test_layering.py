@@ -2,7 +2,7 @@
 
     cli ─► serve ─► runtime;  cli ─► builder ─► export, calib (stage entry points)
            runtime, export, calib, evaluate ─► backends ─► graph ─► artifacts ─► model ─► errors, fileutil, progress
-           graph and everything above it ─► kvcache (numpy only)
+           graph and everything above it ─► kvcache (numpy only);  backends, calib, cli ─► native (stdlib only)
 
 Every import of an ``autoglm_trt`` module (absolute or relative, at any depth in a function)
 is resolved to its top-level part and must be in the importer's allowed set below.
@@ -19,24 +19,24 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autoglm_trt"
 BASE = {"errors", "fileutil", "progress"}
 LOWER = {
     "kvcache": set(),
+    "native": set(),
     "model": BASE,
     "artifacts": BASE | {"model"},
     "graph": BASE | {"model", "artifacts", "kvcache"},
-    "backends": BASE | {"model", "artifacts", "graph", "kvcache"},
+    "backends": BASE | {"model", "artifacts", "graph", "kvcache", "native"},
 }
 STAGE = BASE | {"model", "artifacts", "graph", "kvcache"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "fileutil": {"errors"}, "progress": set(),
     **LOWER,
     "export": STAGE,
-    # the native library's statistics helpers (backends/onnxrt/native.py builds it; no ONNX Runtime import)
-    "calib": STAGE | {"backends"},
+    "calib": STAGE | {"native"},  # the native library's statistics kernels
     "evaluate": STAGE,
     "runtime": STAGE | {"backends"},
     "builder": STAGE | {"backends", "export", "calib"},
     "serve": STAGE | {"runtime"},
     "triton": STAGE | {"runtime"},
-    "cli": STAGE | {"backends", "export", "calib", "evaluate", "runtime", "builder", "serve", "triton"},
+    "cli": STAGE | {"backends", "native", "export", "calib", "evaluate", "runtime", "builder", "serve", "triton"},
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -44,7 +44,7 @@ def _sessions(library):
     (3, 2, 3, 33, 48, 33),  # rows longer than one unrolled step of MLAS's kernel (48)
 ])
 def test_equals_onnx_runtimes_join_mask_softmax_and_split(library, h, b, g, t, p, n):
-    from autoglm_trt.backends.onnxrt.native import softmax_exact
+    from autoglm_trt.native import softmax_exact
 
     if not softmax_exact(library):
         pytest.skip("MaskedSoftmax repeats ONNX Runtime's AVX-512F softmax; this build has no AVX-512F")
@@ -66,7 +66,7 @@ def test_equals_onnx_runtimes_join_mask_softmax_and_split(library, h, b, g, t, p
 def test_doctor_says_which_softmax_prefill_steps_run(tiny_engine, library, monkeypatch):
     from conftest import run_cli
 
-    from autoglm_trt.backends.onnxrt.native import softmax_exact
+    from autoglm_trt.native import softmax_exact
 
     r = run_cli("doctor", str(tiny_engine))
     want = ("prefill softmax: native MaskedSoftmax operator" if softmax_exact(library)

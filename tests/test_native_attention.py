@@ -157,22 +157,31 @@ def test_a_graph_without_the_expected_tensors_is_left_alone(tiny_engine):
     assert not done and "layers.1.q_grouped" in why and len(model.graph.node) == nodes
 
 
-def test_no_compiler_means_the_graph_attention(tiny_engine, monkeypatch):
-    from autoglm_trt.backends.onnxrt import native
+def test_no_installed_build_means_the_graph_attention(tiny_engine, monkeypatch):
+    from autoglm_trt import native
 
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "installed", lambda: {})
     runner = _runner(tiny_engine, monkeypatch, native=True)
-    assert runner.attention.startswith("graph (no C compiler")
+    assert runner.attention.startswith("graph (the native library was not built when autoglm-trt was installed")
     runner.close()
 
 
-def test_the_library_is_built_once_and_kept(library, monkeypatch):
-    from autoglm_trt.backends.onnxrt import native
+def test_the_installed_library_runs_where_there_is_no_compiler(tiny_engine, library, tmp_path):
+    """Built at install time: a process whose PATH has no C compiler loads it and runs the engine's
+    decode steps with the native operators (nothing is compiled on first use)."""
+    import os
+    import subprocess
+    import sys
 
-    stamp = library.stat().st_mtime_ns
-    monkeypatch.setattr(native, "_result", {})  # a new process: the cached file is found, not rebuilt
-    again, why = native.native_library()
-    assert again == library and why == "" and library.stat().st_mtime_ns == stamp
+    code = ("import shutil, sys; from autoglm_trt.artifacts import Manifest; from autoglm_trt.backends import open_runner\n"
+            "assert not any(shutil.which(c) for c in ('cc', 'gcc', 'clang')), 'a compiler is on PATH'\n"
+            f"r = open_runner(Manifest.read({str(tiny_engine)!r}), num_blocks=32, threads=1)\n"
+            "print(r.attention)")
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "AUTOGLM_TRT_NATIVE", "AUTOGLM_TRT_NATIVE_VARIANT")}
+    env["PATH"] = str(tmp_path)  # nothing on it
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "native"
 
 
 def test_doctor_says_which_attention_decode_steps_run(tiny_engine, library, monkeypatch):
@@ -186,11 +195,11 @@ def test_doctor_says_which_attention_decode_steps_run(tiny_engine, library, monk
 
 
 def test_a_library_that_does_not_load_means_the_graph_attention(tiny_engine, monkeypatch, tmp_path):
-    from autoglm_trt.backends.onnxrt import native
+    from autoglm_trt import native
 
     bogus = tmp_path / "broken.so"
     bogus.write_text("not a shared library")
-    monkeypatch.setattr(native, "native_library", lambda: (bogus, ""))
+    monkeypatch.setattr(native, "library", lambda variant=None: (bogus, ""))
     runner = _runner(tiny_engine, monkeypatch, native=True)
     assert runner.attention.startswith(f"graph (the native library {bogus} did not load")
     feeds, slots = step_inputs([[5, 9, 3]], [SeqState(0, [0])], runner.block_size)
@@ -202,7 +211,7 @@ def test_a_library_that_does_not_load_means_the_graph_attention(tiny_engine, mon
                                            (128, [70, 1, 16], [1, 1, 1], 1), (128, [9, 40], [2, 3], 3),
                                            (24, [40, 9], [1, 3], 3), (8, [21], [1], 1)])
 @pytest.mark.parametrize("int8_kv", [False, True], ids=["float-kv", "int8-kv"])
-def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ctx, qlens, t, int8_kv):
+def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, loop_library, d, ctx, qlens, t, int8_kv):
     """The float32 key scores' AVX-512 kernel adds in the order GCC's vectorization of the plain
     loop does with 512-bit vectors (``paged_attention.c``), so the operator's output is the loop
     build's, bit for bit: the runtime figures measured before it stand. d 64 and 128 take the
@@ -210,15 +219,9 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ct
     and 8 the tail and the short paths. Where GCC prefers narrower vectors for this CPU (its
     tuning for Intel's AVX-512 cores is 256 bits), the loop rounds otherwise and only the
     reference check above applies."""
-    from autoglm_trt.backends.onnxrt.native import native_library
-
     if not cpu_has("avx512f"):
         pytest.skip("this CPU has no AVX-512: the kernel is not built")
-    width = _preferred_vector_width()
-    if width not in ("none", "512"):
-        pytest.skip(f"the compiler vectorizes the plain loop with {width}-bit vectors here, not 512")
-    loop, why = native_library(("-DAUTOGLM_LOOP_DOT4",))
-    assert loop is not None, why
+    loop = loop_library
     rng = np.random.default_rng(d + t)
     hq, hkv, nb, bs = 6, 2, 48, 8
     B, tables = len(ctx), block_tables(rng, ctx, nb, bs)
@@ -239,19 +242,34 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, d, ct
     np.testing.assert_array_equal(ours, theirs)
 
 
-def _preferred_vector_width() -> str:
-    """The C compiler's preferred vector width for this CPU (``-mprefer-vector-width``: "none"
-    means the widest), or "unknown" where it does not say (clang, no compiler)."""
+@pytest.fixture(scope="module")
+def loop_library(library, tmp_path_factory):
+    """The installed build's variant compiled again with the plain key-score loops
+    (``-DAUTOGLM_LOOP_DOT4``), which GCC vectorizes; skips without a compiler, or where the
+    compiler's preferred vector width for that variant is not 512 bits."""
+    from autoglm_trt.native import variant_of
+    from autoglm_trt.native.build import compile_library, compiler
+    from autoglm_trt.native.variants import COMMON_FLAGS, SOURCES, for_machine
+
+    cc = compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build the plain-loop library with")
+    variant = {v.name: v for v in for_machine()}[variant_of(library)]
+    width = _preferred_vector_width(cc, variant.flags)
+    if width not in ("none", "512"):
+        pytest.skip(f"the compiler vectorizes the plain loop with {width}-bit vectors here, not 512")
+    out = tmp_path_factory.mktemp("loop") / "libautoglm-loop.so"
+    compile_library(out, variant.flags + ("-DAUTOGLM_LOOP_DOT4",), SOURCES, COMMON_FLAGS, cc=cc)
+    return out
+
+
+def _preferred_vector_width(cc: str, flags: tuple[str, ...]) -> str:
+    """The C compiler's preferred vector width for these flags (``-mprefer-vector-width``: "none"
+    means the widest), or "unknown" where it does not say (clang)."""
     import subprocess
 
-    from autoglm_trt.backends.onnxrt.native import _compiler
-
-    cc = _compiler()
-    if cc is None:
-        return "unknown"
     try:
-        out = subprocess.run([cc, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
-                             timeout=60).stdout
+        out = subprocess.run([cc, *flags, "-Q", "--help=target"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     for line in out.splitlines():
@@ -287,7 +305,7 @@ def test_one_branch_per_step_gives_the_per_layer_branches_outputs_bit_for_bit(ti
     assert len(step) == 1 and len(model.graph.node) == 4  # the condition's Shape, Gather, Equal; the If
     branches = {a.name: [n.op_type for n in a.g.node] for a in step[0].attribute}
     decode, prefill = branches["then_branch"], branches["else_branch"]
-    from autoglm_trt.backends.onnxrt.native import softmax_exact
+    from autoglm_trt.native import softmax_exact
 
     softmax = "MaskedSoftmax" if softmax_exact(library) else "Softmax"  # the prefill's, either way the graph's bits
     assert "If" not in decode + prefill and softmax not in decode and softmax in prefill

@@ -62,7 +62,7 @@ def test_rotation_and_quantization_become_one_native_node(tmp_path):
     import pytest
 
     from autoglm_trt.backends.onnxrt.fusions import hadamard_quantize
-    from autoglm_trt.backends.onnxrt.native import native_library
+    from autoglm_trt.native import library as native_library
 
     library, why = native_library()
     if library is None:

@@ -39,8 +39,8 @@ def test_scores_by_row_give_the_graphs_logits_and_kv_bit_for_bit(engine, library
 
 def test_the_prefill_branch_computes_scores_by_row_and_decode_is_untouched(tiny_engine, library):
     from autoglm_trt.artifacts import Manifest
-    from autoglm_trt.backends.onnxrt.native import softmax_exact
     from autoglm_trt.backends.onnxrt.runner import load_rewritten
+    from autoglm_trt.native import softmax_exact
 
     manifest = Manifest.read(tiny_engine)
     model = load_rewritten(manifest.engine_path, manifest.spec, np.dtype(np.float32), pack=False)[0]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from autoglm_trt.backends.onnxrt import weights_arena
-from autoglm_trt.backends.onnxrt.native import native_library
+from autoglm_trt.native import library as native_library
 
 
 def test_layout_puts_each_array_on_a_cache_line_and_rounds_to_huge_pages():

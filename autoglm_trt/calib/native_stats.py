@@ -10,7 +10,7 @@ as the fallback's, so the values, maxima and counts are those of the numpy path,
 (a butterfly transform rounds differently, and the accuracy gate's verdict on SmolLM2 moved
 with it).
 
-``native_stats()`` is ``None`` where the native library cannot be built (no C compiler, or
+``native_stats()`` is ``None`` where no build of the native library is installed (no C compiler then, or
 ``AUTOGLM_TRT_NATIVE=0``); calibration then takes the numpy path.
 """
 
@@ -120,11 +120,11 @@ class NativeStats:
 
 
 def native_stats() -> NativeStats | None:
-    """The native statistics (built on first use), or None where the library cannot be built."""
+    """The native statistics (built at install time), or None where the library cannot be built."""
     with _lock:
         if not _loaded:
-            from ..backends.onnxrt.native import native_library
+            from ..native import library
 
-            path, _why = native_library()
+            path, _why = library()
             _loaded.append(NativeStats(str(path)) if path is not None else None)
         return _loaded[0]

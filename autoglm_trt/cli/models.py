@@ -189,6 +189,14 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
         click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report, "decode_graph": decode}, indent=1))
         return
     click.echo(summary(manifest.data, report))
+    if manifest.backend == "onnxruntime":
+        from ..native import int8_kernel, variant_of
+        from ..native import library as native_library
+
+        library, why = native_library()
+        click.echo("native       " + (f"the {variant_of(library)} build of the native library "
+                                      f"(INT8 kernel {int8_kernel(library)}; {library})" if library is not None
+                                      else f"none: the graph's own nodes run ({why})"))
     if decode is not None:
         ops = sorted(decode["nodes_by_op"].items(), key=lambda kv: -kv[1])
         click.echo(f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here (the saved graph's "
@@ -227,15 +235,18 @@ def doctor_cmd(engine_dir: Path) -> None:
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
     if manifest.backend == "onnxruntime":
-        from ..backends.onnxrt.native import native_library
+        from ..native import library as native_library
+        from ..native import variant_of
 
         library, why = native_library()
+        click.echo("info     native library: " + (f"the {variant_of(library)} build ({library})" if library is not None
+                                                   else f"none ({why})"))
         if library is not None and manifest.kv["dtype"] not in ("float32", "int8"):
             why = f"the KV cache is {manifest.kv['dtype']}; the native kernel reads float32 or int8"
         native = library is not None and not why
         click.echo("info     decode attention: " + (f"native PagedAttention operator ({library})" if native
                                                     else f"the graph's own nodes, slower ({why})"))
-        from ..backends.onnxrt.native import float_kernel, int8_kernel, softmax_exact
+        from ..native import float_kernel, int8_kernel, softmax_exact
 
         if manifest.precision == "int8":
             click.echo("info     INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)"

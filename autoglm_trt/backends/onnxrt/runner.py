@@ -12,8 +12,8 @@ decode step only rebinds its small inputs (six, and the slots); a prefill step's
 max_batch x max_input_len tokens) are bound afresh, to views of buffers kept from one prefill to the
 next (as large as the largest prefill so far).
 
-The graph is rewritten for ONNX Runtime as it is loaded. Where the native library can be
-built here (``native.py``): decode steps' attention runs in the ``PagedAttention`` operator
+The graph is rewritten for ONNX Runtime as it is loaded. Where an installed build of the native
+library runs on this CPU (``autoglm_trt.native``): decode steps' attention runs in the ``PagedAttention`` operator
 (``attention_op.py``), reading the pools in place instead of gathering every layer's past into
 a new tensor on every step (``attention`` says which form runs and why), and each INT8
 linear (its input rotation + quantization, GEMM and scaling) is one ``Int8Linear`` over
@@ -48,10 +48,11 @@ def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
     False: the nodes only, for counting (``linear_op.rewrite``)."""
     import onnx
 
+    from ...native import float_kernel, softmax_exact
+    from ...native import library as native_library
     from . import linear_epilogues, linear_op, rope_op
     from .attention_op import rewrite
     from .fusions import hadamard_quantize, skip_rms_norm
-    from .native import float_kernel, native_library, softmax_exact
     from .step_branch import branch_once
 
     model = onnx.load(str(model_path), load_external_data=False)

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "ort_api.h"
+#include "parallel.h"
 #include "rotate.h"
 
 #define MAX_DIMS 8
@@ -60,9 +61,7 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
     return;
   }
   Rows job = {x, y, n, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero};
-  if (!has_parallel_for || rows < 16 ||
-      failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, rotate_row, (size_t)rows, 0, &job)))
-    for (int64_t i = 0; i < rows; i++) rotate_row(&job, (size_t)i);
+  parallel_for(ctx, rotate_row, (size_t)rows, 16, &job);
 }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "HadamardQuantize"; }

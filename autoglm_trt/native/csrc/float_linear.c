@@ -34,6 +34,7 @@
 
 #include "chunks.h"
 #include "ort_api.h"
+#include "parallel.h"
 #include "silu.h"
 #include "skip_norm.h"
 
@@ -203,12 +204,6 @@ static void gated_pair(void *data, size_t i) {
 
 enum { PLAIN, SPLIT, GATED, NORM }; /* FloatLinear, FloatLinearSplit, FloatLinearSiluMul, FloatLinearSkipNorm */
 
-static void for_each(OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t count, void *job) {
-  ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
-  if (count < 2 || parallel == NULL || failed(parallel(ctx, fn, count, 0, job)))
-    for (size_t i = 0; i < count; i++) fn(job, i);
-}
-
 static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
   const int halves = mode == SPLIT || mode == GATED, outputs = mode == SPLIT || mode == NORM ? 2 : 1;
   size_t rank = 0;
@@ -234,8 +229,8 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   const int64_t chunk = chunk_rows(rows), chunks = (rows + chunk - 1) / chunk;
   const int64_t items = mode == GATED ? wd[0] / 2 : (wd[0] + 1) / 2; /* gate tiles, or tile pairs */
   Job job = {x, rows, k, n, w, y, y2, chunk, items};
-  for_each(ctx, mode == GATED ? gated_pair : tile_pair, (size_t)(items * chunks), &job);
-  if (mode == NORM) for_each(ctx, norm_row, (size_t)rows, &norm);
+  parallel_for(ctx, mode == GATED ? gated_pair : tile_pair, (size_t)(items * chunks), 2, &job);
+  if (mode == NORM) parallel_for(ctx, norm_row, (size_t)rows, 2, &norm);
 }
 
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }

@@ -43,6 +43,7 @@
 
 #include "chunks.h"
 #include "ort_api.h"
+#include "parallel.h"
 #include "rotate.h"
 #include "silu.h"
 #include "skip_norm.h"
@@ -269,12 +270,6 @@ static void zero_outputs(float *y, float *y2, int64_t each) {
   if (y2 != NULL) memset(y2, 0, (size_t)each * sizeof(float));
 }
 
-static void run(OrtKernelContext *ctx, ParallelForFn parallel, void (*fn)(void *, size_t), size_t count,
-                size_t enough, void *job) {
-  if (count < enough || parallel == NULL || failed(parallel(ctx, fn, count, 0, job)))
-    for (size_t i = 0; i < count; i++) fn(job, i);
-}
-
 enum { PLAIN, SPLIT, GATED, NORM }; /* Int8Linear, Int8LinearSplit, Int8LinearSiluMul, Int8LinearSkipNorm */
 
 static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
@@ -320,15 +315,14 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   }
   Job job = {x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
              w, col_sums, w_scale, *(const float *)scale, n, y, y2};
-  ParallelForFn parallel = has_parallel_for ? API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn) : NULL;
-  run(ctx, parallel, quantize_row, (size_t)rows, 4, &job);
+  parallel_for(ctx, quantize_row, (size_t)rows, 4, &job);
   const size_t tiles = mode == GATED ? (size_t)wd[0] / 2 : (size_t)wd[0]; /* gated: the gate tiles */
   const size_t want = runs_wanted(), per = rows == 1 && tiles > want ? (tiles + want - 1) / want : 1;
   const int64_t chunk = chunk_rows(rows);
   const int64_t runs_each = ((int64_t)tiles + (int64_t)per - 1) / (int64_t)per; /* runs of tiles a chunk */
   Runs runs = {&job, mode == GATED ? gated_tile : column_tile, (int64_t)tiles, (int64_t)per, runs_each, chunk};
-  run(ctx, parallel, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
-  if (mode == NORM) run(ctx, parallel, norm_row, (size_t)rows, 4, &norm);
+  parallel_for(ctx, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
+  if (mode == NORM) parallel_for(ctx, norm_row, (size_t)rows, 4, &norm);
   free(xq);
 }
 

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "ort_api.h"
+#include "parallel.h"
 
 #define MAX_HEAD 1024
 
@@ -124,9 +125,7 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
   float sign[MAX_HEAD];
   Job job = {qkv, cos, sin, index, value, id[0], out[0], out[1], out[2], hq, hkv, d, 0, row, sign};
   single_entries(&job);
-  if (!has_parallel_for || tokens < 16 ||
-      failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, token, (size_t)tokens, 0, &job)))
-    for (int64_t t = 0; t < tokens; t++) token(&job, (size_t)t);
+  parallel_for(ctx, token, (size_t)tokens, 16, &job);
 }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "RopeQKV"; }

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "ort_api.h"
+#include "parallel.h"
 
 #define ROWS_PER_ITEM 32 /* rows one parallel work item takes */
 
@@ -133,9 +134,7 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
     return;
   Job job = {past, fresh, bias, out[0], out[1], rows, pd[1], pd[3], pd[4], nd[4], pd[2] * pd[3]};
   const size_t items = (size_t)((rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
-  if (!has_parallel_for || items < 2 ||
-      failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, rows_item, items, 0, &job)))
-    for (size_t i = 0; i < items; i++) rows_item(&job, i);
+  parallel_for(ctx, rows_item, items, 2, &job);
 }
 
 static const char *op_name(const CustomOp *op) { (void)op; return "MaskedSoftmax"; }

@@ -5,7 +5,7 @@
  * positions of the functions it calls in the ``OrtApi`` table (those of ONNX Runtime's
  * ``onnxruntime_c_api.h``; the table only ever grows at its end, so a position never changes),
  * and version 8 of the custom operator struct, which every later ONNX Runtime accepts.
- * The library is built on the machine that uses it (``native.py``).
+ * The library is built at install time (``setup.py``), one build per instruction set.
  */
 #ifndef AUTOGLM_ORT_API_H
 #define AUTOGLM_ORT_API_H

@@ -44,6 +44,7 @@
 #endif
 
 #include "ort_api.h"
+#include "parallel.h"
 
 #if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4) /* the test builds the loop too, to compare */
 /* sum + (s0, s1, s2, s3)'s lanes 0, 1, ..., 15, added in that order: the four sums are transposed
@@ -154,8 +155,8 @@ static inline __attribute__((always_inline)) void dot4_i8_avx512(const int8_t *x
  * so they overlap in the pipeline), the scores of every query row against one key row, four
  * rows at a time, and out += w * x. */
 #define DEFINE_ROW_OPS(SUFFIX, T)                                                                          \
-  static void dot4_##SUFFIX(const T *x, const float *a, const float *b, const float *c, const float *d,   \
-                            int64_t n, float *out) {                                                       \
+  __attribute__((unused)) static void dot4_##SUFFIX(const T *x, const float *a, const float *b,            \
+                                                    const float *c, const float *d, int64_t n, float *out) { \
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                      \
     _Pragma("omp simd reduction(+ : s0, s1, s2, s3)") for (int64_t i = 0; i < n; i++) {                   \
       const float v = (float)x[i];                                                                         \
@@ -485,9 +486,7 @@ static void run(OrtKernelContext *ctx, int int8) {
              int8 ? p[8] : NULL, int8 ? p[9] : NULL, NULL, NULL, NULL};
   store_inputs(ctx, int8, &job, B);
   const size_t items = (size_t)(B * Hkv);
-  if (!has_parallel_for || items < 2 ||
-      failed(API(API_KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, run_item, items, 0, &job)))
-    for (size_t i = 0; i < items; i++) run_item(&job, i);
+  parallel_for(ctx, run_item, items, 2, &job);
 }
 
 static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run(ctx, 0); }

@@ -1,0 +1,114 @@
+"""The native library: ONNX Runtime custom operators for the CPU engine and calibration's
+statistics kernels, built at install time (``setup.py``), one build per instruction set.
+
+Input: nothing but the CPU it runs on. Output: ``library()``, the path of the best installed
+build this CPU can run (``variants.py``: AVX-512 VNNI, AVX-512, AVX2, generic x86-64; one
+generic build elsewhere), or None and why not. No compiler is needed where an engine runs;
+without a library (``AUTOGLM_TRT_NATIVE=0``, an install without a C compiler, a CPU no build
+fits) the engine graph's own nodes run, which compute the same things more slowly.
+
+``AUTOGLM_TRT_NATIVE_VARIANT=<name>`` picks a build by name (tests, and a user who wants to
+compare); one this CPU cannot run is refused with the reason. The C sources are in
+``csrc/`` (``docs/native.md`` describes them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+from .variants import Variant, file_name, for_machine
+
+ENV_SWITCH = "AUTOGLM_TRT_NATIVE"  # "0": never load the library
+ENV_VARIANT = "AUTOGLM_TRT_NATIVE_VARIANT"  # a build by name instead of the best one
+HERE = Path(__file__).parent
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags as ``/proc/cpuinfo`` names them, or None where that cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def runs_here(variant: Variant, flags: set[str] | None = None) -> bool:
+    """Whether this CPU has what ``variant`` was compiled for (a variant that requires nothing
+    runs anywhere; one that does, only where the flags can be read)."""
+    if not variant.requires:
+        return True
+    flags = cpu_flags() if flags is None else flags
+    return flags is not None and set(variant.requires) <= flags
+
+
+def installed() -> dict[str, Path]:
+    """The builds present beside this module, by variant name, best first."""
+    return {v.name: HERE / file_name(v.name) for v in for_machine() if (HERE / file_name(v.name)).is_file()}
+
+
+def library(variant: str | None = None) -> tuple[Path | None, str]:
+    """(path, "") of the build to load: ``variant``, else ``$AUTOGLM_TRT_NATIVE_VARIANT``, else the best
+    installed one this CPU runs; or (None, why not)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"{ENV_SWITCH}=0"
+    if not sys.platform.startswith("linux"):
+        return None, f"the native library is built for Linux only (this is {sys.platform})"
+    wanted = variant or os.environ.get(ENV_VARIANT) or None
+    builds = installed()
+    known = {v.name: v for v in for_machine()}
+    if wanted is not None:
+        if wanted not in known:
+            return None, f"no native build is called {wanted!r}; the builds are {', '.join(known)}"
+        if wanted not in builds:
+            return None, f"the {wanted} build of the native library is not installed ({HERE})"
+        if not runs_here(known[wanted]):
+            return None, f"this CPU cannot run the {wanted} build (it lacks {', '.join(_missing(known[wanted]))})"
+        return builds[wanted], ""
+    for name, path in builds.items():
+        if runs_here(known[name]):
+            return path, ""
+    if not builds:
+        return None, ("the native library was not built when autoglm-trt was installed (no C compiler then?); "
+                      "reinstall with a C compiler on PATH for the native operators")
+    return None, f"no installed build of the native library runs on this CPU ({', '.join(builds)})"
+
+
+def _missing(variant: Variant) -> list[str]:
+    return sorted(set(variant.requires) - (cpu_flags() or set()))
+
+
+def variant_of(path: Path) -> str:
+    """The variant name of a library built by ``setup.py`` (or the file name of another build)."""
+    for v in for_machine():
+        if path.name == file_name(v.name):
+            return v.name
+    return path.name
+
+
+def int8_kernel(path: Path) -> str:
+    """Which instructions the library's INT8 GEMM uses: "avx512-vnni", "avx2" or "portable C"."""
+    return _string(path, "AutoglmInt8Kernel")
+
+
+def float_kernel(path: Path) -> str:
+    """Which instructions the library's float GEMM (``FloatLinear``) uses: "avx512", "avx2-fma" or
+    "portable C"."""
+    return _string(path, "AutoglmFloatKernel")
+
+
+def softmax_exact(path: Path) -> bool:
+    """Whether the library's ``MaskedSoftmax`` computes ONNX Runtime's Softmax bit for bit (a build
+    for AVX-512F, where MLAS runs its AVX-512F kernels, whose order it repeats)."""
+    return bool(ctypes.CDLL(str(path)).AutoglmSoftmaxExact())
+
+
+def _string(path: Path, symbol: str) -> str:
+    fn = getattr(ctypes.CDLL(str(path)), symbol)
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
