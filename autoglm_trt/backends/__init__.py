@@ -73,11 +73,11 @@ def open_runner(manifest: Manifest, num_blocks: int, threads: int = 0) -> StepRu
     if manifest.backend == "onnxruntime":
         from .onnxrt.runner import OrtRunner
 
-        return OrtRunner(manifest.engine_path, manifest.spec, num_blocks, kv["block_size"], kv["dtype"], threads)
+        return OrtRunner(manifest.dir, manifest.ort_graphs, manifest.spec, num_blocks, kv.block_size, kv.dtype, threads)
     from .trt.runner import TrtRunner
 
-    return TrtRunner(manifest.engine_path, manifest.spec, num_blocks, kv["block_size"], kv["dtype"],
-                     limits["max_batch_size"], limits["max_input_len"], limits["max_seq_len"])
+    return TrtRunner(manifest.engine_path, manifest.spec, num_blocks, kv.block_size, kv.dtype,
+                     limits.max_batch_size, limits.max_input_len, limits.max_seq_len)
 
 
 __all__ = ["StepRunner", "backend_problems", "check_engine", "engine_file_problems", "open_runner"]

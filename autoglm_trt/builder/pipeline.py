@@ -17,10 +17,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..artifacts import (
+    ENGINE_FORMAT,
     EXPORT_RECORD,
     MANIFEST,
     CalibRecord,
     ExportRecord,
+    KVCache,
+    Limits,
     copy_tokenizer_files,
     hash_dir,
     tokenizer_files,
@@ -122,17 +125,18 @@ def _calibrated(req: BuildRequest, model_dir: Path, cache: Path, log: Callable[[
 
 def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
                    req: BuildRequest, kv_amax: dict | None) -> tuple[str, dict]:
-    """Optimize (ONNX Runtime) or build (TensorRT) the graph into ``tmp``: (engine file, report).
-    With ``kv_amax`` the graph is first rewritten for an INT8 KV cache."""
+    """Optimize (ONNX Runtime: then its plain and native graphs, ``loader.write_graphs``) or build
+    (TensorRT) the graph into ``tmp``: (engine file, report). With ``kv_amax`` the graph is first
+    rewritten for an INT8 KV cache."""
     rewritten = None
     if kv_amax is not None:
         import onnx
 
         rewritten = int8_kv_graph(onnx.load(str(graph_file), load_external_data=False), kv_amax)
     if backend == "onnxruntime":
-        from ..backends.onnxrt.loader import optimize
+        from ..backends.onnxrt.loader import OPT_GRAPH, optimize
 
-        return "model.opt.onnx", optimize(graph_file, tmp, cfg.threads, rewritten)
+        return OPT_GRAPH, optimize(graph_file, tmp, cfg.threads, rewritten)
     from ..backends.trt.loader import build_plan
 
     timing = Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
@@ -189,22 +193,36 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     with staged_directory(out_dir, req.force) as tmp:
         log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
         engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
+        graphs = _ort_graphs(tmp, record, kv_dtype, log) if backend == "onnxruntime" else None
         copy_tokenizer_files(model_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))
         write_json(tmp / "fusion_report.json", report)
         if req.precision == "int8":
             shutil.copy2(model_dir / "calib.json", tmp / "calib.json")
             shutil.copy2(model_dir / "calibration.cache", tmp / "calibration.cache")
-        manifest = _manifest(req, backend, engine_file, record, cfg, num_blocks, profiles, report)
-        manifest["kv_cache"].update(dtype=kv_dtype, bytes=num_blocks * cfg.block_bytes(record.spec,
-                                                                                      kv_bytes_per_elem(kv_dtype)))
-        if kv_amax is not None:
-            manifest["kv_cache"]["scales"] = {n: [a / 127.0 for a in v] for n, v in kv_amax.items()}
+        manifest = _manifest(req, backend, engine_file, record, cfg, profiles, report)
+        manifest["kv_cache"] = KVCache(cfg.kv_block_size, num_blocks,
+                                       num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), kv_dtype,
+                                       f"{POOL_LAYOUT} per layer, K and V",
+                                       None if kv_amax is None else {n: [a / 127.0 for a in v]
+                                                                     for n, v in kv_amax.items()}).as_dict()
+        if graphs is not None:
+            manifest["onnxruntime"] = graphs
         manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
         manifest["files"] = hash_dir(tmp)
         write_json(tmp / MANIFEST, manifest)
     log(f"engine ready: {out_dir} ({backend}, {req.precision}, {time.perf_counter() - t0:.1f} s)")
     return manifest
+
+
+def _ort_graphs(tmp: Path, record: ExportRecord, kv_dtype: str, log: Callable[[str], None]) -> dict:
+    """The ONNX Runtime engine's plain and native graphs (``loader.write_graphs``), and what they say."""
+    from ..backends.onnxrt.loader import write_graphs
+
+    graphs = write_graphs(tmp, record.spec, kv_dtype)
+    done = [f"{p['name']} x{p['applied']}" for p in graphs["passes"] if p["applied"]]
+    log("native graph: " + (", ".join(done) if graphs["native_graph"] else f"none ({graphs['why']})"))
+    return graphs
 
 
 def check_pool_fits(pool_bytes: int, error: type[AutoGLMError]) -> None:
@@ -220,21 +238,17 @@ def kv_bytes_per_elem(dtype: str) -> int:
 
 
 def _manifest(req: BuildRequest, backend: str, engine_file: str, record: ExportRecord, cfg: BuildConfig,
-              num_blocks: int, profiles: dict, report: dict) -> dict:
-    spec = record.spec
+              profiles: dict, report: dict) -> dict:
+    """The manifest's fields but the KV cache, the ONNX Runtime graphs and the file hashes."""
     manifest = {
-        "format": "autoglm-trt/engine/1",
+        "format": ENGINE_FORMAT,
         "backend": backend,
         "precision": req.precision,
         "engine_file": engine_file,
         "source": {"path": str(Path(req.source).resolve()), "model_dir": str(record.dir.resolve()),
                    "checkpoint_sha256": record.source_sha256},
         "spec": record.data["spec"],
-        "limits": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
-                   "max_seq_len": cfg.max_seq_len},
-        "kv_cache": {"block_size": cfg.kv_block_size, "num_blocks": num_blocks, "dtype": record.dtype,
-                     "layout": f"{POOL_LAYOUT} per layer, K and V",
-                     "bytes": num_blocks * cfg.block_bytes(spec, kv_bytes_per_elem(record.dtype))},
+        "limits": asdict(Limits(cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len)),
         "build_config": asdict(cfg),
         "profiles": {k: {n: [list(s) for s in v] for n, v in p.items() if not n.startswith("past_")}
                      for k, p in profiles.items()},

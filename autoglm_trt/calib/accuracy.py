@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AutoGLMError
+from ..graph.decoder import write_int8_graph
 from ..graph.quant import QuantPlan
 from ..graph.runner import GraphRunner
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
-from .int8_graph import write_int8_graph
 from .sensitivity import Gate, SensitivitySearch
 
 FINAL_GATE_ATTEMPTS = 4

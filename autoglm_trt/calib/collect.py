@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from ..graph.hadamard import rotate_rows
-from ..graph.linears import input_channels
+from ..graph.names import input_channels
 from ..graph.runner import prefill_feeds
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
@@ -251,7 +251,7 @@ def kv_observe(hists: dict[str, list[AbsHistogram]], names: list[str], outs: lis
 def kv_head_amax(hists: dict[str, list[AbsHistogram]]) -> dict[str, list[float]]:
     """The clipping threshold of each KV head: the 99.99th percentile of its |values|.
     (Against the plain max on SmolLM2's fp32 engine, held-out text 16 tokens per step through an
-    INT8 pool: top-1 agreement with the checkpoint 0.981 against 0.978, `scripts/bench_kv.py`.)"""
+    INT8 pool: top-1 agreement with the checkpoint 0.981 against 0.978, `benchmarks/bench_kv.py`.)"""
     return {name: [float(percentile_amax(h, KV_PERCENTILE)) for h in heads] for name, heads in hists.items()}
 
 

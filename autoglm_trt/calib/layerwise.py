@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 
 from ..errors import AutoGLMError
 from ..graph.exported_weights import ExportedWeights
-from ..graph.linears import input_channels
+from ..graph.names import input_channels
 from ..graph.runner import prefill_feeds
 from ..graph.session import make_session
 from ..model.spec import ModelSpec

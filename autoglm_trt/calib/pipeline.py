@@ -30,15 +30,15 @@ from pathlib import Path
 from ..artifacts import CALIB_RECORD, EXPORT_RECORD, CalibRecord, ExportRecord, copy_tokenizer_files
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, staged_directory, write_json
+from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
-from ..graph.linears import KINDS
+from ..graph.names import KINDS
 from ..graph.quant import QuantPlan
 from ..model.text import TokenWindows, token_windows
 from .accuracy import GateSettings, search_and_check
 from .cache import ALGORITHMS, trt_version, write_cache
 from .collect import kv_head_amax
 from .histogram import METHODS, entropy_amax
-from .int8_graph import write_int8_graph
 from .record import float_fraction, float_reasons, versions, weight_bytes
 from .statistics import Statistics, gather, quantizable_inputs, rotation_blocks
 from .thresholds import choose_amax, int8_errors

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..fileutil import library_versions
-from ..graph.linears import all_linears, kind_of, num_params
+from ..graph.names import all_linears, kind_of, num_params
 from ..model.spec import ModelSpec
 
 

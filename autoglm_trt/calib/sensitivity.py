@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..graph.linears import kind_of
 from ..graph.metrics import log_softmax, next_token_scores
+from ..graph.names import kind_of
 from ..graph.quant import act_scale, quantize_weight_per_channel
 from ..graph.runner import prefill_feeds
 from ..model.spec import ModelSpec

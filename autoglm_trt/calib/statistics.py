@@ -18,7 +18,7 @@ import onnx
 from ..errors import AutoGLMError
 from ..graph.exported_weights import ExportedWeights
 from ..graph.hadamard import block_size
-from ..graph.linears import KINDS, input_channels, kind_of
+from ..graph.names import KINDS, input_channels, kind_of
 from ..model.spec import ModelSpec
 from .collect import ActivationStats, Smoothing, calibration_session, collect, linear_inputs
 from .layerwise import gather_layerwise

@@ -90,7 +90,7 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
 
 
 def _rotate_kinds(value: str) -> list[str]:
-    from ..graph.linears import KINDS
+    from ..graph.names import KINDS
 
     if value == "all":
         return list(KINDS)
@@ -189,7 +189,7 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
         click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report, "decode_graph": decode}, indent=1))
         return
     click.echo(summary(manifest.data, report))
-    if manifest.backend == "onnxruntime":
+    if decode is not None:
         from ..native import int8_kernel, variant_of
         from ..native import library as native_library
 
@@ -197,21 +197,30 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
         click.echo("native       " + (f"the {variant_of(library)} build of the native library "
                                       f"(INT8 kernel {int8_kernel(library)}; {library})" if library is not None
                                       else f"none: the graph's own nodes run ({why})"))
-    if decode is not None:
+        done = [f"{p['name']} x{p['applied']}" for p in decode["passes"] if p["applied"]]
+        click.echo(f"passes       version {decode['passes_version']}: " + (", ".join(done) or "none applied"))
         ops = sorted(decode["nodes_by_op"].items(), key=lambda kv: -kv[1])
-        click.echo(f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here (the saved graph's "
-                   f"{decode['saved_nodes']}, rewritten when loaded): " + ", ".join(f"{op} x{n}" for op, n in ops[:8]))
+        click.echo(f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here ({decode['graph']}"
+                   + (f", as {decode['why_plain']}" if decode["why_plain"] else "")
+                   + f"; the optimized graph has {decode['saved_nodes']}): "
+                   + ", ".join(f"{op} x{n}" for op, n in ops[:8]))
 
 
 def _decode_graph(manifest, report: dict | None) -> dict:
-    """Node counts of one decode step of an ONNX Runtime engine as the runner loads it here."""
-    import numpy as np
+    """Node counts of one decode step of an ONNX Runtime engine: of the graph the runner would load
+    here (its native graph, or its plain one and why)."""
+    import onnx
 
-    from ..backends.onnxrt.runner import decode_nodes, load_rewritten
+    from ..backends.onnxrt import passes
+    from ..backends.onnxrt.runner import native_graph_here
 
-    model, _, _, _, _ = load_rewritten(manifest.engine_path, manifest.spec, np.dtype(manifest.kv["dtype"]), pack=False)
-    counts = decode_nodes(model)
-    return {"nodes": sum(counts.values()), "nodes_by_op": counts, "saved_nodes": (report or {}).get("nodes_after")}
+    graphs = manifest.ort_graphs
+    why = native_graph_here(graphs, passes.Target.here())
+    name = graphs["plain_graph"] if why else graphs["native_graph"]
+    counts = passes.decode_nodes(onnx.load(str(manifest.dir / name), load_external_data=False))
+    return {"graph": name, "why_plain": why, "nodes": sum(counts.values()), "nodes_by_op": counts,
+            "saved_nodes": (report or {}).get("nodes_after"), "passes": graphs["passes"],
+            "passes_version": graphs["passes_version"]}
 
 
 @cli.command("doctor")
@@ -235,29 +244,41 @@ def doctor_cmd(engine_dir: Path) -> None:
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
     if manifest.backend == "onnxruntime":
-        from ..native import library as native_library
-        from ..native import variant_of
-
-        library, why = native_library()
-        click.echo("info     native library: " + (f"the {variant_of(library)} build ({library})" if library is not None
-                                                   else f"none ({why})"))
-        if library is not None and manifest.kv["dtype"] not in ("float32", "int8"):
-            why = f"the KV cache is {manifest.kv['dtype']}; the native kernel reads float32 or int8"
-        native = library is not None and not why
-        click.echo("info     decode attention: " + (f"native PagedAttention operator ({library})" if native
-                                                    else f"the graph's own nodes, slower ({why})"))
-        from ..native import float_kernel, int8_kernel, softmax_exact
-
-        if manifest.precision == "int8":
-            click.echo("info     INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)"
-                                                    if library is not None else "ONNX Runtime's MatMulIntegerToFloat"))
-        kernel = float_kernel(library) if library is not None else None
-        click.echo("info     float linears: " + (
-            f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)"
-            if kernel not in (None, "portable C") else
-            "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)" if kernel else "")))
-        exact = library is not None and native and softmax_exact(library)  # with the native attention's rewrite
-        click.echo("info     prefill softmax: " + ("native MaskedSoftmax operator (ONNX Runtime's Softmax's bits)" if exact
-                                                  else "ONNX Runtime's Softmax" + (
-                                                      " (the library is not built for AVX-512F)" if native else "")))
+        for line in _native_report(manifest):
+            click.echo("info     " + line)
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")
+
+
+def _native_report(manifest) -> list[str]:
+    """What an ONNX Runtime engine runs here: the native library's build, the graph, and for
+    attention, the linears and the prefill's softmax, native operators or ONNX Runtime's."""
+    import onnx
+
+    from ..backends.onnxrt import passes
+    from ..backends.onnxrt.passes.common import all_nodes
+    from ..backends.onnxrt.runner import native_graph_here
+    from ..native import float_kernel, int8_kernel, variant_of
+
+    graphs, target = manifest.ort_graphs, passes.Target.here()
+    library, why = target.library, native_graph_here(manifest.ort_graphs, target)
+    name = graphs["plain_graph"] if why else graphs["native_graph"]
+    ops = {n.op_type for n in all_nodes(onnx.load(str(manifest.dir / name), load_external_data=False).graph)}
+    attention = not why and graphs["attention"] == "native"
+    kernel = float_kernel(library) if library is not None else None
+    float_native = any(op.startswith("FloatLinear") for op in ops)
+    return [
+        "native library: " + (f"the {variant_of(library)} build ({library})" if library is not None
+                              else f"none ({target.why})"),
+        f"graph: {name}" + (f" (the plain graph: {why})" if why else " (native operators)"),
+        "decode attention: " + (f"native PagedAttention operator ({library})" if attention
+                                else f"the graph's own nodes, slower ({why or graphs['attention_why']})"),
+        *([] if manifest.precision != "int8" else [
+            "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)" if library is not None and
+                                any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat")]),
+        "float linears: " + (f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)" if float_native
+                             else "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)"
+                                                             if kernel == "portable C" else "")),
+        "prefill softmax: " + ("native MaskedSoftmax operator (ONNX Runtime's Softmax's bits)" if "MaskedSoftmax" in ops
+                               else "ONNX Runtime's Softmax" + (" (the library is not built for AVX-512F)"
+                                                                if attention else "")),
+    ]

@@ -39,13 +39,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import numpy as np
+import onnx
 from onnx import TensorProto
 
 from ..model.rope import cos_sin_tables, full_width_tables, rotate_half_matrix
 from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
+from . import names
 from .builder import GraphBuilder, row_chunks
 from .quant import QuantPlan, quantized_matmul, quantized_rows_matmul
 
@@ -78,8 +82,8 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     inputs = ["input_ids", "position_ids", "context_lens", "query_lens", "block_tables", "logits_indices"]
     outputs = ["logits"]
     for i in range(num_layers):
-        inputs += [f"past_key.{i}", f"past_value.{i}"]
-        outputs += [f"new_key.{i}", f"new_value.{i}"]
+        inputs += [names.past_key(i), names.past_value(i)]
+        outputs += [names.new_key(i), names.new_value(i)]
     return inputs, outputs
 
 
@@ -147,7 +151,7 @@ class DecoderGraph:
             g.input("quant_mask", TensorProto.FLOAT, [len(o.quant.switch_order)])
         pool_dims: list[int | str] = [s.num_kv_heads, "num_blocks", "block_size", s.head_dim]  # paged_kv.POOL_LAYOUT
         for i in range(s.num_layers):
-            g.input(f"past_key.{i}", kvdt, pool_dims)
+            g.input(names.past_key(i), kvdt, pool_dims)
             g.input(f"past_value.{i}", kvdt, pool_dims)
 
         # embedding (chunked: the largest tensor of a 9B model)
@@ -178,7 +182,7 @@ class DecoderGraph:
         """
         g = self.g
         zero, one = g.ints([0], "i0"), g.ints([1], "i1")
-        block_size = g.op("Gather", [g.op("Shape", ["past_key.0"], "pool_shape"), g.ints([2], "i2")], "block_size")
+        block_size = g.op("Gather", [g.op("Shape", [names.past_key(0)], "pool_shape"), g.ints([2], "i2")], "block_size")
         max_blocks = g.op("Gather", [g.op("Shape", ["block_tables"], "bt_shape"), one], "max_blocks")
         past_len = g.op("Mul", [max_blocks, block_size], "past_len")
         new_len = g.op("Gather", [g.op("Shape", ["input_ids"], "ids_shape"), one], "new_len")
@@ -201,25 +205,26 @@ class DecoderGraph:
 
     def layer(self, i: int, x: str, cos: str, sin: str, mask: str) -> str:
         g, s, w = self.g, self.spec, self.w
-        p = f"layers.{i}"
+        p = names.layer(i)
+        t = partial(names.in_layer, i)  # the names other code keys on (graph/names.py)
         h = self.rms_norm(x, w.norm(i, "input"), f"{p}.input_norm")
         qkv_w, qkv_b = w.qkv(i)
         qkv = self.linear(h, qkv_w, qkv_b, f"{p}.qkv")
         # q and k heads side by side get rope together, then split: fewer nodes per layer
-        qk, v = g.op_n("Split", [qkv, g.ints([s.q_size + s.kv_size, s.kv_size])], f"{p}.qkv_split", 2, axis=-1)
+        qk, v = g.op_n("Split", [qkv, g.ints([s.q_size + s.kv_size, s.kv_size])], t(names.QKV_SPLIT), 2, axis=-1)
         qk = g.op("Reshape", [qk, g.ints([0, 0, s.num_heads + s.num_kv_heads, s.head_dim])], f"{p}.qk")
         qk = self.rope(qk, cos, sin, f"{p}.qk_rope")
         q, k = g.op_n("Split", [qk, g.ints([s.num_heads, s.num_kv_heads])], f"{p}.qk_split", 2, axis=2)
         v = g.op("Reshape", [v, g.ints([0, 0, s.num_kv_heads, s.head_dim])], f"{p}.v")
-        k_new = g.rename_output(self.to_compute(k), f"new_key.{i}")
-        v_new = g.rename_output(self.to_compute(v), f"new_value.{i}")
+        k_new = g.rename_output(self.to_compute(k), names.new_key(i))
+        v_new = g.rename_output(self.to_compute(v), names.new_value(i))
 
         attn = self.paged_attention(i, q, k_new, v_new, mask)
         o_w, o_b = w.o_proj(i)
         attn = self.linear(attn, o_w, o_b, f"{p}.o_proj")
         if s.fam.sandwich_norms:
             attn = self.rms_norm(attn, w.norm(i, "post_attn"), f"{p}.post_attn_norm")
-        x = g.op("Add", [x, attn], f"{p}.attn_residual")
+        x = g.op("Add", [x, attn], t(names.ATTN_RESIDUAL))
 
         h = self.rms_norm(x, w.norm(i, "mlp"), f"{p}.mlp_norm")
         gu = self.linear(h, w.gate_up(i), None, f"{p}.gate_up")
@@ -228,7 +233,7 @@ class DecoderGraph:
         m = self.linear(act, w.down(i), None, f"{p}.down")
         if s.fam.sandwich_norms:
             m = self.rms_norm(m, w.norm(i, "post_mlp"), f"{p}.post_mlp_norm")
-        return g.op("Add", [x, m], f"{p}.mlp_residual")
+        return g.op("Add", [x, m], t(names.MLP_RESIDUAL))
 
     def paged_attention(self, i: int, q: str, k_new: str, v_new: str, mask: str) -> str:
         """Attention of the new tokens over their past (from the pool) and themselves.
@@ -240,32 +245,33 @@ class DecoderGraph:
         again and multiply past and new V separately.
         """
         g, s = self.g, self.spec
-        p = f"layers.{i}"
+        p = names.layer(i)
+        t = partial(names.in_layer, i)
         kvh, hd, grp = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
         past5 = g.ints([0, 0, 1, -1, hd], "past5_shape")
-        k_past = g.op("Reshape", [g.op("Gather", [f"past_key.{i}", "block_tables"], f"{p}.k_gather", axis=1), past5],
+        k_past = g.op("Reshape", [g.op("Gather", [names.past_key(i), names.BLOCK_TABLES], f"{p}.k_gather", axis=1), past5],
                       f"{p}.k_past")  # [H,B,1,P,hd]
-        v_past = g.op("Reshape", [g.op("Gather", [f"past_value.{i}", "block_tables"], f"{p}.v_gather", axis=1), past5],
+        v_past = g.op("Reshape", [g.op("Gather", [names.past_value(i), names.BLOCK_TABLES], f"{p}.v_gather", axis=1), past5],
                       f"{p}.v_past")
         group_axis = g.ints([2], "i2")
         k_cur = g.op("Unsqueeze", [g.op("Transpose", [k_new], f"{p}.k_t", perm=[2, 0, 1, 3]), group_axis],
                      f"{p}.k_cur")  # [H,B,1,T,hd]
         v_cur = g.op("Unsqueeze", [g.op("Transpose", [v_new], f"{p}.v_t", perm=[2, 0, 1, 3]), group_axis],
                      f"{p}.v_cur")
-        qg = g.op("Reshape", [self.to_compute(q), g.ints([0, 0, kvh, grp, hd], "q_group_shape")], f"{p}.q_grouped")
-        q_t = g.op("Transpose", [qg], f"{p}.q_t", perm=[2, 0, 3, 4, 1])  # [H,B,G,hd,T] (scale folded in W_q)
-        scores_t = g.op("Concat", [g.op("MatMul", [k_past, q_t], f"{p}.scores_past"),
-                                   g.op("MatMul", [k_cur, q_t], f"{p}.scores_new")], f"{p}.scores_t", axis=3)
-        scores = g.op("Transpose", [self.to_f32(scores_t)], f"{p}.scores", perm=[0, 1, 2, 4, 3])  # [H,B,G,T,P+T]
-        probs = self.to_compute(g.op("Softmax", [g.op("Add", [scores, mask], f"{p}.masked")], f"{p}.probs", axis=-1))
+        qg = g.op("Reshape", [self.to_compute(q), g.ints([0, 0, kvh, grp, hd], "q_group_shape")], t(names.Q_GROUPED))
+        q_t = g.op("Transpose", [qg], t(names.Q_T), perm=[2, 0, 3, 4, 1])  # [H,B,G,hd,T] (scale folded in W_q)
+        scores_t = g.op("Concat", [g.op("MatMul", [k_past, q_t], t(names.SCORES_PAST)),
+                                   g.op("MatMul", [k_cur, q_t], t(names.SCORES_NEW))], t(names.SCORES_T), axis=3)
+        scores = g.op("Transpose", [self.to_f32(scores_t)], t(names.SCORES), perm=[0, 1, 2, 4, 3])  # [H,B,G,T,P+T]
+        probs = self.to_compute(g.op("Softmax", [g.op("Add", [scores, mask], t(names.MASKED))], t(names.PROBS), axis=-1))
         # Slice, not Split: split sizes from shape arithmetic are not accepted by every parser
         last, end = g.ints([-1], "axis_last"), g.ints([np.iinfo(np.int64).max], "to_end")
-        p_past = g.op("Slice", [probs, g.ints([0], "i0"), self.past_len, last], f"{p}.probs_past")
-        p_cur = g.op("Slice", [probs, self.past_len, end, last], f"{p}.probs_new")
+        p_past = g.op("Slice", [probs, g.ints([0], "i0"), self.past_len, last], t(names.PROBS_PAST))
+        p_cur = g.op("Slice", [probs, self.past_len, end, last], t(names.PROBS_NEW))
         ctx = g.op("Add", [g.op("MatMul", [p_past, v_past], f"{p}.ctx_past"),
                            g.op("MatMul", [p_cur, v_cur], f"{p}.ctx_new")], f"{p}.context")  # [H,B,G,T,hd]
         ctx = g.op("Transpose", [ctx], f"{p}.ctx_t", perm=[1, 3, 0, 2, 4])  # [B,T,H,G,hd]
-        return self.to_f32(g.op("Reshape", [ctx, g.ints([0, 0, s.q_size], "ctx_shape")], f"{p}.attn"))
+        return self.to_f32(g.op("Reshape", [ctx, g.ints([0, 0, s.q_size], "ctx_shape")], t(names.ATTN)))
 
     def head(self, x: str, embed: str) -> None:
         g, s, o = self.g, self.spec, self.opts
@@ -302,5 +308,18 @@ class DecoderGraph:
         g.output("logits", TensorProto.FLOAT, ["batch", "num_logits", s.vocab_size])
         kvdt = o.onnx_dtype
         for i in range(s.num_layers):
-            g.output(f"new_key.{i}", kvdt, ["batch", "new_tokens", s.num_kv_heads, s.head_dim])
-            g.output(f"new_value.{i}", kvdt, ["batch", "new_tokens", s.num_kv_heads, s.head_dim])
+            g.output(names.new_key(i), kvdt, ["batch", "new_tokens", s.num_kv_heads, s.head_dim])
+            g.output(names.new_value(i), kvdt, ["batch", "new_tokens", s.num_kv_heads, s.head_dim])
+
+
+def write_int8_graph(out_dir: Path, name: str, spec: ModelSpec, weights: WeightSource, plan: QuantPlan,
+                     max_positions: int) -> Path:
+    """``out_dir/name`` (+ ``name.data``): the decoder with the plan's linears in INT8."""
+    builder = GraphBuilder(out_dir / f"{name}.data")
+    try:
+        DecoderGraph(builder, spec, weights, GraphOptions("float32", max_positions, plan)).build()
+        model = builder.model(f"{spec.family}_paged_decoder_int8", OPSET)
+    finally:
+        builder.close()
+    onnx.save_model(model, str(out_dir / name))
+    return out_dir / name

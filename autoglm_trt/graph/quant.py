@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import names
 from .builder import GraphBuilder
 from .hadamard import hadamard, rotate_rows, rotate_weight
 
@@ -96,9 +97,9 @@ def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: Quan
 def rotate_input(g: GraphBuilder, x: str, b: int, name: str, rank: int = 3) -> str:
     """``x R`` over the last axis of x [..., n] (``rank`` dims): blocks of b, one MatMul by H."""
     keep = [0] * (rank - 1)
-    blocks = g.op("Reshape", [x, g.ints([*keep, -1, b], f"blocks_{b}_{rank}")], f"{name}.rot_blocks")
-    rotated = g.op("MatMul", [blocks, g.const(hadamard(b), f"hadamard_{b}")], f"{name}.rot")
-    return g.op("Reshape", [rotated, g.ints([*keep, -1], f"unblocks_{rank}")], f"{name}.rotated")
+    blocks = g.op("Reshape", [x, g.ints([*keep, -1, b], names.blocks_shape(b, rank))], f"{name}.rot_blocks")
+    rotated = g.op("MatMul", [blocks, g.const(hadamard(b), names.hadamard(b))], f"{name}.rot")
+    return g.op("Reshape", [rotated, g.ints([*keep, -1], names.unblocks_shape(rank))], f"{name}.rotated")
 
 
 def act_scale(amax: float) -> float:

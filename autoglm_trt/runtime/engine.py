@@ -58,8 +58,8 @@ class Engine:
         self.dir, self.manifest, self.backend, self.tokenizer = manifest.dir, manifest, backend, tokenizer
         self.spec = manifest.spec
         limits = manifest.limits
-        self.max_batch, self.max_input_len, self.max_seq_len = (limits["max_batch_size"], limits["max_input_len"],
-                                                                limits["max_seq_len"])
+        self.max_batch, self.max_input_len, self.max_seq_len = (limits.max_batch_size, limits.max_input_len,
+                                                                limits.max_seq_len)
         self.block_size = backend.block_size
         self.allocator = BlockPool(backend.num_blocks, caching=prefix_caching)
         self.kv = KVCacheManager(self.allocator, self.block_size)
@@ -318,8 +318,8 @@ def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_byte
         raise EngineError(f"threads must be an integer from 0 (one per core) to {MAX_THREADS}, got {threads!r}")
     manifest = check_engine(path, verify_hashes=verify)
     kv = manifest.kv
-    per_block = kv["bytes"] // kv["num_blocks"]
-    blocks = kv["num_blocks"]
+    per_block = kv.bytes // kv.num_blocks
+    blocks = kv.num_blocks
     if num_blocks is not None or kv_memory_bytes is not None:
         if manifest.backend != "onnxruntime":
             raise EngineError("the KV pool of a TensorRT engine is fixed at build time; rebuild to change it")

@@ -179,7 +179,7 @@ def _weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | N
     ... of the most likely (``_near``): the ``top_k`` largest come from a partition of the first
     such set that holds k, the nucleus from sorting the first whose mass reaches ``top_p`` (ties
     rank the lower id first). A full sort of SmolLM2's 49,152 logits took ~5-7 ms a token,
-    as long as a batch-1 decode step (``scripts/bench_sampling.py``). In float32: the log-ratio
+    as long as a batch-1 decode step (``benchmarks/bench_sampling.py``). In float32: the log-ratio
     d of a token to the most likely one is off by ~1e-7 of d, so a token at least e^-20 as
     likely is drawn with its probability to ~3e-6 of itself."""
     x = np.asarray(logits, np.float32)

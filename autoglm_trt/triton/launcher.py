@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import AutoGLMError
 
 LOCAL = Path(__file__).resolve().parents[2] / ".triton"
-INSTALL_HINT = "install one with `make triton` (python scripts/install_triton.py) or use NVIDIA's tritonserver container"
+INSTALL_HINT = "install one with `make triton` (python tools/install_triton.py) or use NVIDIA's tritonserver container"
 
 
 def find_tritonserver() -> tuple[Path, Path | None]:

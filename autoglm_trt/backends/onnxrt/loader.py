@@ -1,8 +1,14 @@
-"""ONNX Runtime "build": apply all graph optimizations once and save the optimized model.
+"""ONNX Runtime "build": optimize the graph once, apply the rewrite passes, save both graphs.
 
-Input: an ONNX graph of the engine contract. Output: ``model.opt.onnx`` (+ its weights file)
-in the engine directory, the session options used, and a fusion report (operator counts
-before and after, and the fused operators ONNX Runtime introduced).
+Input: an ONNX graph of the engine contract. Output, in the engine directory:
+``model.opt.onnx`` (+ its weights file), ONNX Runtime's optimized graph (the engine file);
+``model.plain.onnx``, that graph with the passes that need no native code (it runs anywhere);
+where this machine's native library loads, ``model.native.onnx`` with the native operators
+(``passes/``) and its packed weights in ``model.native.bin`` (both graphs read the other weights
+from ``model.opt.onnx.data``); a fusion report
+(operator counts before and after, the fusions ONNX Runtime made); and the manifest's record of
+both (``native_record``). ``open_graphs`` is the runner's side: which graph to run here, and the
+packed weights read into one huge-page buffer.
 """
 
 from __future__ import annotations
@@ -10,9 +16,15 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from ...graph.session import make_session
+from ...model.spec import ModelSpec
+from . import passes, weights_arena
+
+OPT_GRAPH, PLAIN_GRAPH = "model.opt.onnx", "model.plain.onnx"
+NATIVE_GRAPH, NATIVE_WEIGHTS = "model.native.onnx", "model.native.bin"
 
 # Operators that only appear when an ONNX Runtime fusion fired, and what that fusion is.
 FUSED_OPS = {
@@ -56,3 +68,76 @@ def optimize(model_path: Path, out_dir: Path, threads: int = 0, rewritten: onnx.
         "ops_after": dict(sorted(after.items())),
         "fusions": fired,
     }
+
+
+def write_graphs(out_dir: Path, spec: ModelSpec, kv_dtype: str, target: passes.Target | None = None) -> dict:
+    """After ``optimize``: the plain graph, and the native graph and its packed weights where
+    ``target`` (this machine's library by default) has one; the manifest's record of them."""
+    target = target or passes.Target.here()
+    plain = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target, only=passes.PLAIN)
+    native = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target)
+    onnx.save(plain.model, str(out_dir / PLAIN_GRAPH))  # its weights stay in model.opt.onnx.data
+    record: dict = {"passes_version": passes.PASSES_VERSION, "plain_graph": PLAIN_GRAPH,
+                    "passes": [r.as_dict() for r in native.results],
+                    "attention": native.attention, "attention_why": native.attention_why, "native_graph": None,
+                    "native_weights": None, "requires": [], "why": ""}
+    if not native.native:
+        record["why"] = target.why or "no pass found anything to rewrite"
+        return record
+    save_native(native, out_dir)
+    record.update(native_graph=NATIVE_GRAPH, native_weights=NATIVE_WEIGHTS if native.packed else None,
+                  requires=native.requires())
+    return record
+
+
+def save_native(rewritten: passes.Rewritten, out_dir: Path) -> None:
+    """``model.native.onnx`` and its packed weights: the arrays of one buffer (``weights_arena``)
+    written as ``model.native.bin``, each initializer naming its offset and length there."""
+    import os
+
+    arrays = rewritten.packed
+    graph = rewritten.model.graph
+    if arrays:
+        first = next(iter(arrays.values()))
+        owner = (first.base if first.base is not None else first).reshape(-1).view(np.uint8)  # the arena's memory
+        start = min(a.ctypes.data for a in arrays.values())  # the arena's first array: 2 MiB aligned
+        end = max(a.ctypes.data + a.nbytes for a in arrays.values()) - start
+        for t in graph.initializer:
+            if t.name in arrays:
+                entries = {e.key: e for e in t.external_data}
+                entries["location"].value = NATIVE_WEIGHTS
+                entries["offset"].value = str(arrays[t.name].ctypes.data - start)
+        tmp = out_dir / (NATIVE_WEIGHTS + ".partial")
+        with open(tmp, "wb") as f:
+            lo = start - owner.ctypes.data
+            f.write(owner[lo:lo + end].tobytes())  # type: ignore[union-attr]
+        os.replace(tmp, out_dir / NATIVE_WEIGHTS)
+    onnx.save(rewritten.model, str(out_dir / NATIVE_GRAPH))
+
+
+def read_packed(model: onnx.ModelProto, engine_dir: Path) -> dict[str, np.ndarray]:
+    """The packed weights a native graph names in ``model.native.bin``, read into one buffer aligned
+    to 2 MiB and advised for huge pages, as arrays by initializer name (the session reads them in
+    place)."""
+    specs: list[tuple[str, tuple[int, ...], np.dtype, int]] = []
+    for t in model.graph.initializer:
+        entries = {e.key: e.value for e in t.external_data}
+        if entries.get("location") == NATIVE_WEIGHTS:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+            specs.append((t.name, tuple(int(d) for d in t.dims), dtype, int(entries.get("offset", 0))))
+    if not specs:
+        return {}
+    path = engine_dir / NATIVE_WEIGHTS
+    size = path.stat().st_size
+    buf = weights_arena.allocate(-(-size // weights_arena.HUGE_PAGE) * weights_arena.HUGE_PAGE)
+    with open(path, "rb") as f:
+        if f.readinto(buf[:size].data) != size:
+            raise OSError(f"{path} is shorter than its graph says")
+    weights_arena.settle(buf)
+    out = {}
+    for name, shape, dtype, offset in specs:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset < 0 or offset + n > size:
+            raise OSError(f"{path}: {name} lies outside the file")
+        out[name] = buf[offset:offset + n].view(dtype).reshape(shape)
+    return out

@@ -12,17 +12,12 @@ decode step only rebinds its small inputs (six, and the slots); a prefill step's
 max_batch x max_input_len tokens) are bound afresh, to views of buffers kept from one prefill to the
 next (as large as the largest prefill so far).
 
-The graph is rewritten for ONNX Runtime as it is loaded. Where an installed build of the native
-library runs on this CPU (``autoglm_trt.native``): decode steps' attention runs in the ``PagedAttention`` operator
-(``attention_op.py``), reading the pools in place instead of gathering every layer's past into
-a new tensor on every step (``attention`` says which form runs and why), and each INT8
-linear (its input rotation + quantization, GEMM and scaling) is one ``Int8Linear`` over
-weights repacked for the CPU's 8-bit dot products (``linear_op.py``), which the session reads in
-place from one buffer on huge pages (``weights_arena.py``), as are the float linears' weights,
-repacked for ``FloatLinear`` (MatMul's sums, bit for bit); a step branches once between its
-decode and prefill forms (``step_branch.py``). Always: each residual Add + RMSNorm is one node
-(``fusions.py``). If the library does not load, the graph's own nodes run and ``attention``
-says why.
+The engine holds two graphs (``loader.py``): the native graph, rewritten at build time by the
+passes of ``passes/`` (native operators for attention, rope, the linears and what follows them,
+one branch per step), and the plain graph. ``open_session`` takes the native one where this
+machine's native library loads and has what that graph requires (and the graph was made by
+this version's passes), else the plain one; ``attention`` says which attention decode steps run
+and why. Nothing is rewritten when an engine is loaded.
 """
 
 from __future__ import annotations
@@ -31,112 +26,72 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from ...graph.session import make_session
 from ...kvcache.host_pools import KVPools, SlotMap
 from ...model.spec import ModelSpec
+from . import loader, passes
+from .passes.common import SLOTS
 
 
-def load_rewritten(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype,
-                   pack: bool = True) -> tuple[Any, dict, Path | None, bool, str]:
-    """The engine graph as ONNX Runtime runs it here (without its weights), rewritten where the
-    native library builds: decode-step attention, each layer's QKV split + rope, the INT8
-    linears; where the library has FMA the float linears, SiLU * up and each residual + RMSNorm
-    into the linear before it; and the graph below the decode condition as one ``If``
-    (``step_branch.py``); always: residual + RMSNorm fused. Returns (model, packed weights by name, the
-    library or None, whether decode steps run the attention operator, why not). ``pack``
-    False: the nodes only, for counting (``linear_op.rewrite``)."""
-    import onnx
-
-    from ...native import float_kernel, softmax_exact
-    from ...native import library as native_library
-    from . import linear_epilogues, linear_op, rope_op
-    from .attention_op import rewrite
-    from .fusions import hadamard_quantize, skip_rms_norm
-    from .step_branch import branch_once
-
-    model = onnx.load(str(model_path), load_external_data=False)
-    library, why = native_library()
-    native_attention, packed, fma = False, {}, False
-    if library is not None:
-        try:  # what the build can repeat bit for bit: Softmax (the prefill's softmax as one node) and,
-            # with FMA, MatMul's sums (without it, FloatLinear's sums would not be MatMul's)
-            exact, fma = softmax_exact(library), float_kernel(library) != "portable C"
-        except (OSError, AttributeError):  # a library that does not load: the session fails and says so
-            exact, fma = False, False
-        if kv_dtype in (np.float32, np.int8):
-            native_attention, why = rewrite(model, spec.num_layers, exact)
-        else:
-            why = f"the KV cache is {kv_dtype.name} (the native kernel reads float32 or int8)"
-        fused_rope = rope_op.rewrite(model, spec.num_layers, spec.num_heads, spec.num_kv_heads, model_path.parent)
-        quantized = hadamard_quantize(model)
-        if quantized or fma:
-            packed = linear_op.rewrite(model, model_path.parent, pack, fma)
-        elif not native_attention and not fused_rope:
-            library = None
-    skip_rms_norm(model)
-    if fma:  # where ONNX Runtime's own float code is what these builds were checked against (x86-64)
-        linear_epilogues.fuse_skip_norm(model)  # each residual + RMSNorm into the linear before it
-    if native_attention:
-        branch_once(model)
-    return model, packed, library, native_attention, why
+def native_graph_here(graphs: dict, target: passes.Target) -> str:
+    """Why this machine cannot run an engine's saved native graph ("" when it can)."""
+    if graphs["native_graph"] is None:
+        return graphs["why"] or "the engine has no native graph"
+    if graphs["passes_version"] != passes.PASSES_VERSION:
+        return (f"the engine's native graph was made by passes version {graphs['passes_version']}, this autoglm-trt "
+                f"has version {passes.PASSES_VERSION}; rebuild the engine for the native operators")
+    if target.library is None:
+        return target.why
+    if lacks := target.lacks(graphs["requires"]):
+        return (f"the engine's native graph needs {', '.join(lacks)}, which this machine's native library lacks; "
+                "rebuild the engine on this machine for the native operators")
+    return ""
 
 
-def decode_nodes(model: Any) -> dict[str, int]:
-    """Node count by operator of a decode step of a graph from ``load_rewritten``: the decode
-    branch of an ``If`` on ``native.decode`` (the step's, or a layer's) in place of the ``If``."""
-    from collections import Counter
-
-    from .attention_op import DECODE_CONDITION
-
-    counts: Counter = Counter()
-    for node in model.graph.node:
-        if node.op_type == "If" and list(node.input) == [DECODE_CONDITION]:
-            counts.update(n.op_type for a in node.attribute if a.name == "then_branch" for n in a.g.node)
-        else:
-            counts[node.op_type] += 1
-    return dict(counts)
-
-
-def _session(model_path: Path, spec: ModelSpec, kv_dtype: np.dtype, threads: int) -> tuple[Any, str]:
-    """The engine's session over ``load_rewritten``'s graph, and which attention decode steps
-    run: "native" or "graph (<why>)"."""
-    import onnx
-
-    from .fusions import skip_rms_norm
-
-    model, packed, library, native_attention, why = load_rewritten(model_path, spec, kv_dtype)
-    try:
-        session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent,
-                               custom_ops=library, initializers=packed)
-    except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
-        if library is None:
-            raise
-        model = onnx.load(str(model_path), load_external_data=False)
-        skip_rms_norm(model)
-        session = make_session(model.SerializeToString(), threads=threads, external_data_dir=model_path.parent)
-        return session, f"graph (the native library {library} did not load: {exc})"
-    return session, "native" if native_attention else f"graph ({why})"
+def open_session(engine_dir: Path, graphs: dict, threads: int,
+                 rewritten: passes.Rewritten | None = None) -> tuple[Any, str]:
+    """A session over the engine's native graph where it can run here (``native_graph_here``), else
+    over its plain graph; and which attention decode steps run: "native" or "graph (<why>)".
+    ``rewritten``: run that graph instead of the saved native one (tests comparing sets of passes)."""
+    target = passes.Target.here()
+    if rewritten is not None:
+        why = target.why if target.library is None else "" if rewritten.native else "the graph has no native operator"
+    else:
+        why = native_graph_here(graphs, target)
+    if not why:
+        try:
+            if rewritten is not None:
+                session = make_session(rewritten.model.SerializeToString(), threads=threads, external_data_dir=engine_dir,
+                                       custom_ops=target.library, initializers=rewritten.packed)
+                return session, rewritten.attention
+            model = onnx.load(str(engine_dir / graphs["native_graph"]), load_external_data=False)
+            packed = loader.read_packed(model, engine_dir)
+            session = make_session(engine_dir / graphs["native_graph"], threads=threads, custom_ops=target.library,
+                                   initializers=packed)
+            return session, graphs["attention"]
+        except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
+            why = f"the native library {target.library} did not load: {exc}"
+    return make_session(engine_dir / graphs["plain_graph"], threads=threads), f"graph ({why})"
 
 
 class OrtRunner:
     MAX_BINDINGS = 64  # decode batch sizes kept bound
 
-    def __init__(self, model_path: Path, spec: ModelSpec, num_blocks: int, block_size: int, kv_dtype: str,
-                 threads: int = 0):
+    def __init__(self, engine_dir: Path, graphs: dict, spec: ModelSpec, num_blocks: int, block_size: int,
+                 kv_dtype: str, threads: int = 0, rewritten: passes.Rewritten | None = None):
         import onnxruntime as ort
 
-        from .attention_op import SLOTS
-
         self._ort = ort
-        self.session, self.attention = _session(model_path, spec, np.dtype(kv_dtype), threads)
+        self.session, self.attention = open_session(Path(engine_dir), graphs, threads, rewritten)
         self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
         self._bindings: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray], list[Any]]] = {}
         self._prefill: dict[str, np.ndarray] = {}  # a prefill's output buffers, by what they hold
-        # where the graph has ``native.slots`` (``attention_op.py``), decode steps' attention operator
+        # where the graph has ``native.slots`` (``passes/attention.py``), decode steps' attention operator
         # stores their new K/V; with ``stores_kv`` False (tests) it is fed -1s and the runner scatters them
         self._slots = SLOTS if SLOTS in {i.name for i in self.session.get_inputs()} else None
         self.stores_kv = self._slots is not None

@@ -3,7 +3,7 @@
 Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and the KV
 scatter kernel: compiled at run time with NVRTC to PTX for this GPU, loaded with the driver
 API, launched on the stream. Every call's status is checked. Used by ``runner`` and
-tested on a GPU by ``scripts/gpu_check.py`` (no TensorRT needed for that).
+tested on a GPU by ``tests/gpu/test_cuda_runtime.py`` (no TensorRT needed for that).
 
 The scatter kernel copies one token's K (or V) into its pool slot, head by head:
 ``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``

@@ -11,7 +11,7 @@ and the logits come back through a pinned buffer.
 Every TensorRT call that reports failure by returning False is checked (``require``), so a
 shape outside the engine's profiles is named as such, not as "execute_async_v3 failed". The
 optimization profile (0: prefill, 1: decode) is switched only when the step's kind changes.
-The CUDA parts (``cuda``) are exercised on a GPU by ``scripts/gpu_check.py``; this module needs
+The CUDA parts (``cuda``) are exercised on a GPU by ``tests/gpu/test_cuda_runtime.py``; this module needs
 TensorRT as well and is not run in CI; its buffer plan and profile choice are tested on CPU.
 """
 

@@ -1,0 +1,236 @@
+"""Give the engine graph's INT8 linears the native ``Int8Linear`` operator.
+
+Input: the ONNX Runtime engine's graph after ``fusions.hadamard_quantize``, where each INT8
+linear is a ``HadamardQuantize`` (rotation + uint8 quantization of its input) read only by a
+``com.microsoft.MatMulIntegerToFloat`` with int8 weights ``[K, N]``, per-column scales and zero
+weight zero points. Output: each such pair as one ``autoglm.trt.Int8Linear``
+(``csrc/int8_linear.c``; ``Int8LinearSplit``, with two outputs, where its only reader is a
+``Split`` into two halves: a fused gate/up projection), whose weights are repacked
+(``pack_weights``) so that one 64-byte load feeds 16 outputs x 4 inputs of the CPU's 8-bit
+dot-product instruction. The packed weights are
+not serialized into the graph: they come back as arrays, all in one buffer on huge pages
+(``weights_arena.py``), which the session reads in place (``SessionOptions.add_initializer``,
+``graph.session``), and the graph declares them as external data of their type and shape. The
+original weights leave the graph, so the process holds one copy of them, as before.
+
+With ``fma`` (the native library has fused multiply-add), each float linear (``MatMul`` or
+``Gemm`` over a constant float32 matrix of whole 16-column tiles) becomes
+``autoglm.trt.FloatLinear`` (``csrc/float_linear.c``; ``FloatLinearSplit`` before a ``Split`` into
+halves), its weights as 16-column tiles in the same buffer, and a gate/up projection followed by
+SiLU(gate) * up (``QuickGelu`` and ``Mul``) becomes one ``Int8LinearSiluMul`` or
+``FloatLinearSiluMul``. They compute what ONNX Runtime's nodes do, so the outputs do not change.
+
+Like every rewrite in this package it is for ONNX Runtime alone, made when the engine is
+loaded; the saved engine and the graph TensorRT builds keep ``MatMulIntegerToFloat`` and
+``MatMul``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .. import weights_arena
+from . import linear_epilogues
+from .common import DOMAIN, graph_inputs, use_domain
+
+OP = "Int8Linear"
+FLOAT_OP = "FloatLinear"
+LINEAR_OPS = (OP, FLOAT_OP)  # and their Split, SiluMul and SkipNorm forms
+# Where the graph says the packed weights lie: the weights folder itself, which ONNX Runtime checks
+# exists but never reads, because the session is handed each array in place (``add_initializer``);
+# were it ever read, a folder is not a file, and loading fails rather than reading other bytes.
+IN_PLACE = "."
+
+
+def packed_shapes(k: int, n: int) -> tuple[tuple[int, int, int, int], tuple[int]]:
+    """Shapes of ``pack_weights``' two arrays for weights ``[k, n]``."""
+    return (-(-n // 16), -(-k // 4), 16, 4), (16 * -(-n // 16),)
+
+
+def pack_weights(w: np.ndarray, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """int8 ``w [K, N]`` as ``[ceil(N/16), ceil(K/4), 16, 4]`` (``W[k, n]`` at ``[n // 16, k // 4,
+    n % 16, k % 4]``, zeros past ``N`` and ``K``) and its column sums, int32 ``[16 * ceil(N/16)]``;
+    written into ``out`` (arrays of ``packed_shapes``) if given."""
+    if w.dtype != np.int8 or w.ndim != 2:
+        raise ValueError(f"expected int8 weights [K, N], got {w.dtype} {w.shape}")
+    k, n = w.shape
+    shape, sums_shape = packed_shapes(k, n)
+    kp, np_ = 4 * shape[1], 16 * shape[0]
+    padded = np.zeros((kp, np_), np.int8)
+    padded[:k, :n] = w
+    packed, sums = out if out is not None else (np.empty(shape, np.int8), np.empty(sums_shape, np.int32))
+    packed[...] = padded.reshape(kp // 4, 4, np_ // 16, 16).transpose(2, 0, 3, 1)
+    np.sum(padded, axis=0, dtype=np.int32, out=sums)
+    return packed, sums
+
+
+def float_tiles_shape(k: int, n: int) -> tuple[int, int, int]:
+    """Shape of ``FloatLinear``'s weights for float ``[k, n]`` (``n`` a multiple of 16)."""
+    return n // 16, k, 16
+
+
+def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx.TensorProto, bool]],
+              array) -> dict[str, np.ndarray]:
+    """Each int8 ``[K, N]`` weight packed, with its column sums, and each float weight as 16-column
+    tiles (``[N / 16, K, 16]``; ``floats`` says whether the tensor holds ``W`` transposed, as a
+    ``Gemm``'s ``transB``), all into one buffer of ``weights_arena`` (huge pages where the system
+    has them); by initializer name."""
+    names: list[str] = []
+    specs: list[tuple[tuple[int, ...], np.dtype]] = []
+    for name, t in weights.items():
+        shape, sums_shape = packed_shapes(int(t.dims[0]), int(t.dims[1]))
+        names += [f"{name}.packed", f"{name}.col_sums"]
+        specs += [(shape, np.dtype(np.int8)), (sums_shape, np.dtype(np.int32))]
+    for name, (t, transposed) in floats.items():
+        k, n = (int(t.dims[1]), int(t.dims[0])) if transposed else (int(t.dims[0]), int(t.dims[1]))
+        names.append(f"{name}.tiles")
+        specs.append((float_tiles_shape(k, n), np.dtype(np.float32)))
+    buf = weights_arena.allocate(weights_arena.layout(specs)[1])
+    out = dict(zip(names, weights_arena.views(buf, specs)))
+    for name, t in weights.items():
+        pack_weights(array(t), (out[f"{name}.packed"], out[f"{name}.col_sums"]))
+    for name, (t, transposed) in floats.items():
+        w = array(t)
+        tiles = out[f"{name}.tiles"]
+        tiles[...] = (w.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1) if transposed
+                      else w.reshape(tiles.shape[1], tiles.shape[0], 16).transpose(1, 0, 2))
+    weights_arena.settle(buf)
+    return out
+
+
+def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
+            fma: bool = False) -> dict[str, np.ndarray]:
+    """Fuse in place, reading the int8 weights (external data under ``weights_dir``, or inline);
+    the packed weights and column sums by initializer name (empty: nothing fused). ``fma``: the
+    native library was built with fused multiply-add (``native.float_kernel``;
+    ``passes.Target`` says), so it computes what ONNX Runtime does for float linears
+    too (``MatMul`` or ``Gemm`` over a constant float32 matrix of a multiple of 16 columns:
+    ``FloatLinear``) and for SiLU(gate) * up after a gate/up projection (``*SiluMul``). With
+    ``pack`` False (``inspect``, which only counts nodes) no weight is read or packed and the
+    graph is left unloadable."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    old = list(graph.node)  # holds the nodes' wrappers, so the id()s below stay theirs
+    readers: dict[str, int] = {}
+    for node in old:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    rotation = {n.output[0]: n for n in old if n.op_type == "HadamardQuantize" and n.domain == DOMAIN}
+
+    def array(t: onnx.TensorProto) -> np.ndarray:
+        return numpy_helper.to_array(t, base_dir=str(weights_dir))
+
+    def int8_matrix(name: str) -> bool:
+        t = inits.get(name)
+        return t is not None and t.data_type == TensorProto.INT8 and len(t.dims) == 2
+
+    def fusable(mm: onnx.NodeProto) -> onnx.NodeProto | None:
+        rot = rotation.get(mm.input[0]) if mm.op_type == "MatMulIntegerToFloat" else None
+        if rot is None or len(mm.input) != 6 or readers.get(mm.input[0]) != 1 or mm.input[2] != rot.input[2]:
+            return None
+        zero_w, scale_w = inits.get(mm.input[5]), inits.get(mm.input[3])
+        if zero_w is None or scale_w is None or np.any(array(zero_w)) or \
+                scale_w.data_type != TensorProto.FLOAT or len(scale_w.dims) != 1:
+            return None
+        zero_mm, zero_rot = inits.get(mm.input[4]), inits.get(rot.input[3])
+        if zero_mm is None or zero_rot is None or not np.array_equal(array(zero_mm), array(zero_rot)):
+            return None
+        return rot
+
+    weights: dict[str, onnx.TensorProto] = {}
+    float_weights: dict[str, tuple[onnx.TensorProto, bool]] = {}
+    widths: dict[str, int] = {}  # a fused linear's output: its columns
+    replaced: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for mm in old:
+        transposed = _float_matrix(mm, inits) if fma else None
+        if transposed is not None:
+            t = inits[mm.input[1]]
+            float_weights[mm.input[1]] = (t, transposed)
+            widths[mm.output[0]] = int(t.dims[0 if transposed else 1])
+            replaced[id(mm)] = helper.make_node(FLOAT_OP, [mm.input[0], f"{mm.input[1]}.tiles"], [mm.output[0]],
+                                                name=f"{mm.name}.float_linear", domain=DOMAIN)
+            continue
+        rot = fusable(mm)
+        if rot is None or not int8_matrix(mm.input[1]):
+            continue
+        packed_name, sums_name = f"{mm.input[1]}.packed", f"{mm.input[1]}.col_sums"
+        weights[mm.input[1]] = inits[mm.input[1]]
+        replaced[id(mm)] = helper.make_node(
+            OP, [rot.input[0], rot.input[1], rot.input[2], rot.input[3], packed_name, sums_name, mm.input[3]],
+            [mm.output[0]], name=f"{mm.name}.int8_linear", domain=DOMAIN)
+        widths[mm.output[0]] = int(inits[mm.input[3]].dims[0])
+        dropped.add(id(rot))
+    if not replaced:
+        return {}
+    nodes = _split_halves([replaced.get(id(n), n) for n in old if id(n) not in dropped], inits, readers, widths)
+    if fma:
+        nodes = linear_epilogues.silu_mul(nodes, readers)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if not pack:
+        return {}
+    arrays = _pack_all(weights, float_weights, array)
+    used = graph_inputs(graph)
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    for name, arr in arrays.items():  # declared as external data; the session is handed the arrays instead
+        t = graph.initializer.add()
+        t.name, t.data_type, t.data_location = name, helper.np_dtype_to_tensor_dtype(arr.dtype), TensorProto.EXTERNAL
+        t.dims.extend(arr.shape)
+        for key, value in (("location", IN_PLACE), ("offset", "0"), ("length", str(arr.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+    use_domain(model)
+    return arrays
+
+
+def _float_matrix(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool | None:
+    """For a ``MatMul`` or ``Gemm`` that ``FloatLinear`` computes bit for bit (x times a constant
+    float32 matrix of a multiple of 16 columns; a ``Gemm`` without C, alpha 1, ``transA`` 0),
+    whether the constant holds ``W`` transposed (``transB``); else None."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.input) != 2:
+        return None
+    t = inits.get(node.input[1])
+    if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    transposed = node.op_type == "Gemm" and attrs.get("transB", 0) == 1
+    if node.op_type == "Gemm" and (attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0):
+        return None
+    return transposed if int(t.dims[0 if transposed else 1]) % 16 == 0 else None
+
+
+def _split_halves(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto],
+                  readers: dict[str, int], widths: dict[str, int]) -> list[onnx.NodeProto]:
+    """Each ``Int8Linear`` or ``FloatLinear`` read only by a ``Split`` of its last axis into two
+    equal halves (a fused gate/up projection) as one ``Int8LinearSplit`` or ``FloatLinearSplit``
+    with the halves as its outputs, where each half is a whole number of 16-column tiles.
+    ``widths``: each linear's columns, by its output."""
+    linears = {n.output[0]: n for n in nodes if n.op_type in (OP, FLOAT_OP) and n.domain == DOMAIN}
+    merged: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for split in nodes:
+        linear = linears.get(split.input[0]) if split.op_type == "Split" and split.input else None
+        if linear is None or readers.get(split.input[0]) != 1 or len(split.output) != 2:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in split.attribute}
+        sizes = attrs.get("split")
+        if len(split.input) > 1 and split.input[1]:
+            t = inits.get(split.input[1])
+            sizes = numpy_helper.to_array(t).tolist() if t is not None and t.data_location != TensorProto.EXTERNAL else []
+        n = widths[linear.output[0]]
+        halves = sizes is None or list(sizes) == [n // 2, n // 2]
+        if attrs.get("axis") != -1 or not halves or n % 32:
+            continue
+        fused = onnx.NodeProto.FromString(linear.SerializeToString())
+        fused.op_type, fused.name = f"{linear.op_type}Split", f"{linear.name}.split"
+        fused.output[:] = list(split.output)
+        merged[id(linear)] = fused
+        dropped.add(id(split))
+    return [merged.get(id(n), n) for n in nodes if id(n) not in dropped]

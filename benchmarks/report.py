@@ -1,0 +1,141 @@
+"""Run the lasting benchmarks and rewrite ``docs/benchmarks.md`` with what they print.
+
+    python -m benchmarks.report                 # every section (hours: see SECTIONS)
+    python -m benchmarks.report --only runtime,attention
+    python -m benchmarks.report --list
+
+Each section of the page is one command's output, verbatim, under the command, the machine
+(CPU model, cores, memory, the instruction sets that pick the kernels) and the date it ran. A
+section that is not run keeps what the page had. A command that fails leaves its section as it
+was and makes the report exit non-zero. The page is written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from .common import ROOT, machine
+
+PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str
+    title: str
+    argv: tuple[str, ...]  # after ``python -m``
+    note: str = ""
+
+
+SECTIONS = (
+    Section("export", "Export", ("benchmarks.bench_export",),
+            "SmolLM2-135M to float32 without and with the transformers parity check: wall time and peak RSS."),
+    Section("runtime", "Runtime against transformers", ("benchmarks.bench_runtime", "--rounds", "3"),
+            "Batch-1 decode and time to first token of a 1,000-token prompt; the native operators against "
+            "the graph's own nodes; 16 concurrent requests; the memory-bandwidth and GEMM bounds of this machine."),
+    Section("attention", "Decode steps with and without the native operators",
+            ("benchmarks.bench_attention", "--rounds", "3")),
+    Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
+    Section("kv", "INT8 KV cache", ("benchmarks.bench_kv",),
+            "Four engines at the same KV memory; accuracy with the held-out text fed through the pool."),
+    Section("agent", "Agent workload and prefix caching", ("benchmarks.bench_agent",),
+            "4 agents at once, a 1,000-token system prompt, 8 turns, the whole history resent each turn."),
+    Section("serve", "Serving", ("benchmarks.bench_serve",),
+            "Server against in-process aggregate tokens/s, 16 concurrent streams."),
+    Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),
+    Section("genai", "Side by side with ONNX Runtime GenAI", ("benchmarks.bench_genai", "--rounds", "3")),
+    Section("calibration_cost", "Calibration cost", ("benchmarks.bench_calibration", "--repeats", "3")),
+    Section("export_9b", "Exporting the GLM-4-9B shape", ("benchmarks.export_9b_shape",),
+            "Random weights of the 9B shape written shard by shard, exported to float16: wall time and peak RSS "
+            "(needs ~40 GB of disk)."),
+    Section("calibrate_9b", "Calibrating the GLM-4-9B shape", ("benchmarks.calibrate_9b_shape",),
+            "The same shape exported to float32 (37.6 GB of weights) and calibrated one layer at a time on a "
+            "24 GB machine, without the gate (needs ~90 GB of disk)."),
+    Section("accuracy", "Calibration and accuracy", ("benchmarks.accuracy_table",)),
+    Section("accuracy_kinds", "Accuracy by kind of text", ("benchmarks.accuracy_kinds",)),
+    Section("runtime_accuracy", "Accuracy as requests see it", ("benchmarks.runtime_accuracy",)),
+    Section("chat_agreement", "Greedy answers, INT8 against fp32", ("benchmarks.chat_agreement",)),
+)
+
+BEGIN, END = "<!-- section:{} -->", "<!-- /section:{} -->"
+
+
+def render(section: Section, output: str, when: str, where: str) -> str:
+    command = "python -m " + " ".join(section.argv)
+    lines = [BEGIN.format(section.key), f"## {section.title}", ""]
+    if section.note:
+        lines += [section.note, ""]
+    lines += [f"`{command}` — {where}; {when}", "", "```text", output.rstrip(), "```", END.format(section.key)]
+    return "\n".join(lines)
+
+
+def existing(text: str) -> dict[str, str]:
+    """The page's sections by key, as written."""
+    out = {}
+    for m in re.finditer(r"<!-- section:(\w+) -->.*?<!-- /section:\1 -->", text, re.S):
+        out[m.group(1)] = m.group(0)
+    return out
+
+
+def page(blocks: dict[str, str]) -> str:
+    head = ("# Benchmarks\n\nEvery figure here is printed by the command above it, run on the machine it names "
+            "(`make benchmarks` reruns them all, `python -m benchmarks.report --only KEY` one section). "
+            "These machines are shared and drift by 10–20% within minutes: compare figures measured in one "
+            "run, not across sections.\n")
+    body = [blocks[s.key] for s in SECTIONS if s.key in blocks]
+    return head + "\n" + "\n\n".join(body) + "\n"
+
+
+def run(section: Section, timeout: float) -> str:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", *section.argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(section.argv)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    print(f"{section.key}: {time.monotonic() - start:.0f} s", file=sys.stderr)
+    return done.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated section keys (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the sections and exit")
+    ap.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per section")
+    args = ap.parse_args()
+    if args.list:
+        for s in SECTIONS:
+            print(f"{s.key:18s} python -m {' '.join(s.argv)}")
+        return
+    keys = {s.key for s in SECTIONS}
+    wanted = [k for k in args.only.split(",") if k] or [s.key for s in SECTIONS]
+    unknown = sorted(set(wanted) - keys)
+    if unknown:
+        ap.error(f"unknown sections {', '.join(unknown)}; known: {', '.join(sorted(keys))}")
+    blocks = existing(PAGE.read_text()) if PAGE.is_file() else {}
+    where, failed = machine(), []
+    for section in (s for s in SECTIONS if s.key in wanted):
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        try:
+            output = run(section, args.timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"{section.key}: {exc}", file=sys.stderr)
+            failed.append(section.key)
+            continue
+        print(output)
+        blocks[section.key] = render(section, output, when, where)
+        tmp = PAGE.with_suffix(".md.partial")
+        tmp.write_text(page(blocks))
+        os.replace(tmp, PAGE)  # after every section, so a long run keeps what it has measured
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The CUDA side of the TensorRT runtime on a GPU, checked against numpy.
+
+    pytest tests/gpu                                  # the checks as tests (skipped without a GPU)
+    python tests/gpu/test_cuda_runtime.py [--json OUT]  # the same checks as a table, with timings
+
+Needs an NVIDIA GPU and cuda-python (``cuda.bindings`` with NVRTC); TensorRT is not needed.
+Checks, each with fresh random data (never zeros; outputs poisoned first):
+  1. device pool allocation: K/V pools of a SmolLM2-sized engine (30 layers, 3 KV heads x 64)
+     in float16 and float32, zero-initialised, read back;
+  2. pinned transfers: host -> device -> host round trip through page-locked buffers on a stream;
+  3. the NVRTC scatter kernel: new K/V of a mixed step (prefill + decode rows, arbitrary block
+     ids and offsets) written into the pool, compared element for element with the same
+     scatter done by numpy (``kvcache.host_pools.KVPools.write``), untouched slots checked unchanged;
+  4. the TensorRT runner's input path: step inputs staged through pinned buffers;
+  5. copy-on-write block copies (``DeviceArray.copy_rows_within``, as ``TrtRunner.copy_blocks``
+     uses them) against ``KVPools.copy_blocks``;
+  6. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers).
+Prints a table and exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from autoglm_trt.backends.trt import cuda as cu  # noqa: E402
+from autoglm_trt.kvcache.host_pools import KVPools  # noqa: E402
+from autoglm_trt.kvcache.layout import pool_shape  # noqa: E402
+from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+
+
+def _gpu() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return False
+    from cuda.bindings import runtime
+
+    err, count = runtime.cudaGetDeviceCount()
+    return int(err) == 0 and count > 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="needs an NVIDIA GPU and cuda-python "
+                                                                      "(cuda.bindings); none on the CI machines")]
+
+
+def check_pools(dtype: np.dtype, num_blocks: int) -> dict:
+    pool = cu.DeviceArray.zeros(pool_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype)
+    host = pool.to_numpy()
+    ok = bool(host.shape == pool.shape and not host.any())
+    pool.free()
+    return {"check": f"pool zeros {dtype.name}", "ok": ok, "bytes": int(host.nbytes)}
+
+
+def check_pinned(rng: np.random.Generator) -> dict:
+    stream = cu.Stream()
+    n = 1 << 22
+    src = cu.PinnedArray((n,), np.dtype(np.float32))
+    src.array[:] = rng.standard_normal(n, dtype=np.float32)
+    dst = cu.PinnedArray((n,), np.dtype(np.float32))
+    dst.array[:] = np.nan
+    dev = cu.DeviceArray.empty((n,), np.dtype(np.float32))
+    t = time.perf_counter()
+    dev.copy_from_host(src.array, stream)
+    dev.copy_to_host(dst, None, stream)
+    stream.synchronize()
+    secs = time.perf_counter() - t
+    ok = bool(np.array_equal(src.array, dst.array))
+    for a in (src, dst):
+        a.free()
+    dev.free()
+    return {"check": "pinned round trip 16 MiB", "ok": ok, "GB/s": round(2 * n * 4 / secs / 1e9, 2)}
+
+
+def check_staged_inputs(rng: np.random.Generator) -> dict:
+    """The TensorRT runner's input path: a step's smaller input copied through the front of a
+    pinned buffer sized for the engine's limits, asynchronously, then read back."""
+    stream = cu.Stream()
+    host = cu.PinnedArray((16, 1024), np.dtype(np.int64))
+    dev = cu.DeviceArray.empty((16, 1024), np.dtype(np.int64))
+    ok = True
+    for shape in ((3, 37), (16, 1), (1, 1024)):
+        arr = rng.integers(0, 49152, shape)
+        flat = host.array.reshape(-1)[: arr.size]
+        flat[:] = arr.reshape(-1)
+        dev.copy_from_host(flat, stream)
+        stream.synchronize()
+        back = np.empty(arr.size, np.int64)
+        dev.copy_to_host(back)
+        ok = ok and bool(np.array_equal(back, arr.reshape(-1)))
+    host.free()
+    dev.free()
+    return {"check": "pinned staging of step inputs", "ok": ok, "shapes": 3}
+
+
+def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> dict:
+    # a mixed step: one prefill of 37 tokens after 5 cached, one decode at position 70, one of 1 token
+    blocks = rng.permutation(num_blocks)
+    states = [SeqState(5, blocks[0:3].tolist()), SeqState(70, blocks[3:8].tolist()), SeqState(0, blocks[8:9].tolist())]
+    new_tokens = [rng.integers(0, 1000, 37).tolist(), [1], [2]]
+    _, slots = step_inputs(new_tokens, states, BLOCK)
+    batch, tokens = 3, 37
+    new = rng.standard_normal((batch, tokens, KV_HEADS, HEAD_DIM)).astype(dtype)
+    ref = KVPools(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    ref.keys[0][:] = rng.standard_normal(ref.keys[0].shape).astype(dtype)  # poison: random, not zeros
+    before = ref.keys[0].copy()
+    ref.write({"new_key.0": new, "new_value.0": new}, slots)
+
+    stream = cu.Stream()
+    pool = cu.DeviceArray.empty(before.shape, dtype)
+    pool.copy_from_host(before)
+    src = cu.DeviceArray.empty((batch * tokens, KV_HEADS * HEAD_DIM), dtype)
+    src.copy_from_host(np.ascontiguousarray(new.reshape(batch * tokens, -1)))
+    kernel = cu.ScatterKernel()
+    kernel.set_rows(slots.batch * tokens + slots.token, slots.block * BLOCK + slots.offset, stream)
+    kernel(src, pool, stream)
+    stream.synchronize()
+    got = pool.to_numpy()
+    untouched = np.ones(before.shape[:3], bool)  # [kv_heads, num_blocks, block_size]
+    untouched[:, slots.block, slots.offset] = False
+    ok = bool(np.array_equal(got, ref.keys[0]) and np.array_equal(got[untouched], before[untouched]))
+    for a in (pool, src):
+        a.free()
+    kernel.free()
+    return {"check": f"scatter {dtype.name}", "ok": ok, "rows": int(len(slots.block))}
+
+
+def block_copy_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> dict:
+    ref = KVPools(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    ref.keys[0][:] = rng.standard_normal(ref.keys[0].shape).astype(dtype)
+    pool = cu.DeviceArray.empty(ref.keys[0].shape, dtype)
+    pool.copy_from_host(ref.keys[0])
+    blocks = rng.permutation(num_blocks)
+    pairs = list(zip(blocks[:4].tolist(), blocks[4:8].tolist()))
+    ref.copy_blocks(pairs)
+    span = BLOCK * HEAD_DIM * dtype.itemsize
+    stream = cu.Stream()
+    for src, dst in pairs:
+        pool.copy_rows_within(src * span, dst * span, span, num_blocks * span, KV_HEADS, stream)
+    stream.synchronize()
+    ok = bool(np.array_equal(pool.to_numpy(), ref.keys[0]))
+    pool.free()
+    return {"check": f"block copy {dtype.name}", "ok": ok, "pairs": len(pairs)}
+
+
+def time_scatter(rng: np.random.Generator, num_blocks: int) -> dict:
+    dtype = np.dtype(np.float16)
+    stream = cu.Stream()
+    pools = [cu.DeviceArray.zeros(pool_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype) for _ in range(2 * LAYERS)]
+    src = cu.DeviceArray.empty((16, KV_HEADS * HEAD_DIM), dtype)
+    src.copy_from_host(rng.standard_normal((16, KV_HEADS * HEAD_DIM)).astype(dtype))
+    kernel = cu.ScatterKernel()
+    dst_rows = rng.choice(num_blocks * BLOCK, 16, replace=False)
+    kernel.set_rows(np.arange(16), dst_rows, stream)
+    for _ in range(10):
+        for p in pools:
+            kernel(src, p, stream)
+    stream.synchronize()
+    reps = 200
+    t = time.perf_counter()
+    for _ in range(reps):
+        for p in pools:
+            kernel(src, p, stream)
+    stream.synchronize()
+    per_step = (time.perf_counter() - t) / reps
+    for p in pools:
+        p.free()
+    src.free()
+    kernel.free()
+    return {"check": "scatter timing, batch-16 decode, 60 pools", "ok": True, "us_per_step": round(per_step * 1e6, 1)}
+
+
+def checks() -> list:
+    """Every check, in order, with one random stream (the script's table)."""
+    rng = np.random.default_rng(0)
+    return [lambda: check_pools(np.dtype(np.float16), 4096), lambda: check_pools(np.dtype(np.float32), 4096),
+            lambda: check_pinned(rng), lambda: check_staged_inputs(rng),
+            lambda: scatter_case(rng, np.dtype(np.float16), 64), lambda: scatter_case(rng, np.dtype(np.float32), 64),
+            lambda: block_copy_case(rng, np.dtype(np.float16), 64), lambda: block_copy_case(rng, np.dtype(np.int8), 64),
+            lambda: time_scatter(rng, 4096)]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_check(index: int) -> None:  # pragma: no cover - GPU machines only
+    row = checks()[index]()
+    assert row["ok"], row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rows = [check() for check in checks()]
+    for r in rows:
+        extra = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("check", "ok"))
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']:45s} {extra}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

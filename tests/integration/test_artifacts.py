@@ -1,0 +1,220 @@
+"""Artifacts you can trust (issue 11): nothing read outside an artifact, one-line errors for
+malformed inputs, and nothing half-written on SIGTERM. Each case is a crafted copy of a real
+artifact, checked through the library and the command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+from conftest import ROOT, run_cli
+
+from autoglm_trt.artifacts import ArtifactError, EngineError, ExportRecord, Manifest
+from autoglm_trt.errors import CheckpointError, UnsupportedModelError
+from autoglm_trt.graph.exported_weights import ExportedWeights
+from autoglm_trt.model.checkpoint import Checkpoint
+from autoglm_trt.model.safetensors import SafetensorsFile
+from autoglm_trt.model.spec import spec_from_config
+from autoglm_trt.runtime import Engine
+
+
+def edited_copy(src, dst, name: str, edit) -> None:
+    shutil.copytree(src, dst)
+    path = dst / name
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
+    """Exit code 1 and, after any progress lines, one short ``Error: ...`` line that says ``text``."""
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and text in last and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(last) < 1000
+
+
+# -- files outside the artifact ----------------------------------------------------------------------
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(engine_file="../../other/model.opt.onnx"), "not inside"),
+    (lambda m: m.update(engine_file="/etc/hostname"), "not inside"),
+    (lambda m: m["files"].update({"../x": "0" * 64}), "not inside"),
+    (lambda m: m.update(engine_file="tokenizer.json", files={"tokenizer.json": m["files"]["tokenizer.json"]}),
+     None),  # a hashed file of the engine, but not ONNX: doctor must say so
+    (lambda m: m.update(engine_file="export.json2"), "not one of the engine's hashed files"),
+    (lambda m: m.pop("limits"), "lacks the key 'limits'"),
+    (lambda m: m.update(files=list(m["files"])), "'files' must be dict"),
+    (lambda m: m["kv_cache"].update(block_size=0), "'block_size' must be an integer >= 1"),
+    (lambda m: m["kv_cache"].update(dtype="float64"), "kv_cache.dtype must be one of"),
+    (lambda m: m.update(backend="cuda"), "backend must be one of"),
+    (lambda m: m.update(format="autoglm-trt/engine/1"), "rebuild it with `autoglm-trt build`"),  # an older engine
+])
+def test_crafted_manifests_are_refused(tiny_engine, tmp_path, edit, message):
+    bad = tmp_path / "engine"
+    edited_copy(tiny_engine, bad, "manifest.json", edit)
+    r = run_cli("doctor", str(bad))
+    if message is None:
+        assert r.returncode == 1 and "not a valid ONNX model" in r.stdout, r.stdout
+        return
+    with pytest.raises(EngineError, match=message):
+        Engine.load(bad)
+    one_line_error(r, message)
+
+
+def test_export_record_graph_file_must_be_inside(tiny_engine, tmp_path):
+    bad = tmp_path / "engine"
+    edited_copy(tiny_engine, bad, "export.json", lambda e: e["graph"].update(file="../../elsewhere/model.onnx"))
+    with pytest.raises(ArtifactError, match="not inside"):
+        ExportRecord.read(bad)
+    one_line_error(run_cli("eval", str(bad), "--text", str(ROOT / "calibration" / "eval" / "heldout.txt")),
+                   "not inside")
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tiny_dir, tmp_path_factory):
+    from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
+
+    out = tmp_path_factory.mktemp("exp") / "export"
+    export_checkpoint(ExportConfig(tiny_dir("llama"), out, validate=False), log=lambda m: None)
+    return out
+
+
+def test_external_data_outside_the_export_is_refused(tiny_export, tmp_path):
+    bad = tmp_path / "export"
+    shutil.copytree(tiny_export, bad)
+    model = onnx.load(str(bad / "model.onnx"), load_external_data=False)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../../secret.bin"
+        break
+    onnx.save_model(model, str(bad / "model.onnx"))
+    with pytest.raises(ArtifactError, match="not inside"):
+        ExportedWeights(bad)
+    one_line_error(run_cli("calibrate", str(bad), "-o", str(tmp_path / "c"), "--calib-samples", "2"), "not inside")
+
+
+def test_shard_names_must_stay_inside_the_checkpoint(tiny_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir("llama"), ckpt)
+    names = [p.name for p in ckpt.glob("*.safetensors")]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../" + names[0]}}))
+    with pytest.raises(CheckpointError, match="not a file inside"):
+        Checkpoint.open(ckpt)
+
+
+# -- one-line errors for malformed inputs ----------------------------------------------------------------
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", "abc", "'hidden_size' must be an integer >= 1"),
+    ("hidden_size", None, "lacks the field 'hidden_size'"),
+    ("eos_token_id", "x", "eos_token_id must be a token id"),
+    ("rope_parameters", "oops", "'rope_parameters' must be an object"),
+    ("vocab_size", -5, "'vocab_size' must be an integer >= 1"),
+    ("num_hidden_layers", 0, "'num_hidden_layers' must be an integer >= 1"),
+    ("rms_norm_eps", "tiny", "'rms_norm_eps' must be a number"),
+    ("model_type", ["llama"], "is not supported"),
+])
+def test_bad_config_fields(tiny_dir, tmp_path, field, value, message):
+    config = json.loads((tiny_dir("llama") / "config.json").read_text())
+    config[field] = value
+    with pytest.raises(UnsupportedModelError, match=message):
+        spec_from_config(config)
+    if field in ("hidden_size", "rope_parameters"):
+        ckpt = tmp_path / "ckpt"
+        shutil.copytree(tiny_dir("llama"), ckpt)
+        (ckpt / "config.json").write_text(json.dumps(config))
+        one_line_error(run_cli("export", str(ckpt), "-o", str(tmp_path / "out")), message)
+
+
+def _safetensors(path, header: bytes, data: bytes = b"\0" * 64) -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize("header, message", [
+    ({"w": {"dtype": "F32", "shape": [64], "data_offsets": [-256, 0]}}, "0 <= begin <= end"),
+    ({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]},
+      "b": {"dtype": "F32", "shape": [8], "data_offsets": [16, 48]}}, "overlap"),
+    ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 0]}}, "dimensions be >= 0"),
+])
+def test_bad_safetensors_offsets(tmp_path, header, message):
+    f = tmp_path / "m.safetensors"
+    _safetensors(f, json.dumps(header).encode())
+    with pytest.raises(CheckpointError, match=message):
+        SafetensorsFile(f)
+
+
+def test_deeply_nested_safetensors_header(tmp_path):
+    f = tmp_path / "m.safetensors"
+    _safetensors(f, b"[" * 100_000)
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        SafetensorsFile(f)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "0"], "batch_size must be an integer >= 1"),
+    (["--smoothquant", "nan"], "SmoothQuant alpha must be in (0, 1]"),
+    (["--percentile", "200"], "percentile must be in (0, 100]"),
+])
+def test_bad_calibration_options(tiny_export, tmp_path, args, message):
+    one_line_error(run_cli("calibrate", str(tiny_export), "-o", str(tmp_path / "c"), *args), message)
+
+
+def test_bad_build_configs(tiny_dir, tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("max_batch_size: 4  # caf\xe9\n".encode("latin-1"))
+    one_line_error(run_cli("build", "nowhere", "--config", str(f)), "not UTF-8")
+    bomb = tmp_path / "bomb.yaml"
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    bomb.write_text("\n".join(lines) + "\nmax_batch_size: *a8\n")
+    t = time.perf_counter()
+    r = run_cli("build", "nowhere", "--config", str(bomb))
+    assert time.perf_counter() - t < 60  # a bound, not a benchmark: the old message took minutes and GBs
+    one_line_error(r, "unknown key 'a0'")
+    huge = run_cli("build", str(tiny_dir("llama")), "--precision", "fp32", "--backend", "onnxruntime",
+                   "--max-seq-len", "96", "--kv-memory-bytes", str(10**15), "-o", str(tmp_path / "e"))
+    one_line_error(huge, "GiB available")
+
+
+def test_sigterm_during_export_leaves_nothing_behind(tiny_dir, tmp_path):
+    for attempt in range(3):  # a signal that lands as the export completes finds nothing to stop: try again
+        out = tmp_path / f"out{attempt}"
+        proc = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "export", str(tiny_dir("llama")), "-o", str(out)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            for _ in range(600):
+                if list(tmp_path.glob(f".{out.name}.partial-*")) or proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+            assert list(tmp_path.glob(f".{out.name}.partial-*")), "the export finished before it could be interrupted"
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        finally:
+            proc.kill()
+        if proc.returncode == 0 and out.is_dir():
+            shutil.rmtree(out)
+            continue
+        assert proc.returncode == 130
+        assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+        return
+    pytest.fail("three exports in a row completed before SIGTERM reached them")
+
+
+def test_eval_accepts_the_model_file(tiny_export):
+    r = run_cli("eval", str(tiny_export / "model.onnx"), "--text", str(ROOT / "calibration" / "eval" / "heldout.txt"),
+                "--max-chunks", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert np.isfinite(json.loads(r.stdout)["ppl"])
+
+
+def test_manifest_round_trip(tiny_engine):
+    m = Manifest.read(tiny_engine)
+    assert m.engine_path.is_file() and m.verify_files() == [] and m.spec.vocab_size == 256

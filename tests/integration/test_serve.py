@@ -1,0 +1,256 @@
+"""``autoglm-trt serve`` as a real server on a free loopback port, started and stopped by each
+test: the official ``openai`` client for the API, raw HTTP for errors, auth, disconnects,
+back-pressure and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, free_port
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn, prometheus-client) is not installed")
+openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
+
+from autoglm_trt.runtime import Engine, SamplingParams  # noqa: E402
+
+START_S = 90
+
+
+@contextlib.contextmanager
+def server(engine_dir, *args: str):
+    """A running ``autoglm-trt serve`` (yields (port, process)); always stopped afterwards."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "serve", str(engine_dir), "--port", str(port),
+                             *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stderr.read()}")
+            try:
+                if request(port, "GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("server did not become ready")
+        yield port, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def request(port: int, method: str, path: str, body: object = None, headers: dict | None = None,
+            raw: bytes | None = None) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        text = r.read().decode()
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            parsed = {"text": text}
+        return r.status, parsed, {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        conn.close()
+
+
+def metrics(port: int) -> dict[str, float]:
+    status, body, _ = request(port, "GET", "/metrics")
+    out = {}
+    for line in body["text"].splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def client(port: int, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_openai_client_completions_chat_streaming(chat_engine):
+    prompts = ["Once upon a time", "The capital of France is"]
+    with Engine.load(chat_engine) as engine:
+        expected = [r.text for r in engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))]
+        chat_expected = engine.generate([[{"role": "user", "content": "hi"}]], SamplingParams(max_new_tokens=8))[0]
+    with server(chat_engine) as (port, _):
+        c = client(port)
+        assert [m.id for m in c.models.list().data] == ["tiny-chat"]
+        for prompt, text in zip(prompts, expected):
+            r = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            assert r.choices[0].text == text and r.choices[0].finish_reason == "length"
+            assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
+        pieces, usage = [], None
+        for chunk in c.completions.create(model="tiny-chat", prompt=prompts[0], max_tokens=12, temperature=0,
+                                          stream=True, stream_options={"include_usage": True},
+                                          extra_body={"ignore_eos": True}):
+            pieces += [ch.text for ch in chunk.choices]
+            usage = chunk.usage or usage
+        assert "".join(pieces) == expected[0] and usage.completion_tokens == 12
+        chat = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == chat_expected.text
+        assert chat.choices[0].message.role == "assistant"
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True)
+            if ch.choices)
+        assert streamed == chat_expected.text
+        stop = expected[0][4:6]
+        r = c.completions.create(model="tiny-chat", prompt=prompts[0], max_tokens=12, temperature=0, stop=[stop],
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == expected[0][: expected[0].find(stop)] and r.choices[0].finish_reason == "stop"
+        seeded = [c.completions.create(model="tiny-chat", prompt="x", max_tokens=10, temperature=1.0, seed=s,
+                                       extra_body={"ignore_eos": True}).choices[0].text for s in (5, 5, 6)]
+        assert seeded[0] == seeded[1] != seeded[2]
+
+
+def test_n_samples_and_beams_are_choices(chat_engine):
+    """``n`` seeded samples and the ``beam_width`` extension come back as OpenAI choices, the same
+    ones the engine gives in-process; usage counts every choice's tokens."""
+    samples = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    beams = SamplingParams(max_new_tokens=8, beam_width=3, n=2, ignore_eos=True)
+    with Engine.load(chat_engine) as engine:
+        [want_samples] = engine.generate(["Once upon a time"], samples)
+        [want_beams] = engine.generate(["Once upon a time"], beams)
+    with server(chat_engine) as (port, _):
+        c = client(port)
+        r = c.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=3,
+                                 n=3, extra_body={"ignore_eos": True})
+        assert [ch.index for ch in r.choices] == [0, 1, 2]
+        assert [ch.text for ch in r.choices] == [ch.text for ch in want_samples.choices]
+        assert r.usage.completion_tokens == 24
+        r = c.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=8, temperature=0, n=2,
+                                 extra_body={"ignore_eos": True, "beam_width": 3})
+        assert [ch.text for ch in r.choices] == [ch.text for ch in want_beams.choices]
+        assert metrics(port)["autoglm_kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (None, 400, "not valid JSON"),
+    ({"model": "tiny-chat", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny-chat", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny-chat", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": "other", "prompt": "hi"}, 404, "is not served here"),
+    ({"model": "tiny-chat", "prompt": "x" * 300}, 400, "prompt tokens"),
+    ({"model": "tiny-chat", "prompt": "hi", "max_tokens": 500}, 400, "max_seq_len"),
+    ({"model": "tiny-chat", "prompt": "hi", "n": 2, "stream": True}, 400, "stream carries one choice"),
+    ({"model": "tiny-chat", "prompt": "hi", "n": 65}, 400, "n"),
+    ({"model": "tiny-chat", "prompt": "hi", "beam_width": 2}, 400, "leave temperature at 0"),
+    ({"model": "tiny-chat", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "tiny-chat", "prompt": [1, 2, 999999]}, 400, "outside the vocabulary"),
+    ({"model": "tiny-chat"}, 400, "prompt"),
+    ({"model": "tiny-chat", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+])
+def test_client_mistakes_are_4xx_with_the_reason(chat_engine, body, status, message):
+    path = "/v1/chat/completions" if body and "messages" in body else "/v1/completions"
+    with server(chat_engine) as (port, _):
+        got, err, _ = request(port, "POST", path, body, raw=b"{not json" if body is None else None)
+        assert got == status and message in err["error"]["message"], err
+        assert set(err["error"]) >= {"message", "type", "code"}
+        assert request(port, "GET", "/health")[0] == 200
+
+
+def test_api_key(chat_engine, monkeypatch):
+    with server(chat_engine, "--api-key", "s3cret") as (port, _):
+        body = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2}
+        assert request(port, "POST", "/v1/completions", body)[0] == 401
+        assert request(port, "POST", "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
+        assert request(port, "GET", "/metrics")[0] == 401
+        assert request(port, "POST", "/v1/completions", body, {"Authorization": "Bearer s3cret"})[0] == 200
+        assert request(port, "GET", "/health")[0] == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(port, "nope").completions.create(model="tiny-chat", prompt="hi", max_tokens=2)
+
+
+def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "slow", "prompt": "go", "max_tokens": max_tokens,
+                                                        "stream": True, "temperature": 0, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.readline().startswith(b"data: ")  # generation is under way
+    return conn, r
+
+
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_cancels_and_frees_blocks(slow_engine):
+    with server(slow_engine) as (port, _):
+        conn, _ = _open_stream(port, 1500)
+        assert metrics(port)["autoglm_kv_blocks_used"] > 0
+        conn.sock.shutdown(2)
+        conn.close()
+        assert wait_for(lambda: metrics(port)["autoglm_kv_blocks_used"] == 0)
+        m = metrics(port)
+        assert m["autoglm_requests_running"] == 0
+        assert m['autoglm_requests_finished_total{finish_reason="cancelled"}'] == 1
+
+
+def test_full_queue_answers_429(slow_engine):
+    with server(slow_engine, "--max-waiting", "1") as (port, _):
+        first, _ = _open_stream(port, 1500)  # running (the engine runs one sequence at a time)
+        waiting = threading.Thread(target=request, args=(port, "POST", "/v1/completions",
+                                                         {"model": "slow", "prompt": "wait", "max_tokens": 4}))
+        waiting.start()
+        assert wait_for(lambda: metrics(port)["autoglm_requests_waiting"] == 1)
+        status, err, headers = request(port, "POST", "/v1/completions", {"model": "slow", "prompt": "no", "max_tokens": 4})
+        assert status == 429 and err["error"]["type"] == "rate_limit_error" and headers.get("retry-after") == "1"
+        first.close()
+        waiting.join(60)
+
+
+def test_sigterm_drains_then_exits_zero(slow_engine):
+    with server(slow_engine, "--drain-seconds", "60") as (port, proc):
+        conn, r = _open_stream(port, 400)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: request(port, "GET", "/health")[0] == 503, 10)
+        assert request(port, "POST", "/v1/completions", {"model": "slow", "prompt": "late"})[0] == 503
+        rest = r.read().decode()  # the running request finishes in full
+        chunks = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and rest.rstrip().endswith("data: [DONE]")
+        conn.close()
+        assert proc.wait(60) == 0
+
+
+def test_load_test_script_and_bench_url(chat_engine):
+    """The load test (bounded: 80 requests, 8 clients, disconnects and malformed bodies) passes its own
+    checks, and ``bench --url`` measures the server."""
+    with server(chat_engine) as (port, _):
+        url = f"http://127.0.0.1:{port}"
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "load_test.py"), "--url", url, "--requests", "80",
+                            "--concurrency", "8", "--gen-len", "16", "--disconnect", "0.2", "--malformed", "0.1"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        report = json.loads(r.stdout.splitlines()[0])
+        assert report["outcomes"]["completed"] > 30 and report["outcomes"]["cancelled"] > 0
+        assert report["outcomes"]["malformed"] > 0 and report["kv_blocks_used_after"] == 0
+        assert not any(int(s) >= 500 for s in report["statuses"])
+        b = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", url, "--concurrency", "1,4",
+                            "--prompt-len", "8", "--gen-len", "8", "--json"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
+        assert b.returncode == 0, b.stderr
+        rows = [json.loads(line) for line in b.stdout.splitlines()]
+        assert [x["concurrency"] for x in rows] == [1, 4] and all(x["tokens_per_s"] > 0 for x in rows)
