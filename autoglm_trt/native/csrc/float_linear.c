@@ -22,7 +22,7 @@
  *   0 y       float32 [..., N]
  * FloatLinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (N a
  * multiple of 32); FloatLinearSiluMul: one output, [..., N / 2], SiLU(first half) * second half as
- * ONNX Runtime's QuickGelu and Mul compute it (``silu.h``). Shapes that do not fit together (the
+ * ONNX Runtime's QuickGelu and Mul compute it (``vec.h``). Shapes that do not fit together (the
  * rewrite never makes them) give zeros. FloatLinearSkipNorm: inputs 2-4 (skip [..., N], gamma [N],
  * epsilon scalar) and outputs (normalized, sum), both [..., N]: the linear's output plus skip,
  * and its RMSNorm, as ONNX Runtime's SkipSimplifiedLayerNormalization computes them
@@ -35,7 +35,7 @@
 #include "chunks.h"
 #include "ort_api.h"
 #include "parallel.h"
-#include "silu.h"
+#include "vec.h"
 #include "skip_norm.h"
 
 #define MAX_DIMS 8

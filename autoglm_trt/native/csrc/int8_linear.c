@@ -30,7 +30,7 @@
  * fused gate/up projection and the Split that follows it; N a multiple of 32, so no tile of 16
  * columns straddles them). The values are Int8Linear's, bit for bit. Int8LinearSiluMul: one output,
  * [..., N / 2], SiLU(first half) * second half as ONNX Runtime's QuickGelu and Mul compute it
- * (``silu.h``): a gate/up projection and its activation. Int8LinearSkipNorm: inputs 7-9 (skip
+ * (``vec.h``): a gate/up projection and its activation. Int8LinearSkipNorm: inputs 7-9 (skip
  * [..., N], gamma [N], epsilon scalar) and outputs (normalized, sum), both [..., N]: the linear's
  * output plus skip, and its RMSNorm, as ONNX Runtime's SkipSimplifiedLayerNormalization computes
  * them (``skip_norm.h``).
@@ -45,7 +45,7 @@
 #include "ort_api.h"
 #include "parallel.h"
 #include "rotate.h"
-#include "silu.h"
+#include "vec.h"
 #include "skip_norm.h"
 
 #define MAX_DIMS 8

@@ -26,6 +26,7 @@
 
 #include "ort_api.h"
 #include "parallel.h"
+#include "vec.h"
 
 #define ROWS_PER_ITEM 32 /* rows one parallel work item takes */
 
@@ -37,76 +38,24 @@ typedef struct {
 } Job;
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 const int masked_softmax_exact = 1;
-
-/* MLAS's exp constants (MlasExpConstants) */
-static const float LOWER = -103.9720840454f, BIAS = 12582912.f, LOG2E = 1.44269504088896341f,
-                   LN2_HIGH = -6.93145752e-1f, LN2_LOW = -1.42860677e-6f, P0 = 0x1.694000p-10f,
-                   P1 = 0x1.125edcp-7f, P2 = 0x1.555b5ap-5f, P3 = 0x1.555450p-3f, P4 = 0x1.fffff6p-2f,
-                   P56 = 0x1.000000p+0f;
-
-static inline __m512 exp16(__m512 v) {
-  __m512 x = _mm512_max_ps(_mm512_set1_ps(LOWER), v);
-  const __m512 biased = _mm512_fmadd_ps(_mm512_set1_ps(LOG2E), x, _mm512_set1_ps(BIAS));
-  const __m512 m = _mm512_sub_ps(biased, _mm512_set1_ps(BIAS));
-  x = _mm512_fmadd_ps(m, _mm512_set1_ps(LN2_HIGH), x);
-  x = _mm512_fmadd_ps(m, _mm512_set1_ps(LN2_LOW), x);
-  __m512 p = _mm512_set1_ps(P0);
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P1));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P2));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P3));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P4));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P56));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(P56));
-  return _mm512_scalef_ps(p, m);
-}
-
-/* row[0:len] = its softmax, as MLAS computes it in place */
-static void softmax(float *row, int64_t len) {
-  float top = -3.402823466e+38f;
-  for (int64_t i = 0; i < len; i++) top = row[i] > top ? row[i] : top;
-  const __m512 negative = _mm512_set1_ps(-top);
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= len; i += 16) {
-    const __m512 e = exp16(_mm512_add_ps(negative, _mm512_loadu_ps(row + i)));
-    acc = _mm512_add_ps(acc, e);
-    _mm512_storeu_ps(row + i, e);
-  }
-  if (i < len) {
-    const __mmask16 k = (__mmask16)((1u << (len - i)) - 1);
-    const __m512 e = exp16(_mm512_maskz_add_ps(k, negative, _mm512_maskz_loadu_ps(k, row + i)));
-    acc = _mm512_mask_add_ps(acc, k, acc, e);
-    _mm512_mask_storeu_ps(row + i, k, e);
-  }
-  __m256 t = _mm256_add_ps(_mm512_extractf32x8_ps(acc, 1), _mm512_castps512_ps256(acc));
-  t = _mm256_hadd_ps(t, t);
-  t = _mm256_hadd_ps(t, t);
-  const float sum = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-  const float scale = 1.0f / sum;
-  const __m512 s = _mm512_set1_ps(scale);
-  for (i = 0; i + 16 <= len; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(s, _mm512_loadu_ps(row + i)));
-  for (; i < len; i++) row[i] *= scale;
-}
 
 /* rows [ROWS_PER_ITEM * item, ...) */
 static void rows_item(void *data, size_t item) {
   const Job *j = data;
   const int64_t width = j->p + j->n, first = (int64_t)item * ROWS_PER_ITEM;
   const int64_t last = first + ROWS_PER_ITEM < j->rows ? first + ROWS_PER_ITEM : j->rows;
-  float *row = malloc((size_t)width * sizeof(float));
+  float *row = thread_scratch((size_t)width * sizeof(float));
   if (row == NULL) return; /* the outputs keep the zeros they were given */
   for (int64_t r = first; r < last; r++) {
     const int64_t b = r / j->group % j->b_count, t = r % j->t_count; /* r = ((h B + b) G + g) T + t */
     const float *bias = j->bias + (b * j->t_count + t) * width;
     for (int64_t i = 0; i < j->p; i++) row[i] = j->past[r * j->p + i] + bias[i];
     for (int64_t i = 0; i < j->n; i++) row[j->p + i] = j->fresh[r * j->n + i] + bias[j->p + i];
-    softmax(row, width);
+    mlas_softmax(row, width);
     memcpy(j->out_past + r * j->p, row, (size_t)j->p * sizeof(float));
     memcpy(j->out_new + r * j->n, row + j->p, (size_t)j->n * sizeof(float));
   }
-  free(row);
 }
 #else
 const int masked_softmax_exact = 0;

@@ -45,6 +45,7 @@
 
 #include "ort_api.h"
 #include "parallel.h"
+#include "vec.h"
 
 #if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4) /* the test builds the loop too, to compare */
 /* sum + (s0, s1, s2, s3)'s lanes 0, 1, ..., 15, added in that order: the four sums are transposed
@@ -188,40 +189,6 @@ static inline __attribute__((always_inline)) void dot4_i8_avx512(const int8_t *x
   }
 DEFINE_ROW_OPS(f32, float)
 DEFINE_ROW_OPS(i8, int8_t)
-
-/* e^x for x <= 0, in a form the compiler vectorizes: x = (n + f) ln 2 with n an integer and
- * |f| <= 1/2, 2^f from its Taylor series to degree 7 (relative error below 1e-7 there),
- * times 2^n built in the exponent bits. Below -87 (2^-126) the result is 0. */
-static inline float exp_nonpositive(float x) {
-  const float t = x * 1.4426950408889634f;
-  const float n = __builtin_rintf(t), f = (t - n) * 0.6931471805599453f;
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  union { int32_t i; float f; } scale;
-  scale.i = ((int32_t)n + 127) << 23;
-  return t < -126.0f ? 0.0f : p * scale.f;
-}
-
-/* softmax of row[0:len] in place */
-static void softmax(float *row, int64_t len) {
-  float top = row[0], sum = 0.0f;
-#pragma omp simd reduction(max : top)
-  for (int64_t p = 0; p < len; p++) top = row[p] > top ? row[p] : top;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t p = 0; p < len; p++) {
-    row[p] = exp_nonpositive(row[p] - top);
-    sum += row[p];
-  }
-  const float inv = 1.0f / sum;
-#pragma omp simd
-  for (int64_t p = 0; p < len; p++) row[p] *= inv;
-}
 
 #if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4)
 /* The two passes with their loops turned (head_dim 64 and 128, either pool): for the scores, keys
@@ -372,7 +339,7 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
       for (int64_t p = 0; p < ctx; p++) scores[r * width + p] *= k_scale;
   for (int64_t j = 0; j < qlen; j++) /* rows of tokens t >= j */
     key_scores_f32(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
-  for (int64_t r = 0; r < rows; r++) softmax(scores + r * width, ctx + r / G + 1);
+  for (int64_t r = 0; r < rows; r++) vec_softmax(scores + r * width, ctx + r / G + 1);
 #ifdef TURNED
   if (turned) values_pass(orow, rows, scores, width, pool_v, int8, v_scale, table, ctx, NB, BS, D);
 #endif
@@ -420,10 +387,13 @@ static void run_item(void *data, size_t i) {
   const int64_t b = (int64_t)i / j->Hkv, h = (int64_t)i % j->Hkv, G = j->Hq / j->Hkv, T = j->T, D = j->D;
   const int64_t c = j->ctx_lens[b], n = j->q_lens[b];
   if (c < 0 || n < 1 || n > T || (c + j->BS - 1) / j->BS > j->MB) return; /* padding, or a table too short */
-  float *scores = malloc((size_t)(n * G * (c + n)) * sizeof(float));
-  const float **qr = malloc((size_t)(n * G) * sizeof(float *));
-  float **orow = malloc((size_t)(n * G) * sizeof(float *));
-  if (scores != NULL && qr != NULL && orow != NULL) {
+  /* scratch: the scores [n G, c + n], then the query and output row pointers */
+  const size_t score_bytes = ((size_t)(n * G * (c + n)) * sizeof(float) + 63) / 64 * 64;
+  char *scratch = thread_scratch(score_bytes + 2 * (size_t)(n * G) * sizeof(float *));
+  float *scores = (float *)scratch;
+  const float **qr = scratch != NULL ? (const float **)(scratch + score_bytes) : NULL;
+  float **orow = scratch != NULL ? (float **)(qr + n * G) : NULL;
+  if (scratch != NULL) {
     for (int64_t r = 0; r < n * G; r++) {
       const int64_t at = ((b * T + r / G) * j->Hq + h * G + r % G) * D;
       qr[r] = j->q + at;
@@ -436,9 +406,6 @@ static void run_item(void *data, size_t i) {
            (const char *)j->pool_v + pool, int8, int8 ? j->k_scales[h] : 1.0f, int8 ? j->v_scales[h] : 1.0f,
            j->tables + b * j->MB, c, n, j->NB, j->BS, D, scores);
   }
-  free(scores);
-  free(qr);
-  free(orow);
   if (j->slots != NULL) store(j, b, h);
 }
 

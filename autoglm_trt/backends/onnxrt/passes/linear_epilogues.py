@@ -5,7 +5,7 @@ own nodes give.
 
 - ``silu_mul``: SiLU(gate) * up after a gate/up projection (``Int8LinearSplit`` or
   ``FloatLinearSplit`` whose halves go on only to ``QuickGelu`` with alpha 1 and a ``Mul``) as
-  ``Int8LinearSiluMul`` or ``FloatLinearSiluMul`` (``csrc/silu.h``). Its logistic is MLAS's
+  ``Int8LinearSiluMul`` or ``FloatLinearSiluMul`` (``native/csrc/vec.h``). Its logistic is MLAS's
   polynomial ratio, evaluated with fused multiply-adds, so ``linear_op.rewrite`` uses it only
   where the native library has them.
 - ``fuse_skip_norm``: residual add + RMSNorm after a linear (a
