@@ -187,7 +187,7 @@ class ExportRecord:
         if graph.get("kv_dtype", graph["dtype"]) not in KV_DTYPES:
             raise ArtifactError(f"{path}: graph.kv_dtype must be one of {', '.join(KV_DTYPES)}, "
                                 f"got {brief(graph.get('kv_dtype'))}")
-        _positive_int(graph, "max_positions", path, ArtifactError)
+        _positive_int(graph, "max_seq_len", path, ArtifactError)
         return cls(model_dir, data, _spec(data, path, ArtifactError))
 
     @property
@@ -212,8 +212,9 @@ class ExportRecord:
         return str(self.graph.get("precision", "fp32" if self.dtype == "float32" else "fp16"))
 
     @property
-    def max_positions(self) -> int:
-        return int(self.graph["max_positions"])
+    def max_seq_len(self) -> int:
+        """The longest sequence the graph allows (``export --max-seq-len``; an engine's limit is at most this)."""
+        return int(self.graph["max_seq_len"])
 
     @property
     def graph_version(self) -> int | None:

@@ -178,9 +178,9 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         model_dir = _calibrated(req, model_dir, cache, log)
 
     record = ExportRecord.read(model_dir)
-    if cfg.max_seq_len > record.max_positions:
+    if cfg.max_seq_len > record.max_seq_len:
         raise AutoGLMError(f"max_seq_len {cfg.max_seq_len} exceeds what the export allows "
-                           f"({record.max_positions}); export with a larger --max-seq-len")
+                           f"({record.max_seq_len}); export with a larger --max-seq-len")
     kv_dtype = cfg.kv_cache_dtype or record.dtype
     if kv_dtype not in (record.dtype, "int8"):
         raise AutoGLMError(f"a {record.dtype} engine keeps its KV cache in {record.dtype} or int8, not {kv_dtype}")

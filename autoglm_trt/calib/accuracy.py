@@ -36,12 +36,12 @@ class GateSettings:
 
 
 def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: WeightSource, plan: QuantPlan,
-                     max_positions: int, windows: np.ndarray, errors: dict[str, float], gs: GateSettings,
+                     max_seq_len: int, windows: np.ndarray, errors: dict[str, float], gs: GateSettings,
                      log: Callable[[str], None]) -> tuple[list[str], dict]:
     """Linears to keep in float and the gate's report; leaves ``model.int8.onnx`` of that plan in ``tmp``."""
     t0 = time.perf_counter()
     switch_plan = QuantPlan(plan.act_amax, True, plan.rotate)
-    switch_path = write_int8_graph(tmp, "switch.onnx", spec, weights, switch_plan, max_positions)
+    switch_path = write_int8_graph(tmp, "switch.onnx", spec, weights, switch_plan, max_seq_len)
     search = SensitivitySearch(make_session(switch_path, threads=gs.threads), spec, switch_plan.switch_order,
                                windows, gs.target_ppl_ratio, gs.target_top1)
     keep = search.run(errors, log)
@@ -50,7 +50,7 @@ def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: Weig
     reference = GraphRunner(export_dir, threads=gs.threads).logits
     final = Gate(reference, windows, gs.target_ppl_ratio, gs.target_top1, reference)
     for attempt in range(FINAL_GATE_ATTEMPTS):
-        write_int8_graph(tmp, "model.int8.onnx", spec, weights, plan.without(keep), max_positions)
+        write_int8_graph(tmp, "model.int8.onnx", spec, weights, plan.without(keep), max_seq_len)
         result = final.check(GraphRunner(tmp, threads=gs.threads).logits)
         log(f"gate on the INT8 graph with {len(keep)} linears in float: ppl ratio {result['ppl_ratio']:.4f}, "
             f"top-1 {result['top1_agreement']:.3f}")

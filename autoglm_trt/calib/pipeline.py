@@ -230,11 +230,11 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
     if cfg.gate:
         separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
         gate_windows = token_windows(cfg.data, cfg.export_dir, cfg.gate_windows, cfg.gate_seq_len, separator).windows
-        keep, gate_report = search_and_check(tmp, cfg.export_dir, spec, st.weights, plan, export.max_positions,
+        keep, gate_report = search_and_check(tmp, cfg.export_dir, spec, st.weights, plan, export.max_seq_len,
                                              gate_windows, errors,
                                              GateSettings(cfg.target_ppl_ratio, cfg.target_top1, cfg.threads), log)
     else:
-        write_int8_graph(tmp, "model.int8.onnx", spec, st.weights, plan, export.max_positions)
+        write_int8_graph(tmp, "model.int8.onnx", spec, st.weights, plan, export.max_seq_len)
     quantized = plan.without(keep).act_amax
     cache = write_trt_cache(tmp, st, quantized)
     return {

@@ -65,7 +65,7 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
     if cfg.validate:
         _check_reference_fits(spec)
     max_seq_len = cfg.max_seq_len or min(spec.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    opts = GraphOptions(dtype=cfg.dtype, max_positions=max_seq_len)
+    opts = GraphOptions(dtype=cfg.dtype, max_seq_len=max_seq_len)
     log(f"exporting {spec.family} model from {ckpt.path}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads, vocab {spec.vocab_size}, weights as {cfg.dtype}")
 
@@ -122,7 +122,7 @@ def _record(spec: ModelSpec, opts: GraphOptions, ckpt: Checkpoint, tmp: Path, ex
         "graph": {
             "file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET, "version": GRAPH_VERSION,
             "dtype": opts.dtype,
-            "precision": "fp32" if opts.dtype == "float32" else "fp16", "max_positions": opts.max_positions,
+            "precision": "fp32" if opts.dtype == "float32" else "fp16", "max_seq_len": opts.max_seq_len,
             "inputs": inputs, "outputs": outputs,
             "kv_cache": {"layout": POOL_LAYOUT, "dtype": opts.dtype,
                          "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},

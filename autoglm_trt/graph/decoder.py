@@ -57,7 +57,8 @@ OPSET = 17
 # The graph's layout as this code writes it; a cached export of another version is redone.
 # 2: rope for q and k together in four nodes, new K/V named at their producer (no Identity),
 #    pools [kv_heads, num_blocks, block_size, head_dim], past and new keys attended separately.
-GRAPH_VERSION = 2
+# 3: export.json names the longest sequence max_seq_len, as the build config and manifest do.
+GRAPH_VERSION = 3
 NEG_INF = -1.0e9  # finite, so a row with no valid key gives a uniform softmax, not NaN
 EMBED_CHUNK_ROWS = 8192
 LM_HEAD_STREAM_BYTES = 512 * 1024**2  # an INT8 LM head larger than this in float32 is quantized in chunks
@@ -66,7 +67,7 @@ LM_HEAD_STREAM_BYTES = 512 * 1024**2  # an INT8 LM head larger than this in floa
 @dataclass(frozen=True)
 class GraphOptions:
     dtype: str = "float32"  # weights, GEMMs and KV cache: float32 | float16
-    max_positions: int = 4096  # length of the rope tables = longest sequence the engine allows
+    max_seq_len: int = 4096  # the longest sequence the graph allows (its rope tables' length)
     quant: QuantPlan | None = None
 
     @property
@@ -161,7 +162,7 @@ class DecoderGraph:
         x = self.to_f32(g.op("Gather", [embed, "input_ids"], "embed", axis=0))
 
         # rope tables gathered once by position
-        cos_t, sin_t = full_width_tables(*cos_sin_tables(s.rope, o.max_positions, s.max_position_embeddings),
+        cos_t, sin_t = full_width_tables(*cos_sin_tables(s.rope, o.max_seq_len, s.max_position_embeddings),
                                          s.head_dim)
         cos = g.op("Unsqueeze", [g.op("Gather", [g.weight("rope.cos", cos_t), "position_ids"], "cos_pos", axis=0),
                                   g.ints([2])], "cos")
@@ -313,11 +314,11 @@ class DecoderGraph:
 
 
 def write_int8_graph(out_dir: Path, name: str, spec: ModelSpec, weights: WeightSource, plan: QuantPlan,
-                     max_positions: int) -> Path:
+                     max_seq_len: int) -> Path:
     """``out_dir/name`` (+ ``name.data``): the decoder with the plan's linears in INT8."""
     builder = GraphBuilder(out_dir / f"{name}.data")
     try:
-        DecoderGraph(builder, spec, weights, GraphOptions("float32", max_positions, plan)).build()
+        DecoderGraph(builder, spec, weights, GraphOptions("float32", max_seq_len, plan)).build()
         model = builder.model(f"{spec.family}_paged_decoder_int8", OPSET)
     finally:
         builder.close()

@@ -235,7 +235,7 @@ def test_smoothquant_folding_leaves_the_float_model_unchanged(tiny_dir, tmp_path
     shutil.copytree(export, smoothed)
     builder = GraphBuilder(smoothed / "model.onnx.data")
     DecoderGraph(builder, spec, SmoothedWeights(ExportedWeights(export), spec, scales),
-                 GraphOptions("float32", meta["graph"]["max_positions"])).build()
+                 GraphOptions("float32", meta["graph"]["max_seq_len"])).build()
     onnx.save_model(builder.model("smoothed", OPSET), str(smoothed / "model.onnx"))
     windows = token_windows(DATA, export, 2, 48, None).windows
     ref, got = GraphRunner(export).logits(windows), GraphRunner(smoothed).logits(windows)
@@ -266,7 +266,7 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
                      rotate={n: block_size(input_channels(spec, n), 128) for n in names})
     assert min(plan.rotate.values()) >= 16
     builder = GraphBuilder(tmp_path / "rot.onnx.data")
-    opts = GraphOptions("float32", meta["graph"]["max_positions"], plan)
+    opts = GraphOptions("float32", meta["graph"]["max_seq_len"], plan)
     DecoderGraph(builder, spec, ExportedWeights(export), opts).build()
     onnx.save_model(builder.model("rotated", OPSET), str(tmp_path / "rot.onnx"))
     session = make_session(tmp_path / "rot.onnx")

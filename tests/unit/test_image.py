@@ -1,0 +1,121 @@
+"""GLM-4.1V's image preprocessing against transformers' Glm4vImageProcessor, and decoding limits."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from autoglm_trt.errors import RequestError
+from autoglm_trt.model.image import ImageConfig, ImageError, open_image, preprocess, smart_resize
+
+
+def _reference():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as ref
+
+    assert transformers.__version__
+    return Glm4vImageProcessorPil(), ref
+
+
+def _image(width: int, height: int, mode: str = "RGB", seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed + width * 7 + height)
+    bands = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    data = rng.integers(0, 256, (height, width, bands), dtype=np.uint8)
+    return Image.fromarray(data[..., 0] if bands == 1 else data, mode)
+
+
+@pytest.mark.parametrize("size", [(1080, 2400), (333, 517), (29, 31), (17, 45), (900, 60), (2001, 1999), (56, 56)])
+def test_pixel_values_equal_transformers_within_1e_5(size):
+    processor, _ = _reference()
+    image = _image(*size)
+    want = processor(images=[image], return_tensors="np")
+    pixels, grids = preprocess([image], ImageConfig())
+    assert pixels.dtype == np.float32 and pixels.shape == want["pixel_values"].shape
+    np.testing.assert_array_equal(grids, want["image_grid_thw"])
+    np.testing.assert_allclose(pixels, want["pixel_values"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "L"])
+def test_transparency_and_grey_images_are_converted_as_transformers_does(mode):
+    processor, _ = _reference()
+    image = _image(123, 77, mode)
+    pixels, _ = preprocess([image], ImageConfig())
+    np.testing.assert_allclose(pixels, processor(images=[image], return_tensors="np")["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_two_images_are_concatenated_in_order():
+    processor, _ = _reference()
+    images = [_image(100, 300), _image(640, 200, seed=3)]
+    want = processor(images=images, return_tensors="np")
+    pixels, grids = preprocess(images, ImageConfig())
+    np.testing.assert_array_equal(grids, want["image_grid_thw"])
+    np.testing.assert_allclose(pixels, want["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_smart_resize_equals_transformers_over_many_sizes():
+    _, ref = _reference()
+    rng = np.random.default_rng(5)
+    cfg = ImageConfig(max_pixels=5_000_000)
+    for height, width in rng.integers(28, 6000, (300, 2)):
+        want = ref(2, int(height), int(width), 2, 28, cfg.min_pixels, cfg.max_pixels)
+        assert cfg.resized(int(height), int(width)) == want, (height, width)
+
+
+def test_a_phone_screenshots_tokens():
+    """1080 x 2400: 2408 x 1092 after the resize, 3,354 tokens, under transformers' default max_pixels;
+    Open-AutoGLM's max_pixels of 5,000,000 counts the frame twice (the temporal patch) and so
+    shrinks it to 3,108 tokens, as transformers does."""
+    _, ref = _reference()
+    assert ImageConfig().tokens(2400, 1080) == (2408 // 28) * (1092 // 28) == 3354
+    assert ImageConfig().grid(2400, 1080) == (1, 2408 // 14, 1092 // 14)
+    h, w = ref(2, 2400, 1080, 2, 28, 112 * 112, 5_000_000)
+    assert ImageConfig(max_pixels=5_000_000).tokens(2400, 1080) == h * w // 28 ** 2 == 3108
+
+
+def test_the_checkpoint_config_is_read_and_checked(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text(
+        '{"size": {"shortest_edge": 12544, "longest_edge": 9633792}, "patch_size": 14, "merge_size": 2,'
+        ' "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25, 0.25, 0.25]}')
+    cfg = ImageConfig.from_dir(tmp_path, max_pixels=5_000_000)
+    assert (cfg.min_pixels, cfg.max_pixels, cfg.image_mean, cfg.image_std) == (12544, 5_000_000, (0.5,) * 3, (0.25,) * 3)
+    (tmp_path / "preprocessor_config.json").write_text('{"patch_size": "14"}')
+    with pytest.raises(RequestError, match="patch_size must be a positive integer"):
+        ImageConfig.from_dir(tmp_path)
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height and whose pixel data are one empty chunk."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_bad_images_are_refused_with_a_reason():
+    with pytest.raises(ImageError, match="not an image"):
+        open_image(b"plain text, not an image")
+    with pytest.raises(ImageError, match="10000 x 10000 = 100,000,000 pixels; at most 64,000,000"):
+        open_image(_png_header(10_000, 10_000))  # refused from its header: nothing is decoded
+    with pytest.raises(ImageError, match="too many pixels; at most 64,000,000"):
+        open_image(_png_header(100_000, 100_000))  # past Pillow's own limit too
+    buf = io.BytesIO()
+    _image(64, 64).save(buf, "PNG")
+    with pytest.raises(ImageError, match="truncated or corrupt"):
+        open_image(buf.getvalue()[: len(buf.getvalue()) // 2])
+    with pytest.raises(ImageError, match="must be base64"):
+        open_image("data:image/png,abc")
+    with pytest.raises(ImageError, match="base64 is malformed"):
+        open_image("data:image/png;base64,@@@")
+    with pytest.raises(ImageError, match="aspect ratio must be at most 200"):
+        smart_resize(28, 28 * 300)
+    good = open_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    assert good.size == (64, 64)
