@@ -1,7 +1,7 @@
 """The one step contract every runtime backend runs (Polygraphy's runner, for a paged decoder).
 
 A runner owns the KV block pools and runs one step of the engine's graph: given the step
-inputs (``graph.paged_kv.step_inputs``) and the slots of the new tokens, it returns each
+inputs (``kvcache.step_inputs``) and the slots of the new tokens, it returns each
 sequence's logits (which its next step may overwrite) and has written the new K/V into its
 pools. ``copy_blocks`` copies whole blocks of every pool (copy-on-write of a block that forked
 sequences share; the scheduler asks for it before the step that writes there). ``close`` frees

@@ -6,7 +6,7 @@ Two profiles, as TensorRT wants one per regime:
 * decode:  1..max_batch sequences of exactly 1 new token.
 
 In both, ``block_tables`` is ``[batch, 1..blocks_per_seq]`` and each pool input is fixed at
-``paged_kv.pool_shape`` (``[kv_heads, num_blocks, block_size, head_dim]``).
+``kvcache.layout.pool_shape`` (``[kv_heads, num_blocks, block_size, head_dim]``).
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class DecoderGraph:
         g.input("logits_indices", TensorProto.INT64, ["batch", "num_logits"])
         if o.quant is not None and o.quant.switchable:
             g.input("quant_mask", TensorProto.FLOAT, [len(o.quant.switch_order)])
-        pool_dims: list[int | str] = [s.num_kv_heads, "num_blocks", "block_size", s.head_dim]  # paged_kv.POOL_LAYOUT
+        pool_dims: list[int | str] = [s.num_kv_heads, "num_blocks", "block_size", s.head_dim]  # kvcache.layout.POOL_LAYOUT
         for i in range(s.num_layers):
             g.input(names.past_key(i), kvdt, pool_dims)
             g.input(f"past_value.{i}", kvdt, pool_dims)

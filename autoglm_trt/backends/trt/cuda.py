@@ -8,7 +8,7 @@ tested on a GPU by ``tests/gpu/test_cuda_runtime.py`` (no TensorRT needed for th
 The scatter kernel copies one token's K (or V) into its pool slot, head by head:
 ``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``
 is the step's ``[tokens, kv_heads, head_dim]`` output and ``pool`` is
-``[kv_heads, num_blocks * block_size, head_dim]`` (``paged_kv.POOL_LAYOUT``); a head's
+``[kv_heads, num_blocks * block_size, head_dim]`` (``kvcache.layout.POOL_LAYOUT``); a head's
 ``head_dim`` elements move as 32-bit words (float32, or pairs of float16).
 """
 

@@ -4,7 +4,7 @@
  * order, and the blocks' sums added to the output in order. So the outputs equal MatMul's bit for
  * bit where MLAS uses fused multiply-adds (its AVX2/FMA3 and AVX-512 kernels);
  * ``tests/test_float_linear.py`` checks that against ONNX Runtime on the machine it runs on, and
- * the rewrite (``linear_op.py``) uses this operator only where the library was built with FMA.
+ * the rewrite (``passes/linears.py``) uses this operator only where the library was built with FMA.
  *
  * Batch-1 decode steps read each weight once: one 64-byte load feeds 16 outputs, and the tiles
  * stream front to back. With more rows, each block of 256 inputs is read from cache for every
@@ -33,12 +33,11 @@
 #include <string.h>
 
 #include "chunks.h"
+#include "linear.h"
 #include "ort_api.h"
 #include "parallel.h"
 #include "vec.h"
-#include "skip_norm.h"
 
-#define MAX_DIMS 8
 #define BLOCK 256 /* MLAS_SGEMM_STRIDEK: the inputs one partial sum covers */
 #define PAIRED_ROWS 32 /* up to this many rows, two tiles are computed together */
 #define GATED_ROWS 64  /* FloatLinearSiluMul's rows at a time */
@@ -202,35 +201,18 @@ static void gated_pair(void *data, size_t i) {
   }
 }
 
-enum { PLAIN, SPLIT, GATED, NORM }; /* FloatLinear, FloatLinearSplit, FloatLinearSiluMul, FloatLinearSkipNorm */
-
 static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
-  const int halves = mode == SPLIT || mode == GATED, outputs = mode == SPLIT || mode == NORM ? 2 : 1;
-  size_t rank = 0;
-  int64_t dims[MAX_DIMS], wd[3];
-  void *x, *w;
-  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || fixed_input(ctx, constants, 1, &w, wd, 3))
-    return;
-  const int64_t k = dims[rank - 1], n = 16 * wd[0];
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-  dims[rank - 1] = halves ? n / 2 : n;
-  float *out[2] = {NULL, NULL};
-  if (float_outputs(ctx, outputs, dims, rank, out)) return;
-  /* FloatLinearSkipNorm: the linear's output goes to the sum (output 1), the norm to output 0 */
-  float *y = mode == NORM ? out[1] : out[0], *y2 = mode == SPLIT ? out[1] : NULL;
-  NormJob norm = {y, NULL, NULL, 0.0f, n, out[0]};
-  if (wd[1] != k || wd[2] != 16 || k < 1 || (halves && n % 32) ||
-      (mode == NORM && norm_inputs(ctx, constants, 2, rows, n, &norm))) {
-    for (int o = 0; o < outputs; o++) memset(out[o], 0, (size_t)(rows * dims[rank - 1]) * sizeof(float));
-    return;
-  }
-  if (rows == 0) return;
+  LinearCall call;
+  int64_t wd[3];
+  void *w;
+  if (linear_input(ctx, mode, &call) || fixed_input(ctx, constants, 1, &w, wd, 3)) return;
+  const int64_t k = call.k, rows = call.rows;
+  if (linear_begin(ctx, constants, &call, 16 * wd[0], 2, wd[1] == k && wd[2] == 16 && k >= 1)) return;
   const int64_t chunk = chunk_rows(rows), chunks = (rows + chunk - 1) / chunk;
   const int64_t items = mode == GATED ? wd[0] / 2 : (wd[0] + 1) / 2; /* gate tiles, or tile pairs */
-  Job job = {x, rows, k, n, w, y, y2, chunk, items};
+  Job job = {call.x, rows, k, call.n, w, call.y, call.y2, chunk, items};
   parallel_for(ctx, mode == GATED ? gated_pair : tile_pair, (size_t)(items * chunks), 2, &job);
-  if (mode == NORM) parallel_for(ctx, norm_row, (size_t)rows, 2, &norm);
+  linear_end(ctx, &call, 2);
 }
 
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }

@@ -24,7 +24,7 @@
  *   6 weight_scale  float32 [N]
  * Output:
  *   0 y             float32 [..., N]        (sum_k (xq[k] - zero) W[k, n]) * (act_scale * weight_scale[n])
- * Shapes that do not fit together (the rewrite in linear_op.py never makes them) give zeros.
+ * Shapes that do not fit together (the rewrite, passes/linears.py, never makes them) give zeros.
  *
  * Int8LinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (a
  * fused gate/up projection and the Split that follows it; N a multiple of 32, so no tile of 16
@@ -42,13 +42,12 @@
 #include <unistd.h>
 
 #include "chunks.h"
+#include "linear.h"
 #include "ort_api.h"
 #include "parallel.h"
 #include "rotate.h"
 #include "vec.h"
-#include "skip_norm.h"
 
-#define MAX_DIMS 8
 
 static inline int32_t quad(const uint8_t *x) { /* four input bytes as one 32-bit lane */
   int32_t v;
@@ -264,57 +263,27 @@ static void tile_run(void *data, size_t i) {
   for (int64_t t = run * r->per; t < end; t++) r->tile(r->job, t, r0, r1);
 }
 
-/* zeros in the output(s), of ``each`` values each */
-static void zero_outputs(float *y, float *y2, int64_t each) {
-  memset(y, 0, (size_t)each * sizeof(float));
-  if (y2 != NULL) memset(y2, 0, (size_t)each * sizeof(float));
-}
-
-enum { PLAIN, SPLIT, GATED, NORM }; /* Int8Linear, Int8LinearSplit, Int8LinearSiluMul, Int8LinearSkipNorm */
-
 static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
-  const int halves = mode == SPLIT || mode == GATED, outputs = mode == SPLIT || mode == NORM ? 2 : 1;
-  size_t rank = 0;
-  int64_t dims[MAX_DIMS], hd[2], none[1], wd[4], cd[1], sd[1];
-  void *x, *h, *scale, *zero, *w, *col_sums, *w_scale;
-  if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || fixed_input(ctx, constants, 1, &h, hd, 2) ||
+  LinearCall call;
+  int64_t hd[2], none[1], wd[4], cd[1], sd[1];
+  void *h, *scale, *zero, *w, *col_sums, *w_scale;
+  if (linear_input(ctx, mode, &call) || fixed_input(ctx, constants, 1, &h, hd, 2) ||
       fixed_input(ctx, constants, 2, &scale, none, 0) || fixed_input(ctx, constants, 3, &zero, none, 0) ||
       fixed_input(ctx, constants, 4, &w, wd, 4) || fixed_input(ctx, constants, 5, &col_sums, cd, 1) ||
       fixed_input(ctx, constants, 6, &w_scale, sd, 1))
     return;
-  const int64_t k = dims[rank - 1], n = sd[0];
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-  dims[rank - 1] = halves ? n / 2 : n;
-  const int64_t each = rows * dims[rank - 1]; /* values in each output */
-  float *out[2] = {NULL, NULL};
-  if (float_outputs(ctx, outputs, dims, rank, out)) return;
-  /* Int8LinearSkipNorm: the linear's output goes to the sum (output 1), the norm to output 0 */
-  float *y = mode == NORM ? out[1] : out[0], *y2 = mode == SPLIT ? out[1] : NULL;
-  NormJob norm = {y, NULL, NULL, 0.0f, n, out[0]};
-  if (mode == NORM && norm_inputs(ctx, constants, 7, rows, n, &norm)) {
-    zero_outputs(out[0], out[1], each);
-    return;
-  }
-  if (halves && n % 32) { /* halves that would split a tile (the rewrite never makes them) */
-    zero_outputs(out[0], out[1], each);
-    return;
-  }
+  const int64_t k = call.k, rows = call.rows, n = sd[0], b = hd[0], kp = 4 * wd[1];
   const float s = *(const float *)scale;
-  const int64_t b = hd[0], kp = 4 * wd[1];
-  if (!valid_block(b, k) || hd[1] != b || !(s > 0.0f) || wd[2] != 16 || wd[3] != 4 || kp < k || kp - k >= 4 ||
-      n > 16 * wd[0] || n <= 16 * (wd[0] - 1) || cd[0] != 16 * wd[0]) {
-    zero_outputs(out[0], out[1], each);
-    return;
-  }
-  if (rows == 0) return;
+  const int fits = valid_block(b, k) && hd[1] == b && s > 0.0f && wd[2] == 16 && wd[3] == 4 && kp >= k &&
+                   kp - k < 4 && n <= 16 * wd[0] && n > 16 * (wd[0] - 1) && cd[0] == 16 * wd[0];
+  if (linear_begin(ctx, constants, &call, n, 7, fits)) return;
   uint8_t *xq = malloc((size_t)(rows * kp));
   if (xq == NULL) {
-    zero_outputs(out[0], out[1], each);
+    linear_zero(&call);
     return;
   }
-  Job job = {x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
-             w, col_sums, w_scale, *(const float *)scale, n, y, y2};
+  Job job = {call.x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
+             w, col_sums, w_scale, s, n, call.y, call.y2};
   parallel_for(ctx, quantize_row, (size_t)rows, 4, &job);
   const size_t tiles = mode == GATED ? (size_t)wd[0] / 2 : (size_t)wd[0]; /* gated: the gate tiles */
   const size_t want = runs_wanted(), per = rows == 1 && tiles > want ? (tiles + want - 1) / want : 1;
@@ -322,7 +291,7 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   const int64_t runs_each = ((int64_t)tiles + (int64_t)per - 1) / (int64_t)per; /* runs of tiles a chunk */
   Runs runs = {&job, mode == GATED ? gated_tile : column_tile, (int64_t)tiles, (int64_t)per, runs_each, chunk};
   parallel_for(ctx, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
-  if (mode == NORM) parallel_for(ctx, norm_row, (size_t)rows, 4, &norm);
+  linear_end(ctx, &call, 4);
   free(xq);
 }
 

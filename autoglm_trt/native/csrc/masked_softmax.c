@@ -10,7 +10,7 @@
  * one 16-lane sum in order (a last partial vector masked), the lanes reduced as its kernel does
  * (upper 8 + lower 8, two horizontal adds, the two halves); then each exp times 1 / sum. So the
  * outputs equal the graph's bit for bit (``tests/test_masked_softmax.py`` checks it against
- * ONNX Runtime's own nodes); the rewrite (``prefill_scores.py``) uses it only where the library
+ * ONNX Runtime's own nodes); the rewrite (``passes/prefill_scores.py``) uses it only where the library
  * is built for AVX-512F, as MLAS then is. Other builds give zeros (never used).
  *
  * Inputs:

@@ -8,7 +8,7 @@ pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache). The condition is
 token per sequence": decode steps take the operator; prefill steps keep the graph's nodes,
 whose GEMMs are faster over many new tokens than the operator's dot products (a 1,000-token
 prompt took 1.5x as long through the operator), with their scores computed query by query
-(``prefill_scores.py``, the same bits). As the engine is loaded, ``step_branch.py``
+(``prefill_scores.py``, the same bits). The ``step_branch`` pass
 then hoists the 30 ``If`` nodes into one for the whole step.
 Everything else, the INT8 GEMMs included, is untouched, and the portable graph that TensorRT
 builds never sees the operator.

@@ -1,4 +1,4 @@
-"""What joins an ONNX Runtime engine's native linears as the engine loads (``linear_op.py`` makes
+"""What joins an ONNX Runtime engine's native linears (``linears.py`` makes
 the linears): the operations right after a linear that read nothing but its output, computed in
 the linear operator's last pass instead of nodes of their own, with the floats ONNX Runtime's
 own nodes give.
@@ -6,7 +6,7 @@ own nodes give.
 - ``silu_mul``: SiLU(gate) * up after a gate/up projection (``Int8LinearSplit`` or
   ``FloatLinearSplit`` whose halves go on only to ``QuickGelu`` with alpha 1 and a ``Mul``) as
   ``Int8LinearSiluMul`` or ``FloatLinearSiluMul`` (``native/csrc/vec.h``). Its logistic is MLAS's
-  polynomial ratio, evaluated with fused multiply-adds, so ``linear_op.rewrite`` uses it only
+  polynomial ratio, evaluated with fused multiply-adds, so ``linears.rewrite`` uses it only
   where the native library has them.
 - ``fuse_skip_norm``: residual add + RMSNorm after a linear (a
   ``SkipSimplifiedLayerNormalization`` of ``fusions.skip_rms_norm`` reading a plain

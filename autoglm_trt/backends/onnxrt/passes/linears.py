@@ -1,6 +1,6 @@
 """Give the engine graph's INT8 linears the native ``Int8Linear`` operator.
 
-Input: the ONNX Runtime engine's graph after ``fusions.hadamard_quantize``, where each INT8
+Input: the ONNX Runtime engine's graph after the ``hadamard_quantize`` pass, where each INT8
 linear is a ``HadamardQuantize`` (rotation + uint8 quantization of its input) read only by a
 ``com.microsoft.MatMulIntegerToFloat`` with int8 weights ``[K, N]``, per-column scales and zero
 weight zero points. Output: each such pair as one ``autoglm.trt.Int8Linear``
@@ -20,9 +20,10 @@ halves), its weights as 16-column tiles in the same buffer, and a gate/up projec
 SiLU(gate) * up (``QuickGelu`` and ``Mul``) becomes one ``Int8LinearSiluMul`` or
 ``FloatLinearSiluMul``. They compute what ONNX Runtime's nodes do, so the outputs do not change.
 
-Like every rewrite in this package it is for ONNX Runtime alone, made when the engine is
-loaded; the saved engine and the graph TensorRT builds keep ``MatMulIntegerToFloat`` and
-``MatMul``.
+Like every pass in this package it is for ONNX Runtime alone, run when the engine is built into
+its native graph; the engine's plain graph and the graph TensorRT builds keep
+``MatMulIntegerToFloat`` and ``MatMul``. The packed weights are saved beside the native graph
+(``loader.save_native``) and read back into one huge-page buffer when the engine loads.
 """
 
 from __future__ import annotations

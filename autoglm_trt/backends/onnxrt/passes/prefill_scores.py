@@ -10,7 +10,7 @@ and the transpose goes. Each score is the same sum of the same products in the s
 Runtime's GEMM adds a head's 64 products as one chain of fused multiply-adds from zero, whichever
 operand holds the queries), so scores and logits are the graph's bit for bit: checked on the
 SmolLM2 engines over prompts of 1,000, 300 + 120 and 17 + 5 + 2 tokens, and chunks after a past
-(ad hoc), and by ``tests/test_prefill_scores.py`` on the tiny engines. A 1,000-token prefill
+(ad hoc), and by ``tests/native/test_prefill_scores.py`` on the tiny engines. A 1,000-token prefill
 ran 1.22x faster on the SmolLM2 INT8 engine and 1.17x on the fp32 one (ad hoc, the two forms
 interleaved in one process, medians of 6 and 4 rounds); with ``MaskedSoftmax`` (below) too,
 1.38x and 1.19x.
@@ -22,7 +22,7 @@ reads the two score blocks and the mask once and writes the two parts once: the 
 (the same SmolLM2 prefills, ad hoc, and ``tests/test_masked_softmax.py`` against ONNX Runtime's
 own nodes).
 
-Only the prefill branch of ``attention_op.rewrite`` takes this form: its steps have two or more
+Only the prefill branch of ``attention.rewrite`` takes this form: its steps have two or more
 new tokens, while a one-row product may take one of ONNX Runtime's other GEMM kernels, whose
 order was not checked.
 """

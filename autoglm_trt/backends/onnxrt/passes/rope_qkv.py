@@ -7,7 +7,7 @@ into queries and keys (axis 2), and ``Reshape`` of the values. At batch 1 each n
 in ONNX Runtime's dispatch than in arithmetic. ``rewrite`` replaces the eight with one
 ``autoglm.trt.RopeQKV`` (``csrc/rope_qkv.c``) whose outputs are the same three tensors, equal
 to the graph's. A layer whose nodes do not have this shape (or whose intermediate tensors have
-other readers) is left as it is. For ONNX Runtime alone, made when the engine is loaded.
+other readers) is left as it is. For ONNX Runtime alone, in the engine's native graph.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Branch a step's graph once, rather than once per layer.
 
-``attention_op.rewrite`` gives each layer an ``If`` on ``native.decode``: the native operator for
+``attention.rewrite`` gives each layer an ``If`` on ``native.decode``: the native operator for
 decode steps, the graph's attention for prefill steps. ONNX Runtime runs an ``If`` as a subgraph
 with an execution frame of its own, and 30 of them cost a decode step of the SmolLM2 INT8 engine
 about 5% of its time (ad hoc, interleaved in one process: 6.8 against 6.5 ms at batch 1, 15.2
