@@ -67,7 +67,7 @@ class ImageConfig:
         raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         if not isinstance(raw, dict):
             raise RequestError(f"{path} must hold a JSON object")
-        size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+        size: dict = raw["size"] if isinstance(raw.get("size"), dict) else {}
         fields = {
             "patch_size": raw.get("patch_size", cls.patch_size),
             "temporal_patch_size": raw.get("temporal_patch_size", cls.temporal_patch_size),
