@@ -7,8 +7,9 @@ Every block is in exactly one of three places::
     evictable   ref_cnt 0, a full block with its hash       LRU order, evicted from the head
                 (still in the hash table: a hit revives it)  only when the free list is empty
 
-A full block is named by a hash chained from its parent block's hash and its own token ids,
-so equal hashes mean equal prefixes::
+A full block is named by a hash chained from its parent block's hash, its own token ids and its
+extra key (the digests of the images its tokens stand for; empty for text), so equal hashes mean
+equal prefixes, images included::
 
     tokens   | t0 .. t15 | t16 .. t31 | t32 .. t40 (partial: never cached)
     hashes   | h0=H(-,b0)| h1=H(h0,b1)|
@@ -28,18 +29,24 @@ from collections import OrderedDict, deque
 ROOT_HASH = b""
 
 
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """Hash of a full block: its parent's hash and its token ids (blake2b, 16 bytes)."""
+def block_hash(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
+    """Hash of a full block: its parent's hash, its token ids and its extra key (blake2b, 16 bytes)."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+    if extra:
+        h.update(b"\0extra" + extra)
     return h.digest()
 
 
-def chained_hashes(tokens: list[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
-    """Hashes of every full block of ``tokens``, continuing the chain ``start`` (already hashed blocks)."""
+def chained_hashes(tokens: list[int], block_size: int, start: list[bytes] | None = None,
+                   extras: list[bytes] | None = None) -> list[bytes]:
+    """Hashes of every full block of ``tokens``, continuing the chain ``start`` (already hashed
+    blocks); block b's extra key is ``extras[b]`` (none past the list)."""
     out = list(start or [])
+    extras = extras or []
     for b in range(len(out), len(tokens) // block_size):
-        out.append(block_hash(out[-1] if out else ROOT_HASH, tokens[b * block_size : (b + 1) * block_size]))
+        out.append(block_hash(out[-1] if out else ROOT_HASH, tokens[b * block_size : (b + 1) * block_size],
+                              extras[b] if b < len(extras) else b""))
     return out
 
 

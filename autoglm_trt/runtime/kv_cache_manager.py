@@ -50,7 +50,7 @@ class KVCacheManager:
         if self.caching:
             tokens = seq.token_ids()
             # its tokens only grow, so the chain computed while it waited is extended, not redone
-            hashes = seq.token_hashes = chained_hashes(tokens, self.block_size, seq.token_hashes)
+            hashes = seq.token_hashes = chained_hashes(tokens, self.block_size, seq.token_hashes, seq.block_extras)
             hits = self.pool.lookup(hashes)
             if len(hits) * self.block_size >= len(tokens):  # keep the last token to compute
                 hits = hits[:-1]
@@ -106,7 +106,7 @@ class KVCacheManager:
             return
         start = len(seq.block_hashes)
         seq.block_hashes = chained_hashes(seq.token_ids()[: full * self.block_size], self.block_size,
-                                          seq.block_hashes)
+                                          seq.block_hashes, seq.block_extras)
         for b in range(start, full):
             self.pool.cache_block(seq.cache.block_table[b], seq.block_hashes[b])
 

@@ -29,6 +29,7 @@ class Sequence:
     arrival: float = 0.0
     stream: int = 0  # which random stream of the request's seed (fork k draws from stream k)
     parked: int = 0  # n > 0: the n-th sequence preempted while idle (admitted after the unparked, in that order)
+    block_extras: list[bytes] = field(default_factory=list)  # per full prompt block: the images it covers
 
     def __post_init__(self) -> None:
         seed = self.params.seed
