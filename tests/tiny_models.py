@@ -17,7 +17,13 @@ FAMILIES = {
     # GLM-4-0414: as GLM plus post-attention and post-MLP norms.
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(attention_bias=True, head_dim=16, partial_rotary_factor=0.5,
                                                     pad_token_id=0, eos_token_id=[1, 2])),
+    # GLM-4.1V (AutoGLM-Phone-9B's architecture): a GLM-4-0414 decoder with M-RoPE, an mrope_section
+    # other than the 9B's [8, 12, 12], a small vision tower (not exported yet); GLM-4.1V's special
+    # tokens past the byte vocabulary
+    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", dict(head_dim=16, eos_token_id=[1, 2])),
 }
+GLM4V_TOKENS = dict(image_start_token_id=257, image_end_token_id=258, image_token_id=259, video_start_token_id=260,
+                    video_end_token_id=261, video_token_id=262)
 
 
 def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
@@ -26,7 +32,16 @@ def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides)
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    if family == "glm4v":
+        text = {**COMMON, **extra, "vocab_size": 264, **overrides,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                    "mrope_section": [1, 2, 1]}}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                      spatial_merge_size=2, patch_size=14, temporal_patch_size=2, image_size=56)
+        config = transformers.Glm4vConfig(text_config=text, vision_config=vision, **GLM4V_TOKENS,
+                                          tie_word_embeddings=False)
+    else:
+        config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # random norms, so that a missed or misplaced norm is visible

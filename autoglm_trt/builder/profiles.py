@@ -27,7 +27,8 @@ def profile_shapes(cfg: BuildConfig, spec: ModelSpec, num_blocks: int) -> dict[s
         opt_b, opt_t = min(opt_b, b), min(opt_t, max_t)
         p: Profile = {
             "input_ids": ((1, min_t), (opt_b, opt_t), (b, max_t)),
-            "position_ids": ((1, min_t), (opt_b, opt_t), (b, max_t)),
+            "position_ids": ((3, 1, min_t), (3, opt_b, opt_t), (3, b, max_t)) if spec.mrope else
+                            ((1, min_t), (opt_b, opt_t), (b, max_t)),
             "context_lens": ((1,), (opt_b,), (b,)),
             "query_lens": ((1,), (opt_b,), (b,)),
             "block_tables": ((1, 1), (opt_b, opt_mb), (b, mb)),

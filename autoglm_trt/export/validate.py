@@ -71,7 +71,8 @@ def paged_decode_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_d
                 got = alloc.allocate(1)
                 assert got is not None
                 states[b].block_table += got
-        feeds, slots = step_inputs([[prompts[b][pos]] for b in active], [states[b] for b in active], BLOCK_SIZE)
+        feeds, slots = step_inputs([[prompts[b][pos]] for b in active], [states[b] for b in active], BLOCK_SIZE,
+                                   mrope=[None] * len(active) if spec.mrope else None)
         res = run(session, {**feeds, **pools.feeds()})
         pools.write(res, slots)
         for j, b in enumerate(active):
@@ -90,7 +91,7 @@ def prefill_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_dtype:
         table = alloc.allocate(blocks_needed(len(p), BLOCK_SIZE))
         assert table is not None
         states.append(SeqState(0, table))
-    feeds, _ = step_inputs(prompts, states, BLOCK_SIZE, all_logits=True)
+    feeds, _ = step_inputs(prompts, states, BLOCK_SIZE, all_logits=True, mrope=[None] * len(prompts) if spec.mrope else None)
     logits = run(session, {**feeds, **pools.feeds()})["logits"]
     return [logits[b, : len(p)] for b, p in enumerate(prompts)]
 

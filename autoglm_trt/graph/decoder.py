@@ -143,7 +143,7 @@ class DecoderGraph:
         g, s, o = self.g, self.spec, self.opts
         kvdt = o.onnx_dtype
         g.input("input_ids", TensorProto.INT64, ["batch", "new_tokens"])
-        g.input("position_ids", TensorProto.INT64, ["batch", "new_tokens"])
+        g.input("position_ids", TensorProto.INT64, [3, "batch", "new_tokens"] if s.mrope else ["batch", "new_tokens"])
         g.input("context_lens", TensorProto.INT64, ["batch"])
         g.input("query_lens", TensorProto.INT64, ["batch"])
         g.input("block_tables", TensorProto.INT64, ["batch", "max_blocks"])
@@ -164,10 +164,8 @@ class DecoderGraph:
         # rope tables gathered once by position
         cos_t, sin_t = full_width_tables(*cos_sin_tables(s.rope, o.max_seq_len, s.max_position_embeddings),
                                          s.head_dim)
-        cos = g.op("Unsqueeze", [g.op("Gather", [g.weight("rope.cos", cos_t), "position_ids"], "cos_pos", axis=0),
-                                  g.ints([2])], "cos")
-        sin = g.op("Unsqueeze", [g.op("Gather", [g.weight("rope.sin", sin_t), "position_ids"], "sin_pos", axis=0),
-                                  g.ints([2])], "sin")
+        cos = g.op("Unsqueeze", [self.rope_rows(g.weight("rope.cos", cos_t), "cos"), g.ints([2])], "cos")
+        sin = g.op("Unsqueeze", [self.rope_rows(g.weight("rope.sin", sin_t), "sin"), g.ints([2])], "sin")
 
         mask = self.attention_bias()
         for i in range(s.num_layers):
@@ -175,6 +173,17 @@ class DecoderGraph:
             if self.progress:
                 self.progress(i + 1, s.num_layers)
         self.head(x, embed)
+
+    def rope_rows(self, table: str, name: str) -> str:
+        """``[B, T, head_dim]``: the table's rows at each token's position. With M-RoPE (3-D positions
+        ``[3, B, T]``) each column is taken from the row of its section (temporal, height, width):
+        the three gathers times a one-hot mask per column, summed, which picks each value exactly."""
+        g, s = self.g, self.spec
+        rows = g.op("Gather", [table, "position_ids"], f"{name}_pos", axis=0)
+        if not s.mrope:
+            return rows
+        return g.op("ReduceSum", [g.op("Mul", [rows, g.const(mrope_masks(s), f"{name}_sections")], f"{name}_picked"),
+                                  g.ints([0], "i0_axes")], f"{name}_mrope", keepdims=0)
 
     def attention_bias(self) -> str:
         """[1, B, 1, T, P+T] float32: 0 where a new token may attend, NEG_INF elsewhere.
@@ -324,3 +333,14 @@ def write_int8_graph(out_dir: Path, name: str, spec: ModelSpec, weights: WeightS
         builder.close()
     onnx.save_model(model, str(out_dir / name))
     return out_dir / name
+
+
+def mrope_masks(spec: ModelSpec) -> np.ndarray:
+    """float32 ``[3, 1, 1, head_dim]``: which position row (temporal, height, width) turns each column
+    of a full-width rope table (``full_width_tables``: the pairs' cos/sin, repeated for both halves,
+    then the columns rope leaves alone, taken from row 0). Rotated pair j belongs to section k when
+    it lies in the k-th run of ``mrope_section`` (transformers' ``recomposition_frequencies``)."""
+    half = spec.rope.rotary_dim // 2
+    section = np.repeat(np.arange(3), spec.mrope_section)  # [half]: each pair's section
+    column = np.concatenate([section, section, np.zeros(spec.head_dim - 2 * half, np.int64)])
+    return (column[None, :] == np.arange(3)[:, None]).astype(np.float32).reshape(3, 1, 1, spec.head_dim)

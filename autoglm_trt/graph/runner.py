@@ -31,7 +31,8 @@ def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str,
     block = 16
     pools = KVPools(spec.num_layers, 1, block, spec.num_kv_heads, spec.head_dim, kv_dtype)
     states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
-    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits)
+    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits,
+                           mrope=[None] * batch if spec.mrope else None)
     return {**feeds, **pools.feeds()}
 
 
@@ -65,7 +66,8 @@ class GraphRunner:
         out = np.empty((batch, seq_len, self.spec.vocab_size), np.float32)
         for start in range(0, seq_len, step_tokens):
             chunk = [list(map(int, w[start : start + step_tokens])) for w in windows]
-            feeds, slots = step_inputs(chunk, states, block_size, all_logits=True)
+            feeds, slots = step_inputs(chunk, states, block_size, all_logits=True,
+                                       mrope=[None] * batch if self.spec.mrope else None)
             res = run(self.session, {**feeds, **pools.feeds()})
             pools.write(res, slots)
             out[:, start : start + len(chunk[0])] = res["logits"]

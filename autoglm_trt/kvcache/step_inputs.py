@@ -1,6 +1,10 @@
 """The graph inputs of one step: from each sequence's new tokens and cache state (``SeqState``)
 to ``input_ids``, ``position_ids``, ``context_lens``, ``query_lens``, ``block_tables``,
-``logits_indices``, and the slots (``SlotMap``) where the new tokens' K/V go."""
+``logits_indices``, and the slots (``SlotMap``) where the new tokens' K/V go.
+
+For a graph with M-RoPE (GLM-4.1V) ``position_ids`` is ``[3, batch, new_tokens]``: each sequence's
+3-D positions (``MRope``: the prompt's, from ``model.multimodal.mrope_positions``; past the prompt,
+position + delta in every row), or for a sequence without images its 1-D positions in all three rows."""
 
 from __future__ import annotations
 
@@ -12,6 +16,23 @@ from .host_pools import SlotMap
 from .layout import blocks_needed
 
 
+@dataclass(frozen=True)
+class MRope:
+    """A prompt's 3-D positions ``[3, prompt tokens]`` and the delta that carries them past it."""
+
+    positions: np.ndarray
+    delta: int = 0
+
+    def at(self, start: int, n: int) -> np.ndarray:
+        """int64 ``[3, n]``: the positions of tokens ``start .. start + n - 1``."""
+        p = np.arange(start, start + n)
+        out = np.empty((3, n), np.int64)
+        inside = p < self.positions.shape[1]
+        out[:, inside] = self.positions[:, p[inside]]
+        out[:, ~inside] = p[~inside] + self.delta
+        return out
+
+
 @dataclass
 class SeqState:
     """One sequence's cache state: tokens already in the pool and its block table."""
@@ -21,7 +42,7 @@ class SeqState:
 
 
 def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size: int,
-                all_logits: bool = False) -> tuple[dict[str, np.ndarray], SlotMap]:
+                all_logits: bool = False, mrope: list[MRope | None] | None = None) -> tuple[dict[str, np.ndarray], SlotMap]:
     """Graph inputs (without the pools) for one step, and the slots of the new tokens.
 
     Every sequence must have at least one new token and a block table that already covers
@@ -32,7 +53,8 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size:
     batch = len(new_tokens)
     assert batch == len(states) and batch > 0
     if not all_logits and all(len(t) == 1 for t in new_tokens):
-        return _decode_inputs(new_tokens, states, block_size)
+        feeds, slots = _decode_inputs(new_tokens, states, block_size)
+        return _with_mrope(feeds, new_tokens, states, mrope), slots
     t_max = max(len(t) for t in new_tokens)
     max_ctx = max(s.num_computed_tokens for s in states)
     max_blocks = max(1, blocks_needed(max_ctx, block_size))
@@ -62,7 +84,20 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size:
     feeds = {"input_ids": input_ids, "position_ids": position_ids, "context_lens": context_lens,
              "query_lens": query_lens, "block_tables": block_tables, "logits_indices": logits_indices}
     slots = SlotMap(*(np.concatenate(a).astype(np.int64) for a in (sb, st, sk, so)))
-    return feeds, slots
+    return _with_mrope(feeds, new_tokens, states, mrope), slots
+
+
+def _with_mrope(feeds: dict[str, np.ndarray], new_tokens: list[list[int]], states: list[SeqState],
+                mrope: list[MRope | None] | None) -> dict[str, np.ndarray]:
+    """``feeds`` with ``position_ids`` as ``[3, batch, new_tokens]`` when ``mrope`` is given (one entry
+    per sequence; None: its 1-D positions in every row)."""
+    if mrope is None:
+        return feeds
+    positions = np.repeat(feeds["position_ids"][None], 3, axis=0)
+    for b, (toks, state, m) in enumerate(zip(new_tokens, states, mrope)):
+        if m is not None:
+            positions[:, b, :len(toks)] = m.at(state.num_computed_tokens, len(toks))
+    return {**feeds, "position_ids": positions}
 
 
 def _decode_inputs(new_tokens: list[list[int]], states: list[SeqState],

@@ -62,6 +62,11 @@ FAMILIES: dict[str, Family] = {
                   sandwich_norms=False, default_partial_rotary=0.5),
     "glm4": Family("glm4", ("Glm4ForCausalLM",), rope_interleaved=True, gate_up_fused=True,
                    sandwich_norms=True, default_partial_rotary=0.5),
+    # GLM-4.1V (AutoGLM-Phone-9B): a GLM-4-0414 decoder under model.language_model, with M-RoPE
+    # (mrope_section) and a vision tower under model.visual; config.json nests text_config
+    "glm4v": Family("glm4v", ("Glm4vForConditionalGeneration",), rope_interleaved=True, gate_up_fused=True,
+                    sandwich_norms=True, default_partial_rotary=0.5,
+                    names=TensorNames(prefixes=("model.language_model.",))),
 }
 
 
@@ -83,6 +88,13 @@ class ModelSpec:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # M-RoPE (GLM-4.1V): the rotary frequencies split into temporal, height and width sections, each
+    # turned by its own row of 3-D positions; () for 1-D rope
+    mrope_section: tuple[int, ...] = ()
+
+    @property
+    def mrope(self) -> bool:
+        return bool(self.mrope_section)
 
     @property
     def fam(self) -> Family:
@@ -127,6 +139,8 @@ def spec_from_config(config: dict) -> ModelSpec:
             an option this exporter does not implement.
     """
     model_type = config.get("model_type")
+    if model_type == "glm4v":
+        config = _text_config(config)
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"model_type {_brief(model_type)} (architectures: {_brief(config.get('architectures'))}) is not supported; "
@@ -151,15 +165,34 @@ def spec_from_config(config: dict) -> ModelSpec:
     bos = config.get("bos_token_id")
     if bos is not None and not (_is_int(bos) and bos >= 0):
         raise UnsupportedModelError(f"config.json bos_token_id must be a token id or null, got {_brief(bos)}")
+    rope = _rope_from_config(config, fam, head_dim)
+    mrope = tuple(rope.scaling.pop("mrope_section", ()))
+    if mrope and (len(mrope) != 3 or not all(_is_int(m) and m >= 0 for m in mrope) or sum(mrope) != rope.rotary_dim // 2):
+        raise UnsupportedModelError(f"config.json mrope_section must be three sizes that sum to the rotated pairs "
+                                    f"({rope.rotary_dim // 2}), got {_brief(list(mrope))}")
+    if model_type == "glm4v" and not mrope:
+        raise UnsupportedModelError("a glm4v config.json needs text_config.rope_parameters.mrope_section")
     return ModelSpec(
         family=model_type, vocab_size=c.int("vocab_size"), hidden_size=hidden,
         intermediate_size=c.int("intermediate_size"), num_layers=c.int("num_hidden_layers"), num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=c.float("rms_norm_eps", 1e-6),
-        rope=_rope_from_config(config, fam, head_dim),
-        max_position_embeddings=c.int("max_position_embeddings", 4096),
+        rope=rope, max_position_embeddings=c.int("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        bos_token_id=bos, eos_token_ids=tuple(int(e) for e in eos_ids),
+        bos_token_id=bos, eos_token_ids=tuple(int(e) for e in eos_ids), mrope_section=mrope,
     )
+
+
+def _text_config(config: dict) -> dict:
+    """A glm4v config.json's text decoder fields (``text_config``) with the top level's token ids
+    and embedding tying, as one flat config of ``model_type`` glm4v."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"a glm4v config.json needs a text_config object, got {_brief(text)}")
+    flat = {**text, "model_type": "glm4v"}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if config.get(key) is not None and flat.get(key) is None:
+            flat[key] = config[key]
+    return flat
 
 
 def _is_int(v: object) -> bool:
@@ -231,4 +264,5 @@ def spec_from_dict(d: dict) -> ModelSpec:
     d = dict(d)
     d["rope"] = RopeSpec(**d["rope"])
     d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    d["mrope_section"] = tuple(d.get("mrope_section", ()))
     return ModelSpec(**d)

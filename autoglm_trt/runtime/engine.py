@@ -216,7 +216,8 @@ class Engine:
     def _run(self, step: Step) -> np.ndarray:
         if step.copies:
             self.backend.copy_blocks(step.copies)
-        feeds, slots = step_inputs(step.new_tokens, [s.cache for s in step.seqs], self.block_size)
+        feeds, slots = step_inputs(step.new_tokens, [s.cache for s in step.seqs], self.block_size,
+                                   mrope=[s.mrope for s in step.seqs] if self.spec.mrope else None)
         return self.backend.step(feeds, slots)
 
     def _after_step(self, step: Step, logits: np.ndarray) -> None:

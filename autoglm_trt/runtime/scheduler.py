@@ -86,7 +86,8 @@ class Scheduler:
         random stream ``stream``; without a free running slot it waits with no blocks (and recomputes its
         tokens when admitted)."""
         child = Sequence(list(parent.prompt_ids), parent.params, output_ids=list(parent.output_ids),
-                         arrival=parent.arrival, stream=stream, block_extras=parent.block_extras)
+                         arrival=parent.arrival, stream=stream, block_extras=parent.block_extras,
+                         mrope=parent.mrope)
         child.seq_id = next(self._ids)
         if parent in self.running and len(self.running) < self.max_batch:
             self.kv.fork(parent, child)

@@ -14,7 +14,7 @@ from autoglm_trt.graph.session import make_session
 from autoglm_trt.model import spec as arch
 from autoglm_trt.model.spec import spec_from_config
 
-FAMILIES = ["llama", "glm", "glm4"]
+FAMILIES = ["llama", "glm", "glm4", "glm4v"]
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +95,41 @@ def test_validation_catches_a_wrong_graph(tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(ValidationError, match="does not match transformers"):
         export_checkpoint(ExportConfig(tiny_dir("glm"), tmp_path / "out"), log=lambda m: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mrope_positions_of_an_image_layout_match_transformers(exported, tiny_dir):
+    """GLM-4.1V's 3-D positions (two images' grids among text, rows that differ), prefilled in two
+    chunks through the paged pool and then decoded past the prompt (position + delta): logits as
+    transformers gives them for the same tokens and positions."""
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.graph.session import make_session, run
+    from autoglm_trt.kvcache.host_pools import KVPools
+    from autoglm_trt.kvcache.step_inputs import MRope, SeqState, step_inputs
+    from autoglm_trt.model.multimodal import ImageSpan, mrope_positions
+    from autoglm_trt.model.reference import hf_logits
+
+    export = exported["glm4v", "float32"]
+    spec = ExportRecord.read(export).spec
+    n = 40
+    spans = [ImageSpan(3, 11, (1, 4, 8), b"a" * 16), ImageSpan(20, 26, (1, 6, 4), b"b" * 16)]
+    positions, delta = mrope_positions(n, spans, merge=2)
+    assert delta < 0 and len({tuple(r) for r in positions.T}) == n  # rows differ: a real 3-D layout
+    ids = np.random.default_rng(3).integers(3, 250, n)
+    decode_positions = positions[:, -1:] + 1 + np.arange(4)[None]  # the generated tokens' (row-equal)
+    want = hf_logits(tiny_dir("glm4v"))(np.concatenate([ids, ids[:4]])[None],
+                                         np.concatenate([positions, decode_positions], axis=1)[:, None, :])[0]
+    session = make_session(export / "model.onnx")
+    pools = KVPools(spec.num_layers, 8, 8, spec.num_kv_heads, spec.head_dim)
+    state, mrope, got = SeqState(0, list(range(8))), MRope(positions, delta), []
+    for chunk in (ids[:25].tolist(), ids[25:].tolist(), *([[int(t)] for t in ids[:4]])):
+        feeds, slots = step_inputs([chunk], [state], 8, all_logits=True, mrope=[mrope])
+        assert feeds["position_ids"].shape == (3, 1, len(chunk))
+        out = run(session, {**feeds, **pools.feeds()})
+        pools.write(out, slots)
+        got.append(out["logits"][0, : len(chunk)])
+        state.num_computed_tokens += len(chunk)
+    got = np.concatenate(got)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    flat = np.arange(n + 4)  # the same tokens at 1-D positions: the 3-D layout must make a difference
+    other = hf_logits(tiny_dir("glm4v"))(np.concatenate([ids, ids[:4]])[None], np.stack([flat] * 3)[:, None, :])[0]
+    assert np.abs(other - want).max() > 20 * np.abs(got - want).max()

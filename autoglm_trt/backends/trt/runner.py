@@ -36,7 +36,7 @@ def buffer_plan(spec: ModelSpec, max_batch: int, max_tokens: int, max_seq_len: i
     i64 = np.dtype(np.int64)
     plan: dict[str, tuple[tuple[int, ...], np.dtype]] = {
         "input_ids": ((max_batch, max_tokens), i64),
-        "position_ids": ((max_batch, max_tokens), i64),
+        "position_ids": ((3, max_batch, max_tokens) if spec.mrope else (max_batch, max_tokens), i64),
         "context_lens": ((max_batch,), i64),
         "query_lens": ((max_batch,), i64),
         "block_tables": ((max_batch, blocks_needed(max_seq_len, block_size)), i64),
