@@ -1,4 +1,4 @@
-"""Artifacts you can trust (issue 11): nothing read outside an artifact, one-line errors for
+"""Artifacts you can trust: nothing read outside an artifact, one-line errors for
 malformed inputs, and nothing half-written on SIGTERM. Each case is a crafted copy of a real
 artifact, checked through the library and the command line."""
 

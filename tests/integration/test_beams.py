@@ -1,4 +1,4 @@
-"""Parallel sampling and beam search over shared blocks (issue 13): the beam search's decisions to
+"""Parallel sampling and beam search over shared blocks: the beam search's decisions to
 exact values, fork and copy-on-write block states without a model, then real engines."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""INT8 KV cache (issue 15): the graph rewrite, accuracy through the pool on every family, and
+"""INT8 KV cache: the graph rewrite, accuracy through the pool on every family, and
 four times the blocks (twice for float16) in the same memory."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layer-by-layer calibration statistics (issue 17): equal to the whole graph's, group by group,
+"""Layer-by-layer calibration statistics: equal to the whole graph's, group by group,
 and the same calibration record end to end; the CUDA device is refused clearly without it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Runtime liveness (issue 10): no request stops the engine, no livelock, close() and deadlines
+"""Runtime liveness: no request stops the engine, no livelock, close() and deadlines
 release every caller, and no request does unbounded work before a limit applies.
 
 Every wait here has a timeout, so a regression fails instead of hanging the suite.

@@ -1,4 +1,4 @@
-"""Prefix caching and priorities (issue 13): exact block ids, reference counts, the hash table and
+"""Prefix caching and priorities: exact block ids, reference counts, the hash table and
 the evictable list after each step (no model), then greedy equality on a real engine."""
 
 from __future__ import annotations

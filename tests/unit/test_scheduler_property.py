@@ -1,5 +1,5 @@
 """Random workloads through the scheduler and a fake step, with no model: progress within a
-bound, exact block accounting after every step, every block free at the end (issue 10)."""
+bound, exact block accounting after every step, every block free at the end."""
 
 from __future__ import annotations
 
