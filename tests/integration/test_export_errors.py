@@ -26,7 +26,7 @@ def test_unknown_model_type_lists_supported(ckpt, tmp_path):
     cfg["model_type"] = "mamba"
     (ckpt / "config.json").write_text(json.dumps(cfg))
     assert_fails(run_cli("export", str(ckpt), "-o", str(tmp_path / "out")),
-                 "model_type 'mamba'", "supported model types: glm, glm4, llama")
+                 "model_type 'mamba'", "supported model types: glm, glm4, glm4v, llama")
     assert not (tmp_path / "out").exists()
 
 
