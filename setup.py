@@ -12,6 +12,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 NATIVE = Path("autoglm_trt", "native")  # setuptools takes sources relative to this file's directory
 
@@ -41,7 +42,10 @@ class BuildNative(build_ext):
         variant = {v.name: v for v in variants.for_machine()}[ext.name[len(PREFIX + "libautoglm-"):]]
         out = Path(self.get_ext_fullpath(ext.name))
         self.announce(f"building the native library for {variant.name}: {out}", level=2)
-        build.compile_library(out, variant.flags, variants.SOURCES, variants.COMMON_FLAGS)
+        try:
+            build.compile_library(out, variant.flags, variants.SOURCES, variants.COMMON_FLAGS)
+        except RuntimeError as exc:  # the extension is optional: setuptools warns and goes on
+            raise CompileError(str(exc)) from exc
 
 
 native = [Extension(PREFIX + "libautoglm-" + v.name, sources=[str(NATIVE / "csrc" / s) for s in variants.SOURCES],
