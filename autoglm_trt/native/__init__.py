@@ -62,16 +62,17 @@ def library(variant: str | None = None) -> tuple[Path | None, str]:
     wanted = variant or os.environ.get(ENV_VARIANT) or None
     builds = installed()
     known = {v.name: v for v in for_machine()}
+    flags = cpu_flags()
     if wanted is not None:
         if wanted not in known:
             return None, f"no native build is called {wanted!r}; the builds are {', '.join(known)}"
         if wanted not in builds:
             return None, f"the {wanted} build of the native library is not installed ({HERE})"
-        if not runs_here(known[wanted]):
+        if not runs_here(known[wanted], flags):
             return None, f"this CPU cannot run the {wanted} build (it lacks {', '.join(_missing(known[wanted]))})"
         return builds[wanted], ""
     for name, path in builds.items():
-        if runs_here(known[name]):
+        if runs_here(known[name], flags):
             return path, ""
     if not builds:
         return None, ("the native library was not built when autoglm-trt was installed (no C compiler then?); "

@@ -37,10 +37,6 @@ class KVCacheManager:
     def caching(self) -> bool:
         return self.pool.caching
 
-    @property
-    def num_free(self) -> int:
-        return self.pool.num_free
-
     def admit(self, seq: Sequence, keep_free: int) -> bool:
         """Blocks for a waiting sequence's every token, sharing its longest cached prefix; False
         (nothing taken) if that would leave fewer than ``keep_free`` blocks free."""

@@ -5,10 +5,9 @@ Input: an ONNX graph of the engine contract. Output, in the engine directory:
 ``model.plain.onnx``, that graph with the passes that need no native code (it runs anywhere);
 where this machine's native library loads, ``model.native.onnx`` with the native operators
 (``passes/``) and its packed weights in ``model.native.bin`` (both graphs read the other weights
-from ``model.opt.onnx.data``); a fusion report
-(operator counts before and after, the fusions ONNX Runtime made); and the manifest's record of
-both (``native_record``). ``open_graphs`` is the runner's side: which graph to run here, and the
-packed weights read into one huge-page buffer.
+from ``model.opt.onnx.data``); a fusion report (operator counts before and after, the fusions
+ONNX Runtime made); and the manifest's record of the graphs (``write_graphs``). ``read_packed`` is
+the runner's side: the packed weights read back into one huge-page buffer.
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ def save_native(rewritten: passes.Rewritten, out_dir: Path) -> None:
         tmp = out_dir / (NATIVE_WEIGHTS + ".partial")
         with open(tmp, "wb") as f:
             lo = start - owner.ctypes.data
-            f.write(owner[lo:lo + end].tobytes())  # type: ignore[union-attr]
+            f.write(owner[lo:lo + end].data)
         os.replace(tmp, out_dir / NATIVE_WEIGHTS)
     onnx.save(rewritten.model, str(out_dir / NATIVE_GRAPH))
 
