@@ -19,6 +19,7 @@ from pathlib import Path
 from .errors import AutoGLMError
 from .fileutil import sha256_file
 from .model.spec import ModelSpec, spec_from_dict
+from .model.vision import VisionSpec
 
 EXPORT_RECORD = "export.json"
 CALIB_RECORD = "calib.json"
@@ -33,6 +34,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    "preprocessor_config.json",  # an image-text model's image settings (``model.image.ImageConfig``)
 )
 ENGINE_FORMAT = "autoglm-trt/engine/2"  # manifest.json's schema; an engine of another is refused: rebuild it
 GRAPH_DTYPES = ("float32", "float16")
@@ -115,10 +117,15 @@ def tokenizer_files(model_dir: Path) -> list[Path]:
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """The tokenizer files of ``src``, and the vision encoder's files its ``export.json`` names (an
+    image-text model's), copied into ``dst``: what travels with a model from stage to stage."""
     import shutil
 
     for f in tokenizer_files(src):
         shutil.copy2(f, Path(dst) / f.name)
+    if (Path(src) / EXPORT_RECORD).is_file():
+        for f in ExportRecord.read(src).vision_files():
+            shutil.copy2(f, Path(dst) / f.name)
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,30 @@ class ExportRecord:
     @property
     def source_sha256(self) -> dict:
         return dict(self.data.get("source", {}).get("sha256", {}))
+
+    def vision(self) -> VisionSpec | None:
+        """An image-text model's vision tower (``export.json`` ``vision``), or None."""
+        v = self.data.get("vision")
+        if v is None:
+            return None
+        path = self.dir / EXPORT_RECORD
+        if not isinstance(v, dict) or not isinstance(v.get("spec"), dict):
+            raise ArtifactError(f"{path}: vision must be an object with a spec, got {brief(v)}")
+        try:
+            return VisionSpec.from_json(v["spec"])
+        except (KeyError, TypeError) as exc:
+            raise ArtifactError(f"{path}: vision.spec is malformed ({exc}); re-export the model") from exc
+
+    def vision_files(self) -> list[Path]:
+        """The vision encoder's graph, its weights and its position table (each inside the directory)."""
+        if self.vision() is None:
+            return []
+        v = self.data["vision"]
+        where = f"{self.dir / EXPORT_RECORD} vision"
+        graph = inside(self.dir, v.get("graph"), f"{where}.graph")
+        files = [graph, inside(self.dir, v.get("positions"), f"{where}.positions")]
+        data = graph.with_name(graph.name + ".data")
+        return files + ([data] if data.is_file() else [])
 
     def identity(self) -> str:
         """SHA-256 of ``export.json``, which records the hashes of the files it describes."""

@@ -24,6 +24,25 @@ FAMILIES = {
 }
 GLM4V_TOKENS = dict(image_start_token_id=257, image_end_token_id=258, image_token_id=259, video_start_token_id=260,
                     video_end_token_id=261, video_token_id=262)
+# the tiny GLM-4.1V tokenizer's special tokens, ids 256 on (the image and video ones at GLM4V_TOKENS' ids)
+GLM4V_SPECIALS = ["[gMASK]", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
+                  "<|end_of_video|>", "<|video|>", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|endoftext|>"]
+# GLM-4.1V's chat template conventions (zai-org's chat_template.jinja): [gMASK]<sop>, role tokens, and an
+# image part rendered as <|begin_of_image|><|image|><|end_of_image|> where it stands among the text
+GLM4V_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}"
+    "{% if m.role == 'system' %}<|system|>\n{{ m.content }}"
+    "{% elif m.role == 'user' %}<|user|>\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for item in m.content %}{% if item.type == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif item.type == 'text' %}{{ item.text }}{% endif %}{% endfor %}{% endif %}"
+    "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# small images for the tests: resized into [56 x 56, 224 x 224] pixels (transformers counts the
+# temporal factor 2 in the area), so at most 64 image tokens
+GLM4V_PREPROCESSOR = {"image_processor_type": "Glm4vImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
+                      "merge_size": 2, "size": {"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * 224 * 224},
+                      "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                      "image_std": [0.26862954, 0.26130258, 0.27577711]}
 
 
 def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
@@ -33,7 +52,7 @@ def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides)
 
     config_cls, model_cls, extra = FAMILIES[family]
     if family == "glm4v":
-        text = {**COMMON, **extra, "vocab_size": 264, **overrides,
+        text = {**COMMON, **extra, "vocab_size": 256 + len(GLM4V_SPECIALS), **overrides,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                     "mrope_section": [1, 2, 1]}}
         vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=COMMON["hidden_size"],
@@ -51,7 +70,14 @@ def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides)
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
-    byte_level_tokenizer().save(str(Path(out_dir) / "tokenizer.json"))
+    tok = byte_level_tokenizer()
+    if family == "glm4v":
+        import json
+
+        tok.add_special_tokens(GLM4V_SPECIALS)
+        (Path(out_dir) / "chat_template.jinja").write_text(GLM4V_CHAT_TEMPLATE)
+        (Path(out_dir) / "preprocessor_config.json").write_text(json.dumps(GLM4V_PREPROCESSOR))
+    tok.save(str(Path(out_dir) / "tokenizer.json"))
     return out_dir
 
 

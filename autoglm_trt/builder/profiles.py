@@ -34,6 +34,10 @@ def profile_shapes(cfg: BuildConfig, spec: ModelSpec, num_blocks: int) -> dict[s
             "block_tables": ((1, 1), (opt_b, opt_mb), (b, mb)),
             "logits_indices": ((1, 1), (opt_b, 1), (b, max_t)),
         }
+        if spec.vision:  # image rows: one (zeros) in a decode step, up to every new token + 1 in a prefill
+            p["image_embeds"] = ((1, spec.hidden_size), (1 + opt_b * opt_t, spec.hidden_size),
+                                 (1 + b * max_t, spec.hidden_size))
+            p["image_index"] = p["input_ids"]
         for i in range(spec.num_layers):
             p[f"past_key.{i}"] = (pool, pool, pool)
             p[f"past_value.{i}"] = (pool, pool, pool)

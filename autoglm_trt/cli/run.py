@@ -120,16 +120,27 @@ def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, con
 @click.option("--threads", type=click.IntRange(0, 256), default=0, help="ONNX Runtime intra-op threads (0: all cores).")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Share the KV blocks of prompts' common prefixes (agent loops resend the same history).")
+@click.option("--max-pixels", type=click.IntRange(1), default=None,
+              help="Image-text engines: the most pixels an image is resized to [default: the model's "
+                   "preprocessor_config.json; Open-AutoGLM serves with 5000000].")
+@click.option("--max-images", type=click.IntRange(0), default=10, show_default=True,
+              help="Image-text engines: images per prompt.")
+@click.option("--allowed-local-media-path", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              default=None, help="Image-text engines: the directory file:// image URLs may point into "
+                                 "[default: none; images come as data: URLs, http(s) URLs are never fetched].")
 def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
               max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
-              prefix_caching: bool) -> None:
+              prefix_caching: bool, max_pixels: int | None, max_images: int,
+              allowed_local_media_path: Path | None) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require
 
     require("fastapi", "autoglm-trt[serve]", "autoglm-trt serve")
+    from ..runtime import ImageOptions
     from ..serve.app import ServeConfig
     from ..serve.server import serve
 
     cfg = ServeConfig(served_model_name or Path(engine_dir).resolve().name, api_key or None, max_waiting,
-                      request_timeout, drain_seconds, prefix_caching)
+                      request_timeout, drain_seconds, prefix_caching,
+                      ImageOptions(max_pixels, max_images, allowed_local_media_path))
     serve(engine_dir, host, port, cfg, threads, log=_log)

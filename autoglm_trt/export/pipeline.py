@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from ..artifacts import EXPORT_RECORD, copy_tokenizer_files, tokenizer_files
@@ -20,9 +21,12 @@ from ..errors import ExportError
 from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory, write_json
 from ..graph.builder import GraphBuilder
 from ..graph.decoder import GRAPH_VERSION, OPSET, DecoderGraph, GraphOptions, io_names
+from ..graph.vision import VISION_PREFIX, write_vision_graph
+from ..graph.vision_runner import VISION_GRAPH, VISION_POSITIONS
 from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec, spec_from_config
+from ..model.vision import VisionSpec
 from ..model.weights import WeightReader
 from .validate import default_tolerance, validate_export
 
@@ -80,6 +84,7 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
         del model
         onnx.checker.check_model(str(tmp / "model.onnx"))
         copy_tokenizer_files(ckpt.path, tmp)
+        vision = _export_vision(ckpt, tmp, log) if spec.vision else None
         export_s = time.perf_counter() - t0
         log(f"graph written in {export_s:.1f} s ({builder.bytes_written / 1e9:.2f} GB of weights)")
 
@@ -87,9 +92,26 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
         if cfg.validate:
             tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(cfg.dtype)
             report = validate_export(tmp, ckpt.path, spec, cfg.dtype, tol, cfg.allow_pickle, log)
+            if vision is not None:
+                from .validate_vision import validate_vision
 
-        write_json(tmp / EXPORT_RECORD, _record(spec, opts, ckpt, tmp, export_s, report))
+                report["images"] = validate_vision(tmp, ckpt.path, spec, vision, cfg.dtype, tol, log)
+
+        record = _record(spec, opts, ckpt, tmp, export_s, report)
+        if vision is not None:
+            record["vision"] = {"graph": VISION_GRAPH, "positions": VISION_POSITIONS, "spec": vision.to_json()}
+        write_json(tmp / EXPORT_RECORD, record)
     return ExportResult(Path(cfg.out_dir), time.perf_counter() - t0, report)
+
+
+def _export_vision(ckpt: Checkpoint, out: Path, log: Callable[[str], None]) -> VisionSpec:
+    """The vision encoder's graph and position table beside the decoder (GLM-4.1V)."""
+    vision = VisionSpec.from_config(ckpt.config)
+    write_vision_graph(ckpt, out, VISION_GRAPH)
+    table = np.asarray(ckpt.read(VISION_PREFIX + "embeddings.position_embedding.weight"), np.float32)
+    np.save(out / VISION_POSITIONS, table, allow_pickle=False)
+    log(f"vision encoder written: {VISION_GRAPH}, position table {table.shape[0]} x {table.shape[1]}")
+    return vision
 
 
 def _layer_progress(log: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -115,7 +137,7 @@ def _check_reference_fits(spec: ModelSpec) -> None:
 def _record(spec: ModelSpec, opts: GraphOptions, ckpt: Checkpoint, tmp: Path, export_s: float,
             report: dict | None) -> dict:
     """``export.json``: the spec, the graph's contract, what it was made from, and the parity report."""
-    inputs, outputs = io_names(spec.num_layers)
+    inputs, outputs = io_names(spec.num_layers, spec.vision)
     return {
         "format": "autoglm-trt/export/1",
         "spec": spec.to_json(),

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ValidationError
+from ..graph.runner import text_only
 from ..graph.session import make_session, run
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.host_pools import KVPools
@@ -72,7 +73,7 @@ def paged_decode_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_d
                 assert got is not None
                 states[b].block_table += got
         feeds, slots = step_inputs([[prompts[b][pos]] for b in active], [states[b] for b in active], BLOCK_SIZE,
-                                   mrope=[None] * len(active) if spec.mrope else None)
+                                   **text_only(spec, len(active)))
         res = run(session, {**feeds, **pools.feeds()})
         pools.write(res, slots)
         for j, b in enumerate(active):
@@ -91,7 +92,7 @@ def prefill_logits(session, spec: ModelSpec, prompts: list[list[int]], kv_dtype:
         table = alloc.allocate(blocks_needed(len(p), BLOCK_SIZE))
         assert table is not None
         states.append(SeqState(0, table))
-    feeds, _ = step_inputs(prompts, states, BLOCK_SIZE, all_logits=True, mrope=[None] * len(prompts) if spec.mrope else None)
+    feeds, _ = step_inputs(prompts, states, BLOCK_SIZE, all_logits=True, **text_only(spec, len(prompts)))
     logits = run(session, {**feeds, **pools.feeds()})["logits"]
     return [logits[b, : len(p)] for b, p in enumerate(prompts)]
 

@@ -10,6 +10,10 @@ Input: a ``ModelSpec`` and a ``WeightReader``. Output: the nodes and weights, st
     block_tables   int64 [batch, max_blocks]   pool block ids of each sequence, in order
     logits_indices int64 [batch, num_logits]   which new tokens to compute logits for
                                                (the runtime passes query_lens - 1; eval passes all)
+    image_embeds   f32   [image_rows, hidden]  vision families only: the image tokens' embeddings
+    image_index    int64 [batch, new_tokens]   (the encoder's output); a token with index k > 0
+                                               takes row k instead of its token embedding (row 0
+                                               is never taken: 0 means "a text token")
     past_key.<i>   kv    [kv_heads, num_blocks, block_size, head_dim]   (read only)
     past_value.<i> kv    [kv_heads, num_blocks, block_size, head_dim]
     ->
@@ -79,8 +83,10 @@ class GraphOptions:
         return TensorProto.FLOAT if self.dtype == "float32" else TensorProto.FLOAT16
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, vision: bool = False) -> tuple[list[str], list[str]]:
     inputs = ["input_ids", "position_ids", "context_lens", "query_lens", "block_tables", "logits_indices"]
+    if vision:
+        inputs += [names.IMAGE_EMBEDS, names.IMAGE_INDEX]
     outputs = ["logits"]
     for i in range(num_layers):
         inputs += [names.past_key(i), names.past_value(i)]
@@ -148,6 +154,9 @@ class DecoderGraph:
         g.input("query_lens", TensorProto.INT64, ["batch"])
         g.input("block_tables", TensorProto.INT64, ["batch", "max_blocks"])
         g.input("logits_indices", TensorProto.INT64, ["batch", "num_logits"])
+        if s.vision:
+            g.input(names.IMAGE_EMBEDS, TensorProto.FLOAT, ["image_rows", s.hidden_size])
+            g.input(names.IMAGE_INDEX, TensorProto.INT64, ["batch", "new_tokens"])
         if o.quant is not None and o.quant.switchable:
             g.input("quant_mask", TensorProto.FLOAT, [len(o.quant.switch_order)])
         pool_dims: list[int | str] = [s.num_kv_heads, "num_blocks", "block_size", s.head_dim]  # kvcache.layout.POOL_LAYOUT
@@ -159,7 +168,7 @@ class DecoderGraph:
         emb_name = self.w.embedding_name()
         embed = g.weight_chunks("embed_tokens.weight", (s.vocab_size, s.hidden_size), self.wdt,
                                 row_chunks(lambda a, b: self.w.rows(emb_name, a, b), s.vocab_size, EMBED_CHUNK_ROWS))
-        x = self.to_f32(g.op("Gather", [embed, "input_ids"], "embed", axis=0))
+        x = self.embed_tokens(embed)
 
         # rope tables gathered once by position
         cos_t, sin_t = full_width_tables(*cos_sin_tables(s.rope, o.max_seq_len, s.max_position_embeddings),
@@ -173,6 +182,18 @@ class DecoderGraph:
             if self.progress:
                 self.progress(i + 1, s.num_layers)
         self.head(x, embed)
+
+    def embed_tokens(self, embed: str) -> str:
+        """``[B, T, hidden]`` float32 (named ``embed``): the tokens' embedding rows; with a vision
+        tower, an image token's row of ``image_embeds`` instead where ``image_index`` points at one."""
+        g = self.g
+        if not self.spec.vision:
+            return self.to_f32(g.op("Gather", [embed, names.INPUT_IDS], "embed", axis=0))
+        tokens = self.to_f32(g.op("Gather", [embed, names.INPUT_IDS], "embed_tokens", axis=0))
+        images = g.op("Gather", [names.IMAGE_EMBEDS, names.IMAGE_INDEX], "embed_images", axis=0)
+        is_image = g.op("Unsqueeze", [g.op("Greater", [names.IMAGE_INDEX, g.const(np.int64(0), "s0")], "image_tokens"),
+                                      g.ints([2], "i2")], "image_tokens3")
+        return g.op("Where", [is_image, images, tokens], "embed")
 
     def rope_rows(self, table: str, name: str) -> str:
         """``[B, T, head_dim]``: the table's rows at each token's position. With M-RoPE (3-D positions

@@ -22,6 +22,7 @@ from __future__ import annotations
 from ..model.spec import ModelSpec
 
 INPUT_IDS = "input_ids"
+IMAGE_EMBEDS, IMAGE_INDEX = "image_embeds", "image_index"  # vision families' image inputs
 BLOCK_TABLES, CONTEXT_LENS, QUERY_LENS = "block_tables", "context_lens", "query_lens"
 LOGITS = "logits"
 QKV_SPLIT, Q_GROUPED, ATTN = "qkv_split", "q_grouped", "attn"

@@ -15,9 +15,15 @@ from ..artifacts import ExportRecord, inside
 from ..errors import AutoGLMError
 from ..kvcache.host_pools import KVPools
 from ..kvcache.layout import blocks_needed
-from ..kvcache.step_inputs import SeqState, step_inputs
+from ..kvcache.step_inputs import SeqState, StepImages, step_inputs
 from ..model.spec import ModelSpec
 from .session import make_session, run
+
+
+def text_only(spec: ModelSpec, batch: int) -> dict:
+    """``step_inputs``' ``mrope`` and ``images`` for a batch of text-only sequences of this model."""
+    return {"mrope": [None] * batch if spec.mrope else None,
+            "images": StepImages.text(spec.hidden_size, batch) if spec.vision else None}
 
 
 def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str,
@@ -32,7 +38,7 @@ def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str,
     pools = KVPools(spec.num_layers, 1, block, spec.num_kv_heads, spec.head_dim, kv_dtype)
     states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
     feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits,
-                           mrope=[None] * batch if spec.mrope else None)
+                           **text_only(spec, batch))
     return {**feeds, **pools.feeds()}
 
 
@@ -66,8 +72,7 @@ class GraphRunner:
         out = np.empty((batch, seq_len, self.spec.vocab_size), np.float32)
         for start in range(0, seq_len, step_tokens):
             chunk = [list(map(int, w[start : start + step_tokens])) for w in windows]
-            feeds, slots = step_inputs(chunk, states, block_size, all_logits=True,
-                                       mrope=[None] * batch if self.spec.mrope else None)
+            feeds, slots = step_inputs(chunk, states, block_size, all_logits=True, **text_only(self.spec, batch))
             res = run(self.session, {**feeds, **pools.feeds()})
             pools.write(res, slots)
             out[:, start : start + len(chunk[0])] = res["logits"]

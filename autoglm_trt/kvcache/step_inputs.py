@@ -4,10 +4,14 @@ to ``input_ids``, ``position_ids``, ``context_lens``, ``query_lens``, ``block_ta
 
 For a graph with M-RoPE (GLM-4.1V) ``position_ids`` is ``[3, batch, new_tokens]``: each sequence's
 3-D positions (``MRope``: the prompt's, from ``model.multimodal.mrope_positions``; past the prompt,
-position + delta in every row), or for a sequence without images its 1-D positions in all three rows."""
+position + delta in every row), or for a sequence without images its 1-D positions in all three rows.
+With a vision tower (``StepImages``) the step also carries ``image_embeds`` ``[rows, hidden]`` and
+``image_index`` ``[batch, new_tokens]``: the encoder's rows of the image tokens among the new tokens
+(row 0 is zeros and never taken), and for each new token the row it takes (0: a text token)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +37,27 @@ class MRope:
         return out
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """A prompt's image tokens: image k covers prompt tokens ``starts[k]`` to
+    ``starts[k] + len(embeds[k]) - 1`` and gives them the rows of ``embeds[k]`` ``[tokens, hidden]``."""
+
+    starts: tuple[int, ...]
+    embeds: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class StepImages:
+    """The image feeds of a step: the decoder's hidden size and each sequence's images (None: text only)."""
+
+    hidden: int
+    seqs: Sequence[PromptImages | None]
+
+    @classmethod
+    def text(cls, hidden: int, batch: int) -> StepImages:
+        return cls(hidden, [None] * batch)
+
+
 @dataclass
 class SeqState:
     """One sequence's cache state: tokens already in the pool and its block table."""
@@ -42,7 +67,8 @@ class SeqState:
 
 
 def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size: int,
-                all_logits: bool = False, mrope: list[MRope | None] | None = None) -> tuple[dict[str, np.ndarray], SlotMap]:
+                all_logits: bool = False, mrope: list[MRope | None] | None = None,
+                images: StepImages | None = None) -> tuple[dict[str, np.ndarray], SlotMap]:
     """Graph inputs (without the pools) for one step, and the slots of the new tokens.
 
     Every sequence must have at least one new token and a block table that already covers
@@ -54,7 +80,7 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size:
     assert batch == len(states) and batch > 0
     if not all_logits and all(len(t) == 1 for t in new_tokens):
         feeds, slots = _decode_inputs(new_tokens, states, block_size)
-        return _with_mrope(feeds, new_tokens, states, mrope), slots
+        return _with_images(_with_mrope(feeds, new_tokens, states, mrope), new_tokens, states, images), slots
     t_max = max(len(t) for t in new_tokens)
     max_ctx = max(s.num_computed_tokens for s in states)
     max_blocks = max(1, blocks_needed(max_ctx, block_size))
@@ -84,7 +110,7 @@ def step_inputs(new_tokens: list[list[int]], states: list[SeqState], block_size:
     feeds = {"input_ids": input_ids, "position_ids": position_ids, "context_lens": context_lens,
              "query_lens": query_lens, "block_tables": block_tables, "logits_indices": logits_indices}
     slots = SlotMap(*(np.concatenate(a).astype(np.int64) for a in (sb, st, sk, so)))
-    return _with_mrope(feeds, new_tokens, states, mrope), slots
+    return _with_images(_with_mrope(feeds, new_tokens, states, mrope), new_tokens, states, images), slots
 
 
 def _with_mrope(feeds: dict[str, np.ndarray], new_tokens: list[list[int]], states: list[SeqState],
@@ -98,6 +124,30 @@ def _with_mrope(feeds: dict[str, np.ndarray], new_tokens: list[list[int]], state
         if m is not None:
             positions[:, b, :len(toks)] = m.at(state.num_computed_tokens, len(toks))
     return {**feeds, "position_ids": positions}
+
+
+def _with_images(feeds: dict[str, np.ndarray], new_tokens: list[list[int]], states: list[SeqState],
+                 images: StepImages | None) -> dict[str, np.ndarray]:
+    """``feeds`` with ``image_embeds`` and ``image_index`` when ``images`` is given."""
+    if images is None:
+        return feeds
+    assert len(images.seqs) == len(new_tokens)
+    rows = [np.zeros((1, images.hidden), np.float32)]
+    index = np.zeros(feeds["input_ids"].shape, np.int64)
+    taken = 1
+    for b, (toks, state, seq) in enumerate(zip(new_tokens, states, images.seqs)):
+        if seq is None:
+            continue
+        lo = state.num_computed_tokens
+        hi = lo + len(toks)
+        for start, embeds in zip(seq.starts, seq.embeds):
+            a, z = max(lo, start), min(hi, start + len(embeds))
+            if a < z:
+                rows.append(embeds[a - start : z - start])
+                index[b, a - lo : z - lo] = np.arange(taken, taken + z - a)
+                taken += z - a
+    table = rows[0] if len(rows) == 1 else np.concatenate(rows).astype(np.float32, copy=False)
+    return {**feeds, "image_embeds": table, "image_index": index}
 
 
 def _decode_inputs(new_tokens: list[list[int]], states: list[SeqState],

@@ -53,6 +53,7 @@ class Family:
     sandwich_norms: bool  # extra RMSNorm after attention and after the MLP (GLM-4-0414)
     default_partial_rotary: float = 1.0
     names: TensorNames = field(default_factory=TensorNames)
+    vision: bool = False  # a vision tower in front: the decoder takes image embeddings (``graph.vision``)
 
 
 FAMILIES: dict[str, Family] = {
@@ -66,7 +67,7 @@ FAMILIES: dict[str, Family] = {
     # (mrope_section) and a vision tower under model.visual; config.json nests text_config
     "glm4v": Family("glm4v", ("Glm4vForConditionalGeneration",), rope_interleaved=True, gate_up_fused=True,
                     sandwich_norms=True, default_partial_rotary=0.5,
-                    names=TensorNames(prefixes=("model.language_model.",))),
+                    names=TensorNames(prefixes=("model.language_model.",)), vision=True),
 }
 
 
@@ -95,6 +96,10 @@ class ModelSpec:
     @property
     def mrope(self) -> bool:
         return bool(self.mrope_section)
+
+    @property
+    def vision(self) -> bool:
+        return self.fam.vision
 
     @property
     def fam(self) -> Family:

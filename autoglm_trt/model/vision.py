@@ -18,9 +18,12 @@ rope theta. Output, for the patches in the processor's order (blocks of ``merge 
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields
+
 import numpy as np
 
 CUBIC_A = -0.75  # PyTorch's bicubic convolution constant
+RESAMPLE_CHUNK = 256  # patches resampled at once (their taps: 256 x 16 x hidden float64, 50 MB at 1536)
 
 
 def patch_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,9 +59,12 @@ def resampled_positions(table: np.ndarray, h: int, w: int, merge: int) -> np.nda
     wy, wx = _cubic_weights(y - y0), _cubic_weights(x - x0)  # [N, 4]
     iy = np.clip(y0[:, None].astype(np.int64) + np.arange(-1, 3), 0, side - 1)  # border padding, per tap
     ix = np.clip(x0[:, None].astype(np.int64) + np.arange(-1, 3), 0, side - 1)
-    taps = grid[iy[:, :, None], ix[:, None, :]]  # [N, 4, 4, hidden]
-    out = np.einsum("nijd,ni,nj->nd", taps, wy, wx)
-    return out.astype(np.float32)
+    out = np.empty((len(rows), grid.shape[2]), np.float32)
+    for a in range(0, len(rows), RESAMPLE_CHUNK):  # [N, 4, 4, hidden] float64 at once is GBs for a screenshot
+        z = min(a + RESAMPLE_CHUNK, len(rows))
+        taps = grid[iy[a:z, :, None], ix[a:z, None, :]]
+        out[a:z] = np.einsum("nijd,ni,nj->nd", taps, wy[a:z], wx[a:z])
+    return out
 
 
 def rope_tables(head_dim: int, theta: float, h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,3 +76,51 @@ def rope_tables(head_dim: int, theta: float, h: int, w: int, merge: int) -> tupl
                             cols[:, None].astype(np.float32) * inv_freq.astype(np.float32)], axis=1)
     angles = np.concatenate([freqs, freqs], axis=1).astype(np.float32)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the runtime needs of a GLM-4.1V vision tower beside its graph: the encoder's head size
+    and rope theta (for ``rope_tables``), the merge size, and the image token ids of the prompt."""
+
+    head_dim: int
+    rope_theta: float
+    merge_size: int
+    patch_size: int
+    temporal_patch_size: int
+    out_hidden: int  # the decoder's hidden size: what each image token's embedding is
+    image_token_id: int
+    image_start_token_id: int
+    image_end_token_id: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> VisionSpec:
+        """From a glm4v ``config.json`` (``UnsupportedModelError`` if a field is missing or malformed)."""
+        from ..errors import UnsupportedModelError
+
+        vision = config.get("vision_config")
+        if not isinstance(vision, dict):
+            raise UnsupportedModelError("a glm4v config.json needs a vision_config object")
+        rope = vision["rope_parameters"] if isinstance(vision.get("rope_parameters"), dict) else {}
+        raw = {"hidden_size": vision.get("hidden_size"), "num_heads": vision.get("num_heads"),
+                  "spatial_merge_size": vision.get("spatial_merge_size", 2), "patch_size": vision.get("patch_size", 14),
+                  "temporal_patch_size": vision.get("temporal_patch_size", 2),
+                  "out_hidden_size": vision.get("out_hidden_size"),
+                  **{k: config.get(k) for k in ("image_token_id", "image_start_token_id", "image_end_token_id")}}
+        for key, value in raw.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UnsupportedModelError(f"config.json {key} must be a non-negative integer, got {value!r}")
+        if not raw["num_heads"] or raw["hidden_size"] % raw["num_heads"]:
+            raise UnsupportedModelError(f"vision_config hidden_size {raw['hidden_size']} is not a multiple of "
+                                        f"num_heads {raw['num_heads']}")
+        return cls(raw["hidden_size"] // raw["num_heads"], float(rope.get("rope_theta", 10000.0)),
+                   raw["spatial_merge_size"], raw["patch_size"], raw["temporal_patch_size"],
+                   raw["out_hidden_size"], raw["image_token_id"], raw["image_start_token_id"],
+                   raw["image_end_token_id"])
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> VisionSpec:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})

@@ -1,6 +1,6 @@
 """The runtime: ``from autoglm_trt.runtime import Engine, SamplingParams``."""
 
-from .engine import Choice, Engine, GenerationResult, RequestError
+from .engine import Choice, Engine, GenerationResult, ImageOptions, RequestError
 from .sampling import SamplingError, SamplingParams
 
-__all__ = ["Choice", "Engine", "GenerationResult", "RequestError", "SamplingError", "SamplingParams"]
+__all__ = ["Choice", "Engine", "GenerationResult", "ImageOptions", "RequestError", "SamplingError", "SamplingParams"]

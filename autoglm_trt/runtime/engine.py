@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -38,23 +38,56 @@ from ..errors import RequestError
 from ..fileutil import available_memory_bytes
 from ..graph.session import MAX_THREADS
 from ..kvcache.block_pool import BlockPool
-from ..kvcache.step_inputs import step_inputs
+from ..kvcache.step_inputs import StepImages, step_inputs
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup, fork_samples
+from .images import ENCODER_CACHE_BYTES, MAX_IMAGES, ImagePipeline, PreparedPrompt
 from .kv_cache_manager import KVCacheManager
 from .registry import Registry
-from .request import Choice, GenerationResult, Prompt, PromptEncoder, Request, RequestLimits, Sink, split_prompts
+from .request import (
+    Choice,
+    GenerationResult,
+    ImageRules,
+    Prompt,
+    PromptEncoder,
+    Request,
+    RequestLimits,
+    Sink,
+    split_prompts,
+)
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Step
 
 log = logging.getLogger(__name__)
-__all__ = ["Choice", "Engine", "GenerationResult", "Prompt", "RequestError"]
+__all__ = ["Choice", "Engine", "GenerationResult", "ImageOptions", "Prompt", "RequestError"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageOptions:
+    """An image-text engine's image settings (GLM-4.1V).
+
+    max_pixels: the most pixels an image is resized to (None: the checkpoint's preprocessor config;
+        Open-AutoGLM serves with 5,000,000). max_images: images per prompt. allowed_local_media_path:
+        the directory ``file://`` image URLs may point into (None: no file URLs). encoder_cache_bytes:
+        encoder outputs kept by image hash. threads: the encoder's ONNX Runtime threads (None: the engine's).
+    """
+
+    max_pixels: int | None = None
+    max_images: int = MAX_IMAGES
+    allowed_local_media_path: str | Path | None = None
+    encoder_cache_bytes: int = ENCODER_CACHE_BYTES
+    threads: int | None = None
+
+    @property
+    def rules(self) -> ImageRules:
+        where = self.allowed_local_media_path
+        return ImageRules(self.max_images, None if where is None else Path(where))
 
 
 class Engine:
     def __init__(self, manifest: Manifest, backend: StepRunner, tokenizer: TextTokenizer | None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, images: ImageOptions | None = None):
         self.dir, self.manifest, self.backend, self.tokenizer = manifest.dir, manifest, backend, tokenizer
         self.spec = manifest.spec
         limits = manifest.limits
@@ -64,7 +97,9 @@ class Engine:
         self.allocator = BlockPool(backend.num_blocks, caching=prefix_caching)
         self.kv = KVCacheManager(self.allocator, self.block_size)
         self.scheduler = Scheduler(self.kv, self.max_batch, self.max_input_len)
-        self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1)
+        self.images = _image_pipeline(manifest, self.block_size, images or ImageOptions()) if self.spec.vision else None
+        self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1,
+                                     (images or ImageOptions()).rules if self.spec.vision else None)
         self.limits = RequestLimits(self.max_seq_len, self.max_batch, self.block_size, self.allocator.num_blocks,
                                     tokenizer is not None, str(self.dir))
         self.eos = set(self.spec.eos_token_ids)
@@ -77,7 +112,8 @@ class Engine:
     # -- loading -----------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, verify: bool = True, num_blocks: int | None = None,
-             kv_memory_bytes: int | None = None, threads: int = 0, prefix_caching: bool = True) -> Engine:
+             kv_memory_bytes: int | None = None, threads: int = 0, prefix_caching: bool = True,
+             images: ImageOptions | None = None) -> Engine:
         """Load an engine directory made by ``autoglm-trt build``.
 
         Args:
@@ -86,16 +122,35 @@ class Engine:
             num_blocks / kv_memory_bytes: override the KV pool size (ONNX Runtime engines only).
             threads: ONNX Runtime intra-op threads (0: one per core; at most 256).
             prefix_caching: share the KV blocks of prompts' common prefixes (on by default).
+            images: an image-text engine's image limits and encoder cache (``ImageOptions``).
         """
         manifest, backend, tokenizer = _open_parts(Path(path), verify, num_blocks, kv_memory_bytes, threads)
-        return cls(manifest, backend, tokenizer, prefix_caching)
+        if images is not None and images.threads is None:
+            images = dataclasses.replace(images, threads=threads or None)
+        return cls(manifest, backend, tokenizer, prefix_caching, images)
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (``RequestError`` if it is malformed or cannot fit)."""
+        """Token ids of a prompt (``RequestError`` if it is malformed); an image part is its chat
+        template's one placeholder here (``prepare`` expands it to the image's tokens)."""
         return self.prompts.encode(prompt)
 
-    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink | None = None,
+    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+        """A prompt made ready to submit: tokenized, and its images (an image-text engine's) decoded,
+        preprocessed and encoded. ``RequestError`` if it is malformed or could not fit with even one
+        new token. For a caller that needs the prompt's length first (``len(prepared.ids)``)."""
+        one = SamplingParams(max_new_tokens=1)
+        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False))
+
+    def _prepared(self, prompt: object, check: Callable[[list[int]], None]) -> PreparedPrompt:
+        ids, sources = self.prompts.encode_with_images(prompt)
+        if not sources:
+            check(ids)
+            return PreparedPrompt(ids)
+        assert self.images is not None  # the prompt encoder refuses images for a text model
+        return self.images.prepare(ids, sources, check)
+
+    def submit(self, prompt: Prompt | PreparedPrompt, params: SamplingParams, sink: Sink | None = None,
                timeout: float | None = None) -> Request:
         """Queue one request without waiting: its pieces go to ``sink`` (if given) as they are made
         (with ``n`` > 1 the first sample's; a beam search sends none), then None when it ends.
@@ -126,9 +181,13 @@ class Engine:
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if timeout is not None:
             params = dataclasses.replace(params, timeout=timeout)
-        ids = self.encode(prompt)  # type: ignore[arg-type]
-        self.limits.check(ids, params, pieces=stream is not False, streaming=stream is True)
-        seq = Sequence(ids, params)
+        pieces, streaming = stream is not False, stream is True
+        if isinstance(prompt, PreparedPrompt):
+            made = prompt
+        else:
+            made = self._prepared(prompt, lambda ids: self.limits.check(ids, params, pieces, streaming))
+        self.limits.check(made.ids, params, pieces, streaming)
+        seq = Sequence(made.ids, params, block_extras=made.block_extras, mrope=made.mrope, images=made.images)
         beam = params.beam_width > 1
         req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer and not beam else None, stream,
                       params.timeout)
@@ -217,7 +276,9 @@ class Engine:
         if step.copies:
             self.backend.copy_blocks(step.copies)
         feeds, slots = step_inputs(step.new_tokens, [s.cache for s in step.seqs], self.block_size,
-                                   mrope=[s.mrope for s in step.seqs] if self.spec.mrope else None)
+                                   mrope=[s.mrope for s in step.seqs] if self.spec.mrope else None,
+                                   images=StepImages(self.spec.hidden_size, [s.images for s in step.seqs])
+                                   if self.spec.vision else None)
         return self.backend.step(feeds, slots)
 
     def _after_step(self, step: Step, logits: np.ndarray) -> None:
@@ -285,7 +346,8 @@ class Engine:
         with self._cv:
             return {"free_blocks": self.allocator.num_free, "num_blocks": self.allocator.num_blocks,
                     "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                    "preemptions": self.scheduler.preemptions, **self.kv.stats()}
+                    "preemptions": self.scheduler.preemptions, **self.kv.stats(),
+                    **(self.images.cache.stats() if self.images is not None else {})}
 
     @property
     def alive(self) -> bool:
@@ -308,6 +370,28 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -> ImagePipeline:
+    """The engine's image front end: its vision encoder and preprocessing settings (``EngineError``
+    when the engine lacks them)."""
+    from ..artifacts import ExportRecord
+    from ..model.image import ImageConfig
+
+    vision = ExportRecord.read(manifest.dir).vision()
+    if vision is None:
+        raise EngineError(f"{manifest.dir} holds a {manifest.spec.family} model but no vision encoder; rebuild it")
+    if isinstance(options.max_images, bool) or not isinstance(options.max_images, int) or options.max_images < 0:
+        raise EngineError(f"max_images must be a non-negative integer, got {options.max_images!r}")
+    where = options.allowed_local_media_path
+    if where is not None and not Path(where).is_dir():
+        raise EngineError(f"allowed_local_media_path {where} is not a directory")
+    try:
+        config = ImageConfig.from_dir(manifest.dir, **({} if options.max_pixels is None
+                                                       else {"max_pixels": options.max_pixels}))
+    except RequestError as exc:
+        raise EngineError(str(exc)) from exc
+    return ImagePipeline(manifest.dir, vision, config, block_size, options.threads, options.encoder_cache_bytes)
 
 
 def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_bytes: int | None,

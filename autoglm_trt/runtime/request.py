@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -25,28 +26,47 @@ from ..errors import RequestError
 from ..kvcache.layout import blocks_needed
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup
+from .images import PreparedPrompt, image_url_source
 from .sampling import SamplingParams
 from .sequence import Sequence
 
 Prompt = str | list[dict] | list[int]
-PROMPT_HELP = ("a prompt is a string, a non-empty list of chat messages ({'role': str, 'content': str}) or a "
-               "non-empty list of token ids")
+PROMPT_HELP = ("a prompt is a string, a non-empty list of chat messages ({'role': str, 'content': str or a list of "
+               "parts}) or a non-empty list of token ids")
+PART_HELP = ("a content part is {'type': 'text', 'text': str}, {'type': 'image_url', 'image_url': {'url': "
+             "'data:image/png;base64,...'}} or {'type': 'image', 'image': a PIL image, bytes or a path}")
+
+
+@dataclass(frozen=True)
+class ImageRules:
+    """Which images a prompt may carry: how many, and where ``file://`` URLs may point (None: nowhere)."""
+
+    max_images: int = 10
+    allowed_local_media_path: Path | None = None
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: TextTokenizer | None, vocab_size: int, max_prompt_tokens: int):
+    def __init__(self, tokenizer: TextTokenizer | None, vocab_size: int, max_prompt_tokens: int,
+                 images: ImageRules | None = None):
         self.tokenizer, self.vocab_size, self.max_prompt_tokens = tokenizer, vocab_size, max_prompt_tokens
+        self.images = images  # None: the model reads text only
         chars = tokenizer.max_token_chars if tokenizer is not None else 1
         self.max_chars = 2 * max_prompt_tokens * chars + 1024
 
     def encode(self, prompt: object) -> list[int]:
+        """Token ids of a prompt; a chat message's image part becomes the template's placeholder."""
+        return self.encode_with_images(prompt)[0]
+
+    def encode_with_images(self, prompt: object) -> tuple[list[int], list[object]]:
+        """Token ids (one placeholder per image) and the images' sources, in order."""
+        images: list[object] = []
         if isinstance(prompt, str):
             ids = self._tok().encode(self._text(prompt, "the prompt"))
         elif isinstance(prompt, dict):
             raise RequestError("a single chat message was passed as the prompt; pass a list of messages "
                                "([{'role': 'user', 'content': ...}])")
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._tok().apply_chat_template(self._messages(prompt))
+            ids = self._tok().apply_chat_template(self._messages(prompt, images))
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -56,7 +76,7 @@ class PromptEncoder:
             raise RequestError(f"{PROMPT_HELP}; got {_describe(prompt)}")
         if not ids:
             raise RequestError("the prompt is empty after tokenization")
-        return ids
+        return ids, images
 
     def _tok(self) -> TextTokenizer:
         if self.tokenizer is None:
@@ -73,20 +93,57 @@ class PromptEncoder:
             raise RequestError(f"{what} is not valid Unicode text ({exc.reason} at position {exc.start})") from exc
         return text
 
-    def _messages(self, messages: list[dict]) -> list[dict]:
+    def _messages(self, messages: list[dict], images: list[object]) -> list[dict]:
+        """The messages as the chat template takes them (content a string, or for a message with
+        images a list of ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts), collecting
+        the images' sources into ``images``."""
         total = 0
+        out = []
         for k, m in enumerate(messages):
             role, content = m.get("role"), m.get("content")
             if not isinstance(role, str) or not role:
                 raise RequestError(f"message {k} needs a 'role' string, got {_describe(role)}")
-            if not isinstance(content, str):
-                raise RequestError(f"message {k} needs a 'content' string, got {_describe(content)}")
-            self._text(content, f"message {k}")
-            total += len(content)
+            if isinstance(content, list) and content:
+                content = self._parts(content, k, images)
+            elif not isinstance(content, str):
+                raise RequestError(f"message {k} needs a 'content' string or a non-empty list of parts, got "
+                                   f"{_describe(content)}")
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
+            for text in texts:
+                self._text(text, f"message {k}")
+                total += len(text)
+            out.append({**m, "content": content})
         if total > self.max_chars:
             raise RequestError(f"the messages have {total} characters; this engine takes at most "
                                f"{self.max_prompt_tokens} prompt tokens")
-        return messages
+        return out
+
+    def _parts(self, parts: list, k: int, images: list[object]) -> str | list[dict]:
+        """One message's content parts: their text joined when it has no image, else the parts."""
+        out: list[dict] = []
+        for j, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                out.append({"type": "text", "text": part["text"]})
+            elif kind in ("image_url", "image"):
+                rules = self.images
+                if rules is None:
+                    raise RequestError(f"message {k} part {j} is an image, but this engine's model reads text only")
+                if kind == "image_url":
+                    url = part.get("image_url")
+                    images.append(image_url_source(url.get("url") if isinstance(url, dict) else url,
+                                                   rules.allowed_local_media_path))
+                else:
+                    images.append(part.get("image"))
+                if len(images) > rules.max_images:
+                    raise RequestError(f"the prompt has more than {rules.max_images} images, the most this engine "
+                                       "takes in one prompt")
+                out.append({"type": "image"})
+            else:
+                raise RequestError(f"message {k} part {j}: {PART_HELP}; got {_describe(part)}")
+        if all(p["type"] == "text" for p in out):
+            return "".join(p["text"] for p in out)
+        return out
 
 
 def _is_int(t: object) -> bool:
@@ -105,7 +162,7 @@ def split_prompts(prompts: object) -> list[object]:
     if isinstance(prompts, str | dict) or prompts is None or not isinstance(prompts, Seq):
         return [prompts]
     items = list(prompts)
-    if items and not isinstance(items[0], str | list):  # token ids or chat messages: one prompt
+    if items and not isinstance(items[0], str | list | PreparedPrompt):  # token ids or chat messages: one prompt
         return [items]
     return items
 

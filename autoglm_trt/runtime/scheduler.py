@@ -87,7 +87,7 @@ class Scheduler:
         tokens when admitted)."""
         child = Sequence(list(parent.prompt_ids), parent.params, output_ids=list(parent.output_ids),
                          arrival=parent.arrival, stream=stream, block_extras=parent.block_extras,
-                         mrope=parent.mrope)
+                         mrope=parent.mrope, images=parent.images)
         child.seq_id = next(self._ids)
         if parent in self.running and len(self.running) < self.max_batch:
             self.kv.fork(parent, child)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kvcache.step_inputs import MRope, SeqState
+from ..kvcache.step_inputs import MRope, PromptImages, SeqState
 from .sampling import SamplingParams
 
 
@@ -31,6 +31,7 @@ class Sequence:
     parked: int = 0  # n > 0: the n-th sequence preempted while idle (admitted after the unparked, in that order)
     block_extras: list[bytes] = field(default_factory=list)  # per full prompt block: the images it covers
     mrope: MRope | None = None  # a prompt with images: its 3-D positions (M-RoPE models)
+    images: PromptImages | None = None  # and its image tokens' embeddings (kept for a recompute)
 
     def __post_init__(self) -> None:
         seed = self.params.seed

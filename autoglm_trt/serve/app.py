@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import AutoGLMError
-from ..runtime import Engine
+from ..runtime import Engine, ImageOptions
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .serving import ApiError, Serving
@@ -37,6 +37,7 @@ class ServeConfig:
     request_timeout: float | None = None  # seconds; the response then ends with finish_reason "length"
     drain_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
     prefix_caching: bool = True
+    images: ImageOptions | None = None  # an image-text engine's image limits
 
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:

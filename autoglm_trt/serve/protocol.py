@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -88,15 +88,29 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str  # a data: URL (or file:// under the server's --allowed-local-media-path)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
-    def as_engine_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    def as_engine_message(self) -> dict:
+        """The message as the engine takes it: text joined into a string, or with images its parts."""
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, str) or all(isinstance(p, TextPart) for p in self.content):
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)  # type: ignore[union-attr]
+            return {"role": role, "content": text}
+        return {"role": role, "content": [p.model_dump(exclude_none=True) for p in self.content]}
 
 
 class ChatCompletionRequest(_Sampling):

@@ -24,7 +24,7 @@ def serve(engine_dir: Path, host: str, port: int, cfg, threads: int = 0, log=pri
     from ..runtime import Engine
     from .app import create_app
 
-    engine = Engine.load(engine_dir, threads=threads, prefix_caching=cfg.prefix_caching)
+    engine = Engine.load(engine_dir, threads=threads, prefix_caching=cfg.prefix_caching, images=cfg.images)
     app = create_app(engine, cfg)
     serving = app.state.serving
 

@@ -1,8 +1,9 @@
 """Serving: one OpenAI request -> engine calls; engine output -> a response or SSE chunks.
 
-The engine's loop thread stays the only owner of sequences. A request is encoded in a worker
-thread (tokenization and chat templates are bounded, but not free), submitted with a sink
-that hands each text piece to the event loop (``call_soon_threadsafe``), and awaited there.
+The engine's loop thread stays the only owner of sequences. A request is prepared in a worker
+thread (tokenization and chat templates are bounded, but not free; images are decoded and
+encoded there), submitted with a sink that hands each text piece to the event loop
+(``call_soon_threadsafe``), and awaited there.
 A client that disconnects cancels its request at once (its KV blocks are freed): a stream by
 the cancellation of its generator, a plain request by a watch on the connection.
 """
@@ -81,10 +82,11 @@ class Serving:
         if self.engine.stats()["waiting"] >= self.max_waiting:
             raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry shortly",
                            "rate_limit_error", "queue_full", headers={"Retry-After": "1"})
-        ids = await run_in_threadpool(self.engine.encode, prompt)  # RequestError -> 400
+        # tokens, and images decoded and encoded, off the event loop; RequestError -> 400
+        prepared = await run_in_threadpool(self.engine.prepare, prompt)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
-            room = max(1, self.engine.max_seq_len - len(ids))  # a prompt too long is refused by submit
+            room = max(1, self.engine.max_seq_len - len(prepared.ids))  # a prompt too long is refused by submit
             max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, room) if not chat else room
         params = body.sampling(max_tokens, self.request_timeout)
         if body.stream and (params.n > 1 or params.beam_width > 1):
@@ -92,7 +94,7 @@ class Serving:
                            param="stream")
         sink = _LoopSink(asyncio.get_running_loop())
         # with several choices the sink carries the first one's text and its end; the others are awaited after
-        req = self.engine.submit(ids, params, sink)
+        req = self.engine.submit(prepared, params, sink)
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:

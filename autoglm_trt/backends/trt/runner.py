@@ -28,6 +28,7 @@ from ...model.spec import ModelSpec
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 STEP_INPUTS = ("input_ids", "position_ids", "context_lens", "query_lens", "block_tables", "logits_indices")
+IMAGE_INPUTS = ("image_embeds", "image_index")  # a vision family's
 
 
 def buffer_plan(spec: ModelSpec, max_batch: int, max_tokens: int, max_seq_len: int,
@@ -43,6 +44,9 @@ def buffer_plan(spec: ModelSpec, max_batch: int, max_tokens: int, max_seq_len: i
         "logits_indices": ((max_batch, 1), i64),
         "logits": ((max_batch, spec.vocab_size), np.dtype(np.float32)),
     }
+    if spec.vision:
+        plan["image_embeds"] = ((1 + max_batch * max_tokens, spec.hidden_size), np.dtype(np.float32))
+        plan["image_index"] = ((max_batch, max_tokens), i64)
     return plan
 
 
@@ -118,7 +122,7 @@ class TrtRunner:
             require(self.context.set_optimization_profile_async(profile, self.stream.handle),
                     f"optimization profile {profile}")
             self._profile = profile
-        for name in STEP_INPUTS:
+        for name in STEP_INPUTS + (IMAGE_INPUTS if self.spec.vision else ()):
             arr = feeds[name]
             self._stage(name, arr)
             require(self.context.set_input_shape(name, arr.shape),

@@ -1,0 +1,151 @@
+"""A request's images (GLM-4.1V engines): from the image parts of its chat messages to what its
+sequence carries — the prompt with each placeholder expanded, the image tokens' embeddings, the
+3-D positions and the prefix cache's per-block image keys.
+
+Where an image may come from (``image_url``): a ``data:`` URL; a ``file://`` URL only under the
+engine's ``allowed_local_media_path``; an http(s) URL never (nothing is fetched). Through the
+Python API an ``{"type": "image", "image": ...}`` part may also carry a PIL image, bytes or a path.
+
+Each image is decoded (``model.image.open_image``: its header's size checked before decoding),
+preprocessed as transformers' ``Glm4vImageProcessor`` does, and hashed; the prompt's length is
+checked after the expansion and before any encoding; then each image's embeddings come from
+``EncoderCache`` (by content hash) or from the encoder. This runs on the caller's thread, so the
+engine's loop goes on with other requests' steps while a screenshot is encoded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+from ..errors import RequestError
+from ..graph.vision_runner import VisionEncoder
+from ..kvcache.step_inputs import MRope, PromptImages
+from ..model.image import ImageConfig, ImageError, open_image, preprocess
+from ..model.multimodal import block_extras, expand, image_digest, mrope_positions
+from ..model.vision import VisionSpec
+
+MAX_IMAGES = 10  # per prompt, as Open-AutoGLM's deployment sets it
+ENCODER_CACHE_BYTES = 256 * 1024**2  # encoder outputs kept by image hash
+
+
+def image_url_source(url: object, allowed_dir: Path | None) -> object:
+    """What an ``image_url`` names, as ``open_image`` takes it: the ``data:`` URL itself, or the path of
+    a ``file://`` URL inside ``allowed_dir``; ``RequestError`` for anything else."""
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"image_url.url must be a string (a data: URL), got {type(url).__name__}")
+    if url.startswith("data:"):
+        return url
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise RequestError("image URLs over http(s) are not fetched; send the image inline as a data: URL "
+                           "(data:image/png;base64,...)")
+    if scheme != "file":
+        raise RequestError(f"image_url.url must be a data: URL (or a file:// URL where the server allows local "
+                           f"files), got one starting {url[:24]!r}")
+    if allowed_dir is None:
+        raise RequestError("file:// image URLs are refused: this engine was not given an allowed_local_media_path "
+                           "(serve --allowed-local-media-path DIR); send the image as a data: URL")
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise RequestError(f"a file:// URL must name a local file, got host {parsed.netloc!r}")
+    path = Path(unquote(parsed.path)).resolve()
+    if not path.is_relative_to(allowed_dir.resolve()):
+        raise RequestError(f"the file {unquote(parsed.path)!r} is outside the allowed local media path")
+    return path
+
+
+class EncoderCache:
+    """Encoder outputs by image hash, least recently used first out, at most ``max_bytes`` in all."""
+
+    def __init__(self, max_bytes: int = ENCODER_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        with self._lock:
+            found = self._items.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return found
+
+    def put(self, key: bytes, value: np.ndarray) -> None:
+        if value.nbytes > self.max_bytes:
+            return
+        value.setflags(write=False)  # shared by every sequence with this image
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = value
+            self._bytes += value.nbytes
+            while self._bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= old.nbytes
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"encoder_cache_hits": self.hits, "encoder_cache_misses": self.misses,
+                    "encoder_cache_images": len(self._items), "encoder_cache_bytes": self._bytes}
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt's token ids (with its images expanded), and what its sequence carries for the images."""
+
+    ids: list[int]
+    images: PromptImages | None = None
+    mrope: MRope | None = None
+    block_extras: list[bytes] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # decode, preprocess, encode
+
+
+class ImagePipeline:
+    def __init__(self, engine_dir: Path, vision: VisionSpec, config: ImageConfig, block_size: int,
+                 threads: int | None = None, cache_bytes: int = ENCODER_CACHE_BYTES):
+        self.vision, self.config, self.block_size = vision, config, block_size
+        self.encoder = VisionEncoder(engine_dir, vision, threads)
+        self.cache = EncoderCache(cache_bytes)
+
+    def prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None]) -> PreparedPrompt:
+        """``ids`` (one placeholder per image) with the images of ``sources`` in place; ``check`` is
+        called on the expanded ids before anything is encoded (it raises to refuse the prompt)."""
+        t0 = time.perf_counter()
+        decoded = []
+        for k, source in enumerate(sources):
+            try:
+                decoded.append(open_image(source, self.config.max_decode_pixels))
+            except ImageError as exc:
+                raise ImageError(f"image {k}: {exc}") from exc
+        t1 = time.perf_counter()
+        pixels, grids = preprocess(decoded, self.config)
+        parts = np.split(pixels, np.cumsum([int(np.prod(g)) for g in grids])[:-1])
+        digests = [image_digest(p, g) for p, g in zip(parts, grids)]
+        v = self.vision
+        ids, spans = expand(ids, v.image_token_id, grids.tolist(), digests, v.merge_size)
+        check(ids)
+        t2 = time.perf_counter()
+        embeds = []
+        for part, grid, digest in zip(parts, grids, digests):
+            found = self.cache.get(digest)
+            if found is None:
+                found = self.encoder.encode(part, (int(grid[0]), int(grid[1]), int(grid[2])))
+                self.cache.put(digest, found)
+            embeds.append(found)
+        t3 = time.perf_counter()
+        positions, delta = mrope_positions(len(ids), spans, v.merge_size)
+        return PreparedPrompt(ids, PromptImages(tuple(s.start for s in spans), tuple(embeds)), MRope(positions, delta),
+                              block_extras(len(ids), spans, self.block_size),
+                              {"decode": t1 - t0, "preprocess": t2 - t1, "encode": t3 - t2})
