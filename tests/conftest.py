@@ -87,6 +87,38 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
 
 
 @pytest.fixture(scope="session")
+def glm4v_engine(tiny_dir, tmp_path_factory):
+    """The tiny GLM-4.1V (vision encoder, chat template, image tokens) as an fp32 engine whose prefill
+    chunks (24 tokens) cut images, with sequences of up to 256 tokens."""
+    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("glm4v") / "tiny-glm4v", family="glm4v",
+                             max_input_len=24, max_seq_len=256, kv_num_blocks=160)
+
+
+def random_image(width: int, height: int, seed: int = 0):
+    """A seeded random RGB PIL image."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_message(*parts) -> list[dict]:
+    """One user message of text (str) and image (PIL image: an image_url data: URL) parts."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else
+               {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="session")
 def chat_engine(tiny_dir, tmp_path_factory):
     """The tiny Llama with a chat template, built like ``tiny_engine``."""
     import shutil

@@ -135,16 +135,29 @@ class Engine:
         template's one placeholder here (``prepare`` expands it to the image's tokens)."""
         return self.prompts.encode(prompt)
 
-    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+    def prepare(self, prompt: Prompt, images: Seq[object] | None = None) -> PreparedPrompt:
         """A prompt made ready to submit: tokenized, and its images (an image-text engine's) decoded,
         preprocessed and encoded. ``RequestError`` if it is malformed or could not fit with even one
-        new token. For a caller that needs the prompt's length first (``len(prepared.ids)``)."""
-        one = SamplingParams(max_new_tokens=1)
-        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False))
+        new token. For a caller that needs the prompt's length first (``len(prepared.ids)``).
 
-    def _prepared(self, prompt: object, check: Callable[[list[int]], None]) -> PreparedPrompt:
+        ``images``: for a text or token-id prompt that holds the image placeholders itself (GLM-4.1V:
+        ``<|begin_of_image|><|image|><|end_of_image|>`` per image), the images in order (PIL images,
+        bytes, paths or ``data:`` URLs); chat messages carry theirs as parts instead."""
+        one = SamplingParams(max_new_tokens=1)
+        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False), images)
+
+    def _prepared(self, prompt: object, check: Callable[[list[int]], None],
+                  images: Seq[object] | None = None) -> PreparedPrompt:
         ids, sources = self.prompts.encode_with_images(prompt)
+        if images:
+            if sources:
+                raise RequestError("the messages carry images as parts: pass images= only with a text or token-id "
+                                   "prompt that holds the placeholders")
+            sources = self.prompts.extra_images(images)
         if not sources:
+            placeholders = ids.count(self.images.vision.image_token_id) if self.images is not None else 0
+            if placeholders:
+                raise RequestError(f"the prompt has {placeholders} image placeholder(s) but no image came with it")
             check(ids)
             return PreparedPrompt(ids)
         assert self.images is not None  # the prompt encoder refuses images for a text model

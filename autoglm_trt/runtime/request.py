@@ -78,6 +78,17 @@ class PromptEncoder:
             raise RequestError("the prompt is empty after tokenization")
         return ids, images
 
+    def extra_images(self, images: Seq[object]) -> list[object]:
+        """Images given beside a prompt (``Engine.prepare(images=...)``), checked against the rules."""
+        if self.images is None:
+            raise RequestError("images were given, but this engine's model reads text only")
+        if isinstance(images, str | bytes) or not isinstance(images, Seq):
+            raise RequestError(f"images must be a list of images, got {type(images).__name__}")
+        if len(images) > self.images.max_images:
+            raise RequestError(f"the prompt has more than {self.images.max_images} image(s), the most this engine "
+                               "takes in one prompt")
+        return list(images)
+
     def _tok(self) -> TextTokenizer:
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer; pass token ids")
@@ -136,7 +147,7 @@ class PromptEncoder:
                 else:
                     images.append(part.get("image"))
                 if len(images) > rules.max_images:
-                    raise RequestError(f"the prompt has more than {rules.max_images} images, the most this engine "
+                    raise RequestError(f"the prompt has more than {rules.max_images} image(s), the most this engine "
                                        "takes in one prompt")
                 out.append({"type": "image"})
             else:

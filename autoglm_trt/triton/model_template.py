@@ -3,7 +3,10 @@
 Written into a model repository by ``autoglm-trt triton`` as ``<name>/1/model.py``, beside the
 engine (``<name>/1/engine``). Inputs and outputs follow TensorRT-LLM's Triton conventions:
 ``text_input`` (string), optional ``max_tokens``, ``temperature``, ``top_k``, ``top_p``,
-``random_seed``, ``stop_words``, ``stream`` (bool); output ``text_output``. A streamed request
+``random_seed``, ``stop_words``, ``stream`` (bool), and for an image-text engine ``images`` (BYTES:
+encoded image files, in the order of the placeholders ``text_input`` holds, e.g. GLM-4.1V's
+``<|begin_of_image|><|image|><|end_of_image|>``; an element may also be a ``data:`` URL, which
+is what a JSON client such as ``/generate`` can send); output ``text_output``. A streamed request
 gets one response per text piece, then an empty final one; a plain request gets one
 response. Continuous batching and the paged KV cache live in the engine, so Triton's dynamic
 batcher stays off; each model instance loads its own engine.
@@ -116,22 +119,30 @@ class TritonPythonModel:
                 stop=tuple(s for s in (_text(request, "stop_words") or []) if s))
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
-        return text[0], params, bool(_scalar(request, "stream", bool))
+        images = pb_utils.get_input_tensor_by_name(request, "images")
+        # each element an encoded image file, or a data: URL (what a JSON client such as /generate can send)
+        images = [] if images is None else [x.decode("ascii", "replace") if x.startswith(b"data:") else x
+                                            for x in (bytes(v) for v in images.as_numpy().reshape(-1))]
+        return text[0], images, params, bool(_scalar(request, "stream", bool))
 
     def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._serve, args=(request, request.get_response_sender()), daemon=True).start()
+        return None
+
+    def _serve(self, request, sender):
+        """One request on its own thread: parsed, its images decoded and encoded (not on Triton's
+        thread, which goes on handing requests out), submitted, answered."""
         from autoglm_trt.errors import AutoGLMError
 
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                prompt, params, stream = self._parse(request)
-                sink = _Pieces()
-                handle = self.engine.submit(prompt, params, sink)
-            except AutoGLMError as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
-                continue
-            threading.Thread(target=self._respond, args=(request, handle, sink, sender, stream), daemon=True).start()
-        return None
+        try:
+            text, images, params, stream = self._parse(request)
+            sink = _Pieces()
+            handle = self.engine.submit(self.engine.prepare(text, images=images or None), params, sink)
+        except (AutoGLMError, ValueError, TypeError) as exc:  # the client's mistake goes back to it
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+            return
+        self._respond(request, handle, sink, sender, stream)
 
     def _respond(self, request, handle, sink, sender, stream):
         def out(text):

@@ -27,7 +27,8 @@ TEMPLATE = Path(__file__).with_name("model_template.py")
 INPUTS = (("text_input", "TYPE_STRING", "1", False), ("max_tokens", "TYPE_INT32", "1", True),
           ("temperature", "TYPE_FP32", "1", True), ("top_k", "TYPE_INT32", "1", True),
           ("top_p", "TYPE_FP32", "1", True), ("random_seed", "TYPE_UINT64", "1", True),
-          ("stop_words", "TYPE_STRING", "-1", True), ("stream", "TYPE_BOOL", "1", True))
+          ("stop_words", "TYPE_STRING", "-1", True), ("stream", "TYPE_BOOL", "1", True),
+          ("images", "TYPE_STRING", "-1", True))  # BYTES: encoded image files, for an image-text engine
 
 
 def default_python_path(triton_site: Path | None) -> list[str]:

@@ -1,29 +1,37 @@
-"""GLM-4.1V (AutoGLM-Phone-9B's architecture) as an engine: text prompts so far, token for token
-transformers' greedy generation, with and without the native operators."""
+"""GLM-4.1V (AutoGLM-Phone-9B's architecture) as an engine: prompts with images (one, two, none),
+token for token transformers' greedy generation with the same processor output, with and without
+the native operators; the prefix cache keyed by image content; the encoder cache; and the image
+sources a request may and may not name."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import build_tiny_engine
+from conftest import image_message, random_image
 
-from autoglm_trt.runtime import Engine, SamplingParams
+from autoglm_trt.errors import RequestError
+from autoglm_trt.runtime import Engine, ImageOptions, SamplingParams
 
-
-@pytest.fixture(scope="module")
-def glm4v_engine(tiny_dir, tmp_path_factory):
-    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("glm4v") / "engine", family="glm4v")
+IMAGE_TOKEN = 259
 
 
-def _transformers_greedy(checkpoint, prompt: list[int], new: int) -> list[int]:
+def _transformers_greedy(checkpoint, ids: list[int], images: list, new: int) -> list[int]:
+    """transformers' greedy tokens for expanded ``ids`` and the images' processor output."""
     import torch
     import transformers
 
+    from autoglm_trt.model.image import ImageConfig, preprocess
+
     model = transformers.AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    extra = {}
+    if images:
+        pixels, grids = preprocess(images, ImageConfig.from_dir(checkpoint))
+        extra = {"pixel_values": torch.from_numpy(pixels), "image_grid_thw": torch.from_numpy(grids),
+                 "mm_token_type_ids": torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])}
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, **extra)
+    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
@@ -34,16 +42,113 @@ def test_greedy_text_generation_equals_transformers(glm4v_engine, tiny_dir, monk
         assert (engine.backend.attention == "native") == (native == "1")
         results = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
     for prompt, result in zip(prompts, results):
-        assert result.token_ids == _transformers_greedy(tiny_dir("glm4v"), prompt, 12)
+        assert result.token_ids == _transformers_greedy(tiny_dir("glm4v"), prompt, [], 12)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_greedy_with_images_equals_transformers(glm4v_engine, tiny_dir, monkeypatch, native):
+    """One image, two images of odd sizes in one prompt, and text alone, batched; prefill chunks of
+    24 tokens cut the images, and decode carries the M-RoPE offset."""
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", native)
+    a, b, c = random_image(181, 250, 1), random_image(151, 109, 2), random_image(221, 70, 3)
+    cases = [(image_message("look: ", a, " what is it?"), [a]),
+             (image_message("compare ", b, " with ", c, "."), [b, c]),
+             ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}], [])]
+    with Engine.load(glm4v_engine, prefix_caching=False) as engine:
+        prepared = [engine.prepare(msgs) for msgs, _ in cases]
+        results = engine.generate([msgs for msgs, _ in cases], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [p.ids.count(IMAGE_TOKEN) for p in prepared][2] == 0
+    assert all(p.ids.count(IMAGE_TOKEN) > 24 for p in prepared[:2])  # images span chunk boundaries
+    for (_, images), p, result in zip(cases, prepared, results):
+        assert result.prompt_tokens == len(p.ids)
+        assert result.token_ids == _transformers_greedy(tiny_dir("glm4v"), p.ids, images, 10)
+
+
+def test_prefix_cache_and_encoder_cache_are_keyed_by_the_image(glm4v_engine):
+    """The same screenshot and history again: its blocks and its encoding are reused; one changed
+    pixel: the encoder runs again and only the blocks before the image are shared (without the
+    image's digest in the block keys, the image's blocks would be hits too, and the answer wrong)."""
+    history = "a long agent history that fills several blocks of eight tokens. "
+    image = random_image(90, 120, 5)
+    changed = np.asarray(image).copy()
+    changed[7, 11, 0] ^= 0xFF
+    from PIL import Image
+
+    other = Image.fromarray(changed)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with Engine.load(glm4v_engine) as engine:
+        first = engine.generate([image_message(history, image, " next?")], params)[0]
+        s1 = engine.stats()
+        again = engine.generate([image_message(history, image, " next?")], params)[0]
+        s2 = engine.stats()
+        moved = engine.generate([image_message(history, other, " next?")], params)[0]
+        s3 = engine.stats()
+        start = engine.prepare(image_message(history, image, " next?")).ids.index(IMAGE_TOKEN)
+    with Engine.load(glm4v_engine, prefix_caching=False) as fresh:
+        want = fresh.generate([image_message(history, other, " next?")], params)[0]
+    assert again.token_ids == first.token_ids
+    assert (s2["encoder_cache_hits"], s2["encoder_cache_misses"]) == (s1["encoder_cache_hits"] + 1, 1)
+    full_blocks = (first.prompt_tokens - 1) // 8
+    assert s2["prefix_hit_tokens"] - s1["prefix_hit_tokens"] == full_blocks * 8
+    assert s3["encoder_cache_misses"] == 2
+    assert s3["prefix_hit_tokens"] - s2["prefix_hit_tokens"] == start // 8 * 8
+    assert moved.token_ids == want.token_ids
+
+
+def test_image_sources_and_limits(glm4v_engine, tiny_engine, tmp_path):
+    image = random_image(40, 40, 7)
+    path = tmp_path / "shot.png"
+    image.save(path)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.png"
+    image.save(outside)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+
+    def msg(url):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+    with Engine.load(glm4v_engine, images=ImageOptions(max_images=2, allowed_local_media_path=tmp_path)) as engine:
+        by_url = engine.generate([image_message(image)], params)[0]
+        by_file = engine.generate([msg(path.as_uri())], params)[0]
+        by_pil = engine.generate([[{"role": "user", "content": [{"type": "image", "image": image}]}]], params)[0]
+        assert by_file.token_ids == by_url.token_ids == by_pil.token_ids
+        for prompt, message in [
+            (msg("https://example.com/a.png"), "not fetched"),
+            (msg(outside.as_uri()), "outside the allowed local media path"),
+            (msg("data:image/png;base64,aGVsbG8="), "not an image"),
+            (msg("data:image/png;base64,@@@"), "base64"),
+            (msg("ftp://x/y.png"), "must be a data: URL"),
+            (image_message(image, image, image), r"more than 2 image\(s\)"),
+            ([{"role": "user", "content": [{"type": "audio", "data": "x"}]}], "a content part is"),
+        ]:
+            with pytest.raises(RequestError, match=message):
+                engine.generate([prompt], params)
+        stats = engine.stats()  # refused requests hold nothing
+        assert stats["free_blocks"] == stats["num_blocks"] and stats["waiting"] == stats["running"] == 0
+    with Engine.load(glm4v_engine) as engine:  # no allowed path: file URLs are refused
+        with pytest.raises(RequestError, match="allowed_local_media_path"):
+            engine.generate([msg(path.as_uri())], params)
+    with Engine.load(tiny_engine) as text_engine:
+        with pytest.raises(RequestError, match="reads text only"):
+            text_engine.generate([image_message("hi", image)], params)
+
+
+def test_max_pixels_bounds_the_image_tokens(glm4v_engine):
+    big = random_image(400, 300, 9)
+    small_options = ImageOptions(max_pixels=2 * 84 * 84)
+    with Engine.load(glm4v_engine) as default, Engine.load(glm4v_engine, images=small_options) as small:
+        n_default = default.prepare(image_message(big)).ids.count(IMAGE_TOKEN)
+        n_small = small.prepare(image_message(big)).ids.count(IMAGE_TOKEN)
+    # each token is 28 x 28 pixels, counted twice (the temporal factor): the tiny preprocessor's longest_edge
+    # allows 224 x 224, the option 84 x 84
+    assert 48 < n_default <= 64 and 4 < n_small <= 9
 
 
 @pytest.mark.parametrize("size", [(112, 84), (60, 200)])
 def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size):
     """One image through the exported encoder (host-side position embedding and rope for its grid)
-    against transformers' Glm4vVisionModel: the merged image embeddings the decoder would take."""
+    against transformers' Glm4vVisionModel: the merged image embeddings the decoder takes."""
     import torch
     import transformers
-    from PIL import Image
 
     from autoglm_trt.graph.session import make_session
     from autoglm_trt.graph.vision import write_vision_graph
@@ -54,7 +159,7 @@ def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size):
     ckpt_dir = tiny_dir("glm4v")
     ckpt = Checkpoint.open(ckpt_dir)
     vcfg = ckpt.config["vision_config"]
-    image = Image.fromarray(np.random.default_rng(size[0]).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    image = random_image(*size, seed=size[0])
     pixels, grids = preprocess([image], ImageConfig(patch_size=vcfg["patch_size"], merge_size=vcfg["spatial_merge_size"]))
     _, h, w = (int(x) for x in grids[0])
     head_dim = vcfg["hidden_size"] // vcfg["num_heads"]
@@ -68,3 +173,12 @@ def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size):
         want = model.model.visual(torch.from_numpy(pixels), grid_thw=torch.from_numpy(grids)).pooler_output.numpy()
     assert got.shape == want.shape == (h * w // 4, ckpt.config["text_config"]["hidden_size"])
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_export_records_its_image_parity(glm4v_engine):
+    from autoglm_trt.artifacts import ExportRecord
+
+    record = ExportRecord.read(glm4v_engine)
+    report = record.data["parity"]["images"]
+    assert report["passed"] and report["chunked"]["argmax_agree"] == report["prompt_tokens"]
+    assert record.vision() is not None and all(f.is_file() for f in record.vision_files())

@@ -254,3 +254,37 @@ def test_load_test_script_and_bench_url(chat_engine):
         assert b.returncode == 0, b.stderr
         rows = [json.loads(line) for line in b.stdout.splitlines()]
         assert [x["concurrency"] for x in rows] == [1, 4] and all(x["tokens_per_s"] > 0 for x in rows)
+
+
+def test_image_url_parts_over_the_openai_client(glm4v_engine):
+    """Open-AutoGLM's request shape (a screenshot as a data: URL beside text, streamed) against the
+    engine's own answer; image tokens counted in usage; bad images are 400s with the reason."""
+    from conftest import data_url, image_message, random_image
+
+    shot = random_image(108, 240, 4)
+    messages = [{"role": "system", "content": "You are a phone agent."}, *image_message("Tap the button. ", shot)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with Engine.load(glm4v_engine) as engine:
+        want = engine.generate([messages], params)[0]
+    with server(glm4v_engine, "--max-images", "1") as (port, _):
+        c = client(port)
+        pieces, use = [], None
+        for chunk in c.chat.completions.create(model="tiny-glm4v", messages=messages, max_tokens=8, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}):
+            pieces += [ch.delta.content or "" for ch in chunk.choices]
+            use = chunk.usage or use
+        assert "".join(pieces) == want.text
+        assert use.prompt_tokens == want.prompt_tokens and use.completion_tokens == 8
+        base = {"model": "tiny-glm4v", "max_tokens": 2}
+        for url, message in [("https://example.com/shot.png", "not fetched"),
+                             ("data:image/png;base64,aGVsbG8=", "not an image"),
+                             ("file:///etc/passwd", "allowed_local_media_path")]:
+            body = {**base, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+            status, err, _ = request(port, "POST", "/v1/chat/completions", body)
+            assert status == 400 and message in err["error"]["message"], err
+        two = [{"type": "image_url", "image_url": {"url": data_url(shot)}}] * 2
+        status, err, _ = request(port, "POST", "/v1/chat/completions",
+                                 {**base, "messages": [{"role": "user", "content": two}]})
+        assert status == 400 and "more than 1 image(s)" in err["error"]["message"], err
+        assert request(port, "GET", "/health")[0] == 200

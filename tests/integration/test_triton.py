@@ -3,6 +3,7 @@ nvidia-pytriton wheel; ``make triton`` installs it) on loopback ports started by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -54,9 +55,15 @@ def stream_text(port: int, body: dict) -> str:
 
 @pytest.fixture(scope="module")
 def triton(chat_engine, tmp_path_factory):
-    repo = tmp_path_factory.mktemp("triton") / "repo"
-    r = subprocess.run([sys.executable, "-m", "autoglm_trt", "triton", str(chat_engine), "-o", str(repo),
-                        "--instances", "2"], cwd=ROOT, capture_output=True, text=True)
+    with triton_server(chat_engine, tmp_path_factory.mktemp("triton") / "repo", instances=2) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def triton_server(engine, repo, instances: int = 1):
+    """``autoglm-trt triton`` then ``triton-serve`` on free ports; always stopped, no process left."""
+    r = subprocess.run([sys.executable, "-m", "autoglm_trt", "triton", str(engine), "-o", str(repo),
+                        "--instances", str(instances)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     http, grpc, metrics = free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "triton-serve", str(repo), "--http-port", str(http),
@@ -100,6 +107,27 @@ def test_generate_matches_the_engine_and_streams_join(triton, chat_engine):
     for t in threads:
         t.join(120)
     assert [got.get(i) for i in range(len(prompts))] == expected  # concurrent streams do not mix
+
+
+def test_images_beside_the_text(glm4v_engine, tmp_path):
+    """A GLM-4.1V engine's model: ``text_input`` with the image placeholders, ``images`` as data: URLs
+    (what /generate's JSON can carry), the same answer as the engine; a bad image is an error."""
+    from conftest import data_url, random_image
+
+    shot = random_image(108, 240, 4)
+    text = "[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>Tap the button.<|assistant|>\n"
+    with Engine.load(glm4v_engine) as engine:
+        want = engine.generate([engine.prepare(text, images=[shot])], SamplingParams(max_new_tokens=6,
+                                                                                      temperature=0.0))[0]
+    with triton_server(glm4v_engine, tmp_path / "repo") as served:
+        port = served["http"]
+        body = {"text_input": text, "images": [data_url(shot)], "max_tokens": 6}
+        status, got = post(port, "/v2/models/tiny-glm4v/generate", body)
+        assert status == 200 and json.loads(got)["text_output"] == want.text, got
+        status, got = post(port, "/v2/models/tiny-glm4v/generate", {**body, "images": ["data:image/png;base64,aGk="]})
+        assert status >= 400 and "not an image" in got
+        status, got = post(port, "/v2/models/tiny-glm4v/generate", {**body, "images": []})
+        assert status >= 400 and "placeholder" in got
 
 
 def test_bad_inputs_are_triton_errors_and_the_model_stays_up(triton):
