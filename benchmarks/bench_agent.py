@@ -2,6 +2,7 @@
 """The agent workload, with and without prefix caching, in one run on one machine.
 
     python -m benchmarks.bench_agent [--engine engines/smollm2-int8] [--agents 4] [--turns 8]
+    python -m benchmarks.bench_agent --images [--turns 4]   (GLM-4.1V screenshots: bench_agent_images)
 
 Each agent runs a multi-turn trace the way a phone agent does: a system prompt of about
 1,000 tokens (rules and action space), then turns that each add an observation of about 150
@@ -65,6 +66,10 @@ def run(engine_dir: Path, caching: bool, system: list[int], observations: list[l
 
 
 def main() -> None:
+    if "--images" in sys.argv:  # the GLM-4.1V phone-agent trace: its own module
+        from .bench_agent_images import main as images_main
+
+        return images_main()
     from autoglm_trt.fileutil import cpu_model
     from autoglm_trt.model.tokenizer import TextTokenizer
 

@@ -45,19 +45,22 @@ GLM4V_PREPROCESSOR = {"image_processor_type": "Glm4vImageProcessor", "patch_size
                       "image_std": [0.26862954, 0.26130258, 0.27577711]}
 
 
-def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A random checkpoint of a family (``overrides`` change the config, e.g. a larger model)."""
+def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, vision: dict | None = None,
+                         preprocessor: dict | None = None, **overrides) -> Path:
+    """A random checkpoint of a family (``overrides`` change the config, e.g. a larger model; for
+    glm4v ``vision`` the vision config's fields and ``preprocessor`` preprocessor_config.json's)."""
     import torch
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
     if family == "glm4v":
+        section = overrides.pop("mrope_section", [1, 2, 1])
         text = {**COMMON, **extra, "vocab_size": 256 + len(GLM4V_SPECIALS), **overrides,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                    "mrope_section": [1, 2, 1]}}
-        vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=COMMON["hidden_size"],
-                      spatial_merge_size=2, patch_size=14, temporal_patch_size=2, image_size=56)
-        config = transformers.Glm4vConfig(text_config=text, vision_config=vision, **GLM4V_TOKENS,
+                                    "mrope_section": section}}
+        tower = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, spatial_merge_size=2, patch_size=14,
+                     temporal_patch_size=2, image_size=56, out_hidden_size=text["hidden_size"], **(vision or {}))
+        config = transformers.Glm4vConfig(text_config=text, vision_config=tower, **GLM4V_TOKENS,
                                           tie_word_embeddings=False)
     else:
         config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
@@ -76,7 +79,7 @@ def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides)
 
         tok.add_special_tokens(GLM4V_SPECIALS)
         (Path(out_dir) / "chat_template.jinja").write_text(GLM4V_CHAT_TEMPLATE)
-        (Path(out_dir) / "preprocessor_config.json").write_text(json.dumps(GLM4V_PREPROCESSOR))
+        (Path(out_dir) / "preprocessor_config.json").write_text(json.dumps({**GLM4V_PREPROCESSOR, **(preprocessor or {})}))
     tok.save(str(Path(out_dir) / "tokenizer.json"))
     return out_dir
 

@@ -104,7 +104,7 @@ def test_mrope_positions_of_an_image_layout_match_transformers(exported, tiny_di
     from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.graph.session import make_session, run
     from autoglm_trt.kvcache.host_pools import KVPools
-    from autoglm_trt.kvcache.step_inputs import MRope, SeqState, step_inputs
+    from autoglm_trt.kvcache.step_inputs import MRope, SeqState, StepImages, step_inputs
     from autoglm_trt.model.multimodal import ImageSpan, mrope_positions
     from autoglm_trt.model.reference import hf_logits
 
@@ -122,7 +122,8 @@ def test_mrope_positions_of_an_image_layout_match_transformers(exported, tiny_di
     pools = KVPools(spec.num_layers, 8, 8, spec.num_kv_heads, spec.head_dim)
     state, mrope, got = SeqState(0, list(range(8))), MRope(positions, delta), []
     for chunk in (ids[:25].tolist(), ids[25:].tolist(), *([[int(t)] for t in ids[:4]])):
-        feeds, slots = step_inputs([chunk], [state], 8, all_logits=True, mrope=[mrope])
+        feeds, slots = step_inputs([chunk], [state], 8, all_logits=True, mrope=[mrope],
+                                   images=StepImages.text(spec.hidden_size, 1))
         assert feeds["position_ids"].shape == (3, 1, len(chunk))
         out = run(session, {**feeds, **pools.feeds()})
         pools.write(out, slots)
