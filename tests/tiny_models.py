@@ -58,8 +58,8 @@ def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, vision: dict
         text = {**COMMON, **extra, "vocab_size": 256 + len(GLM4V_SPECIALS), **overrides,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                     "mrope_section": section}}
-        tower = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, spatial_merge_size=2, patch_size=14,
-                     temporal_patch_size=2, image_size=56, out_hidden_size=text["hidden_size"], **(vision or {}))
+        tower = {**dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, spatial_merge_size=2, patch_size=14,
+                        temporal_patch_size=2, image_size=56, out_hidden_size=text["hidden_size"]), **(vision or {})}
         config = transformers.Glm4vConfig(text_config=text, vision_config=tower, **GLM4V_TOKENS,
                                           tie_word_embeddings=False)
     else:

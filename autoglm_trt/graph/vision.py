@@ -14,6 +14,9 @@ one MatMul over a patch's row), RMSNorm, the resampled position embedding added,
 RMSNorm, the ``merge x merge`` downsample (its Conv2d as one MatMul over a block of patches, which
 the processor emits consecutively), and the merger (linear, LayerNorm, GELU, SiLU-gated MLP).
 The per-grid inputs are computed on the host (they depend on the grid, not the pixels).
+Attention is ONNX Runtime's fused ``MultiHeadAttention`` (``ATTENTION_FORMS``): at a phone
+screenshot's 12,432 patches the plain form holds ``heads x 12,432^2`` float scores (2.5 GB a
+layer at 4 heads) and took most of the encoder's time (``benchmarks/bench_agent_images.py``).
 """
 
 from __future__ import annotations
@@ -28,12 +31,19 @@ from .builder import GraphBuilder
 
 VISION_PREFIX = "model.visual."
 OPSET = 17
+MICROSOFT = "com.microsoft"
+# "fused": ONNX Runtime's com.microsoft.MultiHeadAttention (flash attention on the CPU; the form the
+# engine runs); "standard": MatMul, Softmax, MatMul in plain ONNX (for a parser without ONNX Runtime's
+# contrib operators, such as TensorRT's)
+ATTENTION_FORMS = ("fused", "standard")
 
 
 class VisionGraph:
     def __init__(self, g: GraphBuilder, read: Callable[[str], np.ndarray], has: Callable[[str], bool],
-                 config: dict):
-        self.g, self.read, self.has = g, read, has
+                 config: dict, attention: str = "fused"):
+        if attention not in ATTENTION_FORMS:
+            raise ValueError(f"attention must be one of {ATTENTION_FORMS}, got {attention!r}")
+        self.g, self.read, self.has, self.attention_op = g, read, has, attention
         self.hidden = int(config["hidden_size"])
         self.heads = int(config.get("num_heads", config.get("num_attention_heads", 0)))
         self.depth = int(config.get("depth", config.get("num_hidden_layers", 0)))
@@ -74,14 +84,23 @@ class VisionGraph:
         qkv = g.op("Reshape", [self.linear(x, f"{p}.qkv"), g.ints([0, 3, h, d], "visual_qkv_shape")], f"visual.{p}_heads")
         turn = g.const(rotate_half_matrix(d, d), "visual_rotate_half")
 
-        def part(k: int, rope: bool) -> str:  # [heads, patches, head_dim]
+        def part(k: int, rope: bool, transpose: bool = True) -> str:  # [heads, patches, head_dim]
             t = g.op("Gather", [qkv, g.const(np.int64(k), f"visual_k{k}")], f"visual.{p}_{'qkv'[k]}", axis=1)
             if rope:
                 t = g.op("Add", [g.op("Mul", [t, cos], f"visual.{p}_{'qkv'[k]}_cos"),
                                  g.op("Mul", [g.op("MatMul", [t, turn], f"visual.{p}_{'qkv'[k]}_turn"), sin],
                                       f"visual.{p}_{'qkv'[k]}_sin")], f"visual.{p}_{'qkv'[k]}_rope")
-            return g.op("Transpose", [t], f"visual.{p}_{'qkv'[k]}_t", perm=[1, 0, 2])
+            return g.op("Transpose", [t], f"visual.{p}_{'qkv'[k]}_t", perm=[1, 0, 2]) if transpose else t
 
+        if self.attention_op == "fused":
+            # ONNX Runtime's MultiHeadAttention: [1, patches, hidden] each, no mask, so its CPU kernel
+            # runs flash attention and never holds the [heads, patches, patches] scores
+            flat = g.ints([1, -1, self.hidden], "visual_mha_shape")
+            q, k, v = (g.op("Reshape", [part(j, j < 2, transpose=False), flat], f"visual.{p}_{'qkv'[j]}3")
+                       for j in range(3))
+            ctx = g.op("MultiHeadAttention", [q, k, v], f"visual.{p}_mha", domain=MICROSOFT, num_heads=h)
+            merged = g.op("Reshape", [ctx, g.ints([-1, self.hidden], "visual_hidden_rows")], f"visual.{p}_out")
+            return self.linear(merged, f"{p}.proj")
         q, k, v = part(0, True), part(1, True), part(2, False)
         scores = g.op("Mul", [g.op("MatMul", [q, g.op("Transpose", [k], f"visual.{p}_kt", perm=[0, 2, 1])],
                                    f"visual.{p}_scores"), g.const(np.float32(d ** -0.5), "visual_scale")],
@@ -136,8 +155,9 @@ class VisionGraph:
         return self.gated_mlp(x, "merger")
 
 
-def write_vision_graph(ckpt, out_dir, name: str = "vision.onnx"):
-    """``out_dir/name`` (+ ``name.data``): the vision encoder of an opened GLM-4.1V ``Checkpoint``."""
+def write_vision_graph(ckpt, out_dir, name: str = "vision.onnx", attention: str = "fused"):
+    """``out_dir/name`` (+ ``name.data``): the vision encoder of an opened GLM-4.1V ``Checkpoint``
+    (``attention``: one of ``ATTENTION_FORMS``)."""
     import onnx
 
     from ..errors import UnsupportedModelError
@@ -147,8 +167,10 @@ def write_vision_graph(ckpt, out_dir, name: str = "vision.onnx"):
         raise UnsupportedModelError("the checkpoint's config.json has no vision_config")
     builder = GraphBuilder(out_dir / f"{name}.data")
     try:
-        VisionGraph(builder, ckpt.read, ckpt.has, config).build()
+        VisionGraph(builder, ckpt.read, ckpt.has, config, attention).build()
         model = builder.model("glm4v_vision_encoder", OPSET)
+        if attention == "fused":
+            model.opset_import.append(onnx.helper.make_opsetid(MICROSOFT, 1))
     finally:
         builder.close()
     onnx.save_model(model, str(out_dir / name))

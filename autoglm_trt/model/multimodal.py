@@ -37,10 +37,11 @@ class ImageSpan:
     digest: bytes  # the image's content hash (``image_digest``)
 
 
-def image_digest(pixel_values: np.ndarray, grid: Sequence[int]) -> bytes:
-    """A content hash of one preprocessed image (its pixel values and grid), 16 bytes."""
-    h = hashlib.blake2b(np.asarray(grid, np.int64).tobytes(), digest_size=16)
-    h.update(np.ascontiguousarray(pixel_values, np.float32).tobytes())
+def image_digest(pixels: np.ndarray, grid: Sequence[int]) -> bytes:
+    """A content hash of one image (its pixels, their dtype and shape, and its grid), 16 bytes."""
+    arr = np.ascontiguousarray(pixels)
+    h = hashlib.blake2b(np.asarray([*grid, *arr.shape], np.int64).tobytes() + arr.dtype.str.encode(), digest_size=16)
+    h.update(arr.data)
     return h.digest()
 
 

@@ -6,10 +6,10 @@ Where an image may come from (``image_url``): a ``data:`` URL; a ``file://`` URL
 engine's ``allowed_local_media_path``; an http(s) URL never (nothing is fetched). Through the
 Python API an ``{"type": "image", "image": ...}`` part may also carry a PIL image, bytes or a path.
 
-Each image is decoded (``model.image.open_image``: its header's size checked before decoding),
-preprocessed as transformers' ``Glm4vImageProcessor`` does, and hashed; the prompt's length is
-checked after the expansion and before any encoding; then each image's embeddings come from
-``EncoderCache`` (by content hash) or from the encoder. This runs on the caller's thread, so the
+Each image is decoded (``model.image.open_image``: its header's size checked before decoding)
+and hashed (its decoded RGB pixels and grid); the prompt's length is checked after the expansion
+and before any encoding; then each image's embeddings come from ``EncoderCache`` (by that hash),
+or it is preprocessed as transformers' ``Glm4vImageProcessor`` does and encoded. This runs on the caller's thread, so the
 engine's loop goes on with other requests' steps while a screenshot is encoded.
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import RequestError
 from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
-from ..model.image import ImageConfig, ImageError, open_image, preprocess
+from ..model.image import ImageConfig, ImageError, open_image, pixel_rows, rgb
 from ..model.multimodal import block_extras, expand, image_digest, mrope_positions
 from ..model.vision import VisionSpec
 
@@ -123,29 +123,30 @@ class ImagePipeline:
         """``ids`` (one placeholder per image) with the images of ``sources`` in place; ``check`` is
         called on the expanded ids before anything is encoded (it raises to refuse the prompt)."""
         t0 = time.perf_counter()
-        decoded = []
+        arrays = []
         for k, source in enumerate(sources):
             try:
-                decoded.append(open_image(source, self.config.max_decode_pixels))
+                arrays.append(rgb(open_image(source, self.config.max_decode_pixels)))
             except ImageError as exc:
                 raise ImageError(f"image {k}: {exc}") from exc
         t1 = time.perf_counter()
-        pixels, grids = preprocess(decoded, self.config)
-        parts = np.split(pixels, np.cumsum([int(np.prod(g)) for g in grids])[:-1])
-        digests = [image_digest(p, g) for p, g in zip(parts, grids)]
+        grids = [self.config.grid(*a.shape[:2]) for a in arrays]
+        digests = [image_digest(a, g) for a, g in zip(arrays, grids)]  # of the decoded pixels: cheap
         v = self.vision
-        ids, spans = expand(ids, v.image_token_id, grids.tolist(), digests, v.merge_size)
+        ids, spans = expand(ids, v.image_token_id, grids, digests, v.merge_size)
         check(ids)
-        t2 = time.perf_counter()
-        embeds = []
-        for part, grid, digest in zip(parts, grids, digests):
+        embeds, preprocess_s = [], 0.0
+        for arr, grid, digest in zip(arrays, grids, digests):
             found = self.cache.get(digest)
-            if found is None:
-                found = self.encoder.encode(part, (int(grid[0]), int(grid[1]), int(grid[2])))
+            if found is None:  # an image seen before skips preprocessing and the encoder
+                t = time.perf_counter()
+                rows = pixel_rows(arr, self.config)
+                preprocess_s += time.perf_counter() - t
+                found = self.encoder.encode(rows, grid)
                 self.cache.put(digest, found)
             embeds.append(found)
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
         positions, delta = mrope_positions(len(ids), spans, v.merge_size)
         return PreparedPrompt(ids, PromptImages(tuple(s.start for s in spans), tuple(embeds)), MRope(positions, delta),
                               block_extras(len(ids), spans, self.block_size),
-                              {"decode": t1 - t0, "preprocess": t2 - t1, "encode": t3 - t2})
+                              {"decode": t1 - t0, "preprocess": preprocess_s, "encode": t2 - t1 - preprocess_s})

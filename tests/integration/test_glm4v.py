@@ -143,8 +143,8 @@ def test_max_pixels_bounds_the_image_tokens(glm4v_engine):
     assert 48 < n_default <= 64 and 4 < n_small <= 9
 
 
-@pytest.mark.parametrize("size", [(112, 84), (60, 200)])
-def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size):
+@pytest.mark.parametrize("size, attention", [((112, 84), "fused"), ((60, 200), "fused"), ((60, 200), "standard")])
+def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size, attention):
     """One image through the exported encoder (host-side position embedding and rope for its grid)
     against transformers' Glm4vVisionModel: the merged image embeddings the decoder takes."""
     import torch
@@ -165,7 +165,7 @@ def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size):
     head_dim = vcfg["hidden_size"] // vcfg["num_heads"]
     cos, sin = rope_tables(head_dim, vcfg.get("rope_parameters", {}).get("rope_theta", 10000.0), h, w, 2)
     table = ckpt.read("model.visual.embeddings.position_embedding.weight")
-    session = make_session(write_vision_graph(ckpt, tmp_path))
+    session = make_session(write_vision_graph(ckpt, tmp_path, attention=attention))
     got = session.run(["image_embeds"], {"pixel_values": pixels, "pos_embed": resampled_positions(table, h, w, 2),
                                          "rope_cos": cos, "rope_sin": sin})[0]
     model = transformers.AutoModelForImageTextToText.from_pretrained(str(ckpt_dir), dtype=torch.float32).eval()
