@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from .common import ROOT, machine
 
 TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -36,21 +34,12 @@ SCREEN = (1080, 2400)
 IMAGE_TOKEN = 259  # the test checkpoints' <|image|> (tests/tiny_models.py GLM4V_TOKENS)
 
 
-def screenshot(seed: int):
-    """A PNG-encoded UI-like 1080 x 2400 screenshot: flat panels, bars and a little noise (PNG, like the agent sends)."""
-    from PIL import Image, ImageDraw
+def screenshot(seed: int) -> bytes:
+    """A synthetic UI-like 1080 x 2400 screenshot (``calib.screens``), PNG-encoded as the agent sends it."""
+    from autoglm_trt.calib.screens import ui_screenshot
 
-    rng = np.random.default_rng(seed)
-    image = Image.new("RGB", SCREEN, tuple(int(c) for c in rng.integers(200, 256, 3)))
-    draw = ImageDraw.Draw(image)
-    for _ in range(40):
-        x, y = int(rng.integers(0, SCREEN[0] - 100)), int(rng.integers(0, SCREEN[1] - 60))
-        w, h = int(rng.integers(60, 900)), int(rng.integers(30, 240))
-        draw.rectangle([x, y, x + w, y + h], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
-    arr = np.asarray(image).copy()
-    arr[::7, ::5] ^= rng.integers(0, 16, arr[::7, ::5].shape, dtype=np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
+    ui_screenshot(seed, SCREEN).save(buf, format="PNG")
     return buf.getvalue()
 
 

@@ -21,7 +21,7 @@ import onnx
 
 from ..graph.hadamard import rotate_rows
 from ..graph.names import input_channels
-from ..graph.runner import prefill_feeds
+from ..graph.runner import WindowImages, prefill_feeds
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..progress import Progress
@@ -73,8 +73,10 @@ def calibration_session(export_dir: Path, outputs: list[str], threads: int | Non
 
 def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,
             smoothing: Smoothing | None = None, show_progress: bool = True,
-            rotate: dict[str, int] | None = None, row_stride: int = 1) -> ActivationStats:
-    """Run all windows through the graph and accumulate the statistics (see ``Accumulator``)."""
+            rotate: dict[str, int] | None = None, row_stride: int = 1,
+            images: WindowImages | None = None) -> ActivationStats:
+    """Run all windows through the graph and accumulate the statistics (see ``Accumulator``);
+    ``images``: the windows' images (a vision family's image windows)."""
     names = list(inputs)
     stats = ActivationStats()
     kv = kv_outputs(spec)
@@ -89,8 +91,8 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
     # against 7.1-7.4 s serial for 32 windows. Both are bound by memory bandwidth, which overlap
     # does not add.)
     for b in range(n_batches):
-        w = windows[b * batch_size : (b + 1) * batch_size]
-        outs = bound.run(prefill_feeds(spec, w, "float32"))
+        a, z = b * batch_size, min((b + 1) * batch_size, len(windows))
+        outs = bound.run(prefill_feeds(spec, windows[a:z], "float32", images=None if images is None else images.take(a, z)))
         acc.add(outs[: len(names)], dict(zip(kv, outs[len(names):])))
         if progress:
             progress.update()

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 from ..errors import AutoGLMError
 from ..graph.exported_weights import ExportedWeights
 from ..graph.names import input_channels
-from ..graph.runner import prefill_feeds
+from ..graph.runner import WindowImages, prefill_feeds
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..progress import Progress
@@ -136,16 +136,21 @@ class _GroupRunner:
 def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str],
                      rotate: dict[str, int], smoothing_for: Callable[[list[int]], Smoothing | None], batch_size: int,
                      threads: int | None, max_graph_bytes: int, device: str = "cpu",
-                     show_progress: bool = True, row_stride: int = 1) -> ActivationStats:
-    """The statistics of ``collect`` over the windows, group of layers by group of layers.
+                     show_progress: bool = True, row_stride: int = 1,
+                     images: WindowImages | None = None) -> ActivationStats:
+    """The statistics of ``collect`` over the windows, group of layers by group of layers
+    (``images``: the windows' images, whose rows replace the image tokens' embeddings).
 
     ``smoothing_for(layers)`` gives the SmoothQuant callback of those layers' linears (None: off).
     """
     model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
     weights = ExportedWeights(export_dir)
     batches = [(b, min(b + batch_size, len(windows))) for b in range(0, len(windows), batch_size)]
-    feeds = [prefill_feeds(spec, windows[a:b], "float32") for a, b in batches]
+    feeds = [prefill_feeds(spec, windows[a:b], "float32", images=None if images is None else images.take(a, b))
+             for a, b in batches]
     hidden = embed(weights, windows)
+    if images is not None:
+        images.substitute(hidden)
     stats = ActivationStats()
     groups = layer_groups(weights, spec.num_layers, max_graph_bytes)
     progress = Progress(len(groups) * len(batches), "calibrating, layer by layer") if show_progress else None

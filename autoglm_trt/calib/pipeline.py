@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..artifacts import CALIB_RECORD, EXPORT_RECORD, CalibRecord, ExportRecord, copy_tokenizer_files
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, staged_directory, write_json
@@ -34,11 +36,13 @@ from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
 from ..graph.names import KINDS
 from ..graph.quant import QuantPlan
+from ..graph.runner import WindowImages
 from ..model.text import TokenWindows, token_windows
 from .accuracy import GateSettings, search_and_check
 from .cache import ALGORITHMS, trt_version, write_cache
 from .collect import kv_head_amax
 from .histogram import METHODS, entropy_amax
+from .image_windows import calibration_images, image_windows
 from .record import float_fraction, float_reasons, versions, weight_bytes
 from .statistics import Statistics, gather, quantizable_inputs, rotation_blocks
 from .thresholds import choose_amax, int8_errors
@@ -183,7 +187,9 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(cfg.data, cfg.export_dir, cfg.num_samples, cfg.seq_len, separator)
     settings = cfg.settings()
-    data_sha = hashlib.sha256((windows.sha256 + json.dumps(settings, sort_keys=True)).encode()).hexdigest()
+    images = calibration_images(cfg.data) if spec.vision else []
+    data_sha = hashlib.sha256((windows.sha256 + json.dumps(settings, sort_keys=True)
+                               + "".join(_image_digest(i) for i in images)).encode()).hexdigest()
     msha = export.identity()
     reused, replace = _existing(cfg, msha, data_sha, log)
     if reused is not None:
@@ -197,8 +203,16 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     t0 = time.perf_counter()
     inputs = quantizable_inputs(cfg.export_dir, cfg.quantize_lm_head, cfg.keep_float)
     rotate = rotation_blocks(spec, list(inputs), cfg.rotate, cfg.max_rotation_block)
-    st = gather(cfg.export_dir, spec, windows.windows, inputs, rotate, cfg.smoothquant_alpha, cfg.batch_size,
-                cfg.threads, cfg.max_graph_bytes, cfg.device, cfg.hist_row_stride)
+    all_windows, with_images = windows.windows, None
+    if images:  # a vision family: windows with images too, after the text ones
+        shown, with_images = image_windows(cfg.export_dir, windows.windows, images)
+        all_windows = np.concatenate([windows.windows, shown])
+        text_rows = np.broadcast_to(np.arange(cfg.seq_len), (3, len(windows.windows), cfg.seq_len))
+        items: list[tuple[int, np.ndarray] | None] = [None] * len(windows.windows)
+        with_images = WindowImages(items + with_images.items, np.concatenate([text_rows, with_images.positions], axis=1))
+        log(f"  and {len(images)} windows with an image each (their encoder's output in the image tokens' place)")
+    st = gather(cfg.export_dir, spec, all_windows, inputs, rotate, cfg.smoothquant_alpha, cfg.batch_size,
+                cfg.threads, cfg.max_graph_bytes, cfg.device, cfg.hist_row_stride, with_images)
     t_search = time.perf_counter()
     amax, amax_method = choose_amax(st, cfg.method, cfg.percentile)
     timings = {"collect_s": round(st.seconds, 3), "search_s": round(time.perf_counter() - t_search, 3),
@@ -209,7 +223,8 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     errors = int8_errors(st, amax)
     with staged_directory(Path(cfg.out_dir), replace) as tmp:
         record = _write(cfg, export, tmp, st, amax, amax_method, errors, log)
-        record.update(model_sha256=msha, data_sha256=data_sha, settings=settings, data=_data_info(cfg, windows))
+        record.update(model_sha256=msha, data_sha256=data_sha, settings=settings,
+                      data={**_data_info(cfg, windows), "image_windows": len(images)})
         record["timings"] = {**timings, "total_s": round(time.perf_counter() - t0, 2)}
         write_json(tmp / CALIB_RECORD, _ordered(record))
     log(f"calibration written to {cfg.out_dir}: {len(record['amax'])} linears INT8, "
@@ -272,6 +287,13 @@ def write_trt_cache(tmp: Path, st: Statistics, quantized: dict[str, float]) -> d
     return {"file": "calibration.cache", "header": f"TRT-{version}-{ALGORITHMS['entropy']}", "tensorrt": source,
             "model": "model.onnx of the float32 export (its tensor names)", "tensors": len(amax),
             "method": "entropy, on the float graph's linear inputs"}
+
+
+def _image_digest(image: object) -> str:
+    """What identifies a calibration image: a file's content, or a synthetic screenshot's pixels."""
+    if isinstance(image, Path):
+        return hashlib.sha256(image.read_bytes()).hexdigest()
+    return hashlib.sha256(np.asarray(image).tobytes()).hexdigest()
 
 
 def _data_info(cfg: CalibConfig, windows: TokenWindows) -> dict:

@@ -19,6 +19,7 @@ from ..errors import AutoGLMError
 from ..graph.exported_weights import ExportedWeights
 from ..graph.hadamard import block_size
 from ..graph.names import KINDS, input_channels, kind_of
+from ..graph.runner import WindowImages
 from ..model.spec import ModelSpec
 from .collect import ActivationStats, Smoothing, calibration_session, collect, linear_inputs
 from .layerwise import gather_layerwise
@@ -58,7 +59,7 @@ def rotation_blocks(spec: ModelSpec, linears: list[str], kinds: list[str], max_b
 
 def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str], rotate: dict[str, int],
            alpha: float | None, batch_size: int, threads: int | None, max_graph_bytes: int | None = None,
-           device: str = "cpu", row_stride: int = 1) -> Statistics:
+           device: str = "cpu", row_stride: int = 1, images: WindowImages | None = None) -> Statistics:
     """Run the windows through the float graph once and accumulate the statistics: the whole graph
     at once, or (when its weights exceed ``max_graph_bytes``) group of layers by group of layers."""
     import time
@@ -73,7 +74,7 @@ def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[
             return lambda chan_max: smoothing_scales(spec, weight_row_max(spec, base, layers), chan_max, alpha)
 
         stats = gather_layerwise(export_dir, spec, windows, inputs, rotate, smoothing_for, batch_size, threads,
-                                 max_graph_bytes, device, row_stride=row_stride)
+                                 max_graph_bytes, device, row_stride=row_stride, images=images)
         return Statistics(inputs, rotate, stats, SmoothedWeights(base, spec, stats.smooth),
                           time.perf_counter() - t0, layerwise=True)
     session = calibration_session(export_dir, list(inputs.values()), threads, device)
@@ -88,7 +89,8 @@ def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[
             reader.join()
             return smoothing_scales(spec, w_max["all"], chan_max, alpha)
 
-    stats = collect(session, spec, inputs, windows, batch_size, smoothing, rotate=rotate, row_stride=row_stride)
+    stats = collect(session, spec, inputs, windows, batch_size, smoothing, rotate=rotate, row_stride=row_stride,
+                    images=images)
     seconds = time.perf_counter() - t0
     del session
     return Statistics(inputs, rotate, stats, SmoothedWeights(base, spec, stats.smooth), seconds)

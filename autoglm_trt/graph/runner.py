@@ -7,6 +7,7 @@ Used by ``eval`` and by calibration's accuracy gate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,34 @@ from ..artifacts import ExportRecord, inside
 from ..errors import AutoGLMError
 from ..kvcache.host_pools import KVPools
 from ..kvcache.layout import blocks_needed
-from ..kvcache.step_inputs import SeqState, StepImages, step_inputs
+from ..kvcache.step_inputs import MRope, PromptImages, SeqState, StepImages, step_inputs
 from ..model.spec import ModelSpec
 from .session import make_session, run
+
+
+@dataclass(frozen=True)
+class WindowImages:
+    """The images of a batch of equal-length windows (calibration's image windows): for each
+    window its image's first token and embeddings ``[tokens, hidden]`` (None: a text window), and
+    every window's 3-D positions ``[3, windows, tokens]``."""
+
+    items: list[tuple[int, np.ndarray] | None]
+    positions: np.ndarray
+
+    def take(self, a: int, b: int) -> WindowImages:
+        return WindowImages(self.items[a:b], self.positions[:, a:b])
+
+    def step_args(self, hidden: int) -> dict:
+        """``step_inputs``' ``mrope`` and ``images`` for these windows, prefilled from position 0."""
+        return {"mrope": [MRope(self.positions[:, k]) for k in range(len(self.items))],
+                "images": StepImages(hidden, [None if it is None else PromptImages((it[0],), (it[1],))
+                                              for it in self.items])}
+
+    def substitute(self, hidden: np.ndarray) -> None:
+        """Put the image rows into ``hidden`` ``[windows, tokens, width]`` (the embedding of the windows)."""
+        for k, it in enumerate(self.items):
+            if it is not None:
+                hidden[k, it[0] : it[0] + len(it[1])] = it[1]
 
 
 def text_only(spec: ModelSpec, batch: int) -> dict:
@@ -26,9 +52,10 @@ def text_only(spec: ModelSpec, batch: int) -> dict:
             "images": StepImages.text(spec.hidden_size, batch) if spec.vision else None}
 
 
-def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str,
-                  all_logits: bool = False) -> dict[str, np.ndarray]:
-    """Graph inputs for a prefill of equal-length windows with nothing cached.
+def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str, all_logits: bool = False,
+                  images: WindowImages | None = None) -> dict[str, np.ndarray]:
+    """Graph inputs for a prefill of equal-length windows with nothing cached (``images``: theirs,
+    for a vision family).
 
     One pool block (masked out by ``context_lens`` 0) suffices, and the new K/V outputs are not
     written back.
@@ -37,8 +64,8 @@ def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str,
     block = 16
     pools = KVPools(spec.num_layers, 1, block, spec.num_kv_heads, spec.head_dim, kv_dtype)
     states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
-    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits,
-                           **text_only(spec, batch))
+    extra = text_only(spec, batch) if images is None else images.step_args(spec.hidden_size)
+    feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits, **extra)
     return {**feeds, **pools.feeds()}
 
 

@@ -142,3 +142,28 @@ def test_lm_head_error_in_column_chunks_equals_the_whole(monkeypatch, block):
                               rows=lambda name, a, b: head[a:b])
     whole = output_error(x, rotate_weight(head.T, block) if block else head.T, 3.0)
     assert thresholds.head_error(weights, x, 3.0, block) == pytest.approx(whole, rel=1e-5)
+
+
+def test_image_windows_statistics_layer_by_layer_equal_the_whole_graph(tiny_dir, tmp_path):
+    """GLM-4.1V's image windows (synthetic screenshots, their encoder rows in the image tokens'
+    place, 3-D positions): the layer-by-layer pass substitutes the rows on the host and must match
+    the whole graph, which takes them through its image inputs; and the images move the ranges."""
+    from autoglm_trt.calib.image_windows import calibration_images, image_windows
+    from autoglm_trt.calib.screens import ui_screenshot
+
+    export_dir = tmp_path / "export"
+    export_checkpoint(ExportConfig(tiny_dir("glm4v"), export_dir, validate=False), log=lambda m: None)
+    spec = ExportRecord.read(export_dir).spec
+    text = token_windows(DATA, export_dir, 4, 48, spec.eos_token_ids[0]).windows
+    assert len(calibration_images(DATA)) == 4  # the folder holds text only: synthetic screenshots
+    shown, images = image_windows(export_dir, text, [ui_screenshot(s) for s in range(3)])
+    assert shown.shape == (3, 48) and all(item is not None and len(item[1]) <= 24 for item in images.items)
+    inputs = quantizable_inputs(export_dir, True, [])
+    rotate = rotation_blocks(spec, list(inputs), list(KINDS), 128)
+    whole = gather(export_dir, spec, shown, inputs, rotate, 0.8, 2, None, images=images)
+    layered = gather(export_dir, spec, shown, inputs, rotate, 0.8, 2, None, max_graph_bytes=1, images=images)
+    assert not whole.layerwise and layered.layerwise
+    assert_same_statistics(whole, layered, 1e-4)
+    plain = gather(export_dir, spec, shown, inputs, rotate, 0.8, 2, None)  # the same ids, no image rows
+    name = "layers.0.qkv"
+    assert not np.allclose(plain.stats.chan_max[name], whole.stats.chan_max[name], rtol=1e-3)
