@@ -38,12 +38,20 @@ class BuildConfig:
     builder_optimization_level: int = 3
     threads: int = 0  # ONNX Runtime intra-op threads (0: one per core)
     kv_cache_dtype: str | None = None  # float32 | float16 | int8 (calibrated scales); default: the engine's float dtype
+    # image-text models: the most pixels an image is resized to (default: the checkpoint's preprocessor
+    # config; a TensorRT vision engine is built for it), and images per prompt (the runtime's defaults)
+    max_pixels: int | None = None
+    max_images: int = 10
 
     def check(self) -> None:
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size", "kv_memory_bytes",
                      "prefill_opt_batch", "prefill_opt_tokens", "decode_opt_batch", "workspace_bytes"):
             if getattr(self, name) < 1:
                 raise BuildConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_pixels is not None and self.max_pixels < 1:
+            raise BuildConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
+        if self.max_images < 0:
+            raise BuildConfigError(f"max_images must be >= 0, got {self.max_images}")
         if self.max_input_len > self.max_seq_len:
             raise BuildConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})")
         if self.kv_cache_dtype not in (None, "float32", "float16", "int8"):
@@ -82,7 +90,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(BuildConfig)}
 def _coerce(key: str, value: Any) -> Any:
     default = getattr(BuildConfig(), key)
     allowed: tuple[type, ...]
-    if key in ("kv_num_blocks",):
+    if key in ("kv_num_blocks", "max_pixels"):
         allowed = (int, type(None))
     elif key in ("timing_cache", "kv_cache_dtype"):
         allowed = (str, type(None))

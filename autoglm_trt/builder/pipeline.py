@@ -144,6 +144,29 @@ def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, 
                                      timing, None if rewritten is None else rewritten.SerializeToString())
 
 
+def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig, req: BuildRequest,
+                 log: Callable[[str], None]) -> dict:
+    """A TensorRT engine of the vision encoder (``vision.plan``): its graph with the attention in plain
+    ONNX, one profile over the patch count up to ``max_pixels``."""
+    import onnx
+
+    from ..backends.trt.loader import build_plan
+    from ..backends.trt.vision import VISION_PLAN
+    from ..graph.vision import standard_attention
+    from ..model.image import ImageConfig
+    from .profiles import vision_profile
+
+    vision = record.vision()
+    assert vision is not None
+    graph = record.vision_files()[0]
+    max_pixels = cfg.max_pixels or ImageConfig.from_dir(model_dir).max_pixels
+    plain = standard_attention(onnx.load(str(graph), load_external_data=False), vision.head_dim)
+    log(f"building the vision engine for images of up to {max_pixels} pixels ({vision.max_patches(max_pixels)} patches)")
+    timing = Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
+    return build_plan(graph, tmp, vision_profile(vision, max_pixels), cfg.workspace_bytes,
+                      cfg.builder_optimization_level, timing, plain.SerializeToString(), VISION_PLAN)
+
+
 def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]) -> dict:
     """K/V amax per layer and head: from the INT8 calibration, or one statistics pass over the
     calibration text on the float export."""
@@ -193,6 +216,8 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     with staged_directory(out_dir, req.force) as tmp:
         log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
         engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
+        if backend == "tensorrt" and record.vision() is not None:
+            report["vision"] = _vision_plan(model_dir, record, tmp, cfg, req, log)
         graphs = _ort_graphs(tmp, record, kv_dtype, log) if backend == "onnxruntime" else None
         copy_tokenizer_files(model_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))

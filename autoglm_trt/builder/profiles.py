@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..kvcache.layout import pool_shape
 from ..model.spec import ModelSpec
+from ..model.vision import VisionSpec
 from .config import BuildConfig
 
 Shape = tuple[int, ...]
@@ -47,3 +48,17 @@ def profile_shapes(cfg: BuildConfig, spec: ModelSpec, num_blocks: int) -> dict[s
         "prefill": make(1, cfg.prefill_opt_batch, cfg.prefill_opt_tokens, t, 1),
         "decode": make(1, cfg.decode_opt_batch, 1, 1, max(1, mb // 2)),
     }
+
+
+def vision_profile(vision: VisionSpec, max_pixels: int) -> dict[str, Profile]:
+    """The vision engine's one optimization profile, over an image's patch count: from one merged
+    block to what ``max_pixels`` allows, tuned for the largest (a phone screenshot is resized to it)."""
+    most = vision.max_patches(max_pixels)
+    least = vision.merge_size ** 2
+    row = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+
+    def over(width: int) -> tuple[Shape, Shape, Shape]:
+        return (least, width), (most, width), (most, width)
+
+    return {"image": {"pixel_values": over(row), "pos_embed": over(vision.hidden_size),
+                      "rope_cos": over(vision.head_dim), "rope_sin": over(vision.head_dim)}}

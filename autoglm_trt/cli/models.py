@@ -154,6 +154,10 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (0: all cores).")
 @click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16", "int8"]), default=None,
               help="KV cache storage [default: the engine's float dtype]; int8 uses calibrated per-head scales.")
+@click.option("--max-pixels", type=int, default=None,
+              help="Image-text models: the most pixels an image is resized to [default: the checkpoint's "
+                   "preprocessor_config.json; Open-AutoGLM serves with 5000000].")
+@click.option("--max-images", type=int, default=None, help="Image-text models: images per prompt [default: 10].")
 @click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,

@@ -123,14 +123,14 @@ def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, con
 @click.option("--max-pixels", type=click.IntRange(1), default=None,
               help="Image-text engines: the most pixels an image is resized to [default: the model's "
                    "preprocessor_config.json; Open-AutoGLM serves with 5000000].")
-@click.option("--max-images", type=click.IntRange(0), default=10, show_default=True,
-              help="Image-text engines: images per prompt.")
+@click.option("--max-images", type=click.IntRange(0), default=None,
+              help="Image-text engines: images per prompt [default: the engine's build config, 10 unless set].")
 @click.option("--allowed-local-media-path", type=click.Path(path_type=Path, file_okay=False, exists=True),
               default=None, help="Image-text engines: the directory file:// image URLs may point into "
                                  "[default: none; images come as data: URLs, http(s) URLs are never fetched].")
 def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
               max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
-              prefix_caching: bool, max_pixels: int | None, max_images: int,
+              prefix_caching: bool, max_pixels: int | None, max_images: int | None,
               allowed_local_media_path: Path | None) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require

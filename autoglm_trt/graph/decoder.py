@@ -62,7 +62,8 @@ OPSET = 17
 # 2: rope for q and k together in four nodes, new K/V named at their producer (no Identity),
 #    pools [kv_heads, num_blocks, block_size, head_dim], past and new keys attended separately.
 # 3: export.json names the longest sequence max_seq_len, as the build config and manifest do.
-GRAPH_VERSION = 3
+# 4: a vision family's decoder takes image_embeds and image_index; its export holds the encoder.
+GRAPH_VERSION = 4
 NEG_INF = -1.0e9  # finite, so a row with no valid key gives a uniform softmax, not NaN
 EMBED_CHUNK_ROWS = 8192
 LM_HEAD_STREAM_BYTES = 512 * 1024**2  # an INT8 LM head larger than this in float32 is quantized in chunks

@@ -23,15 +23,18 @@ VISION_GRAPH = "vision.onnx"
 VISION_POSITIONS = "vision_positions.npy"  # the encoder's learned position table [S * S, hidden]
 
 
-class VisionEncoder:
-    def __init__(self, model_dir: Path, spec: VisionSpec, threads: int | None = None):
+class GridInputs:
+    """The per-grid inputs of the encoder, the last ``GRID_CACHE`` grids' kept (thread-safe)."""
+
+    def __init__(self, model_dir: Path, spec: VisionSpec):
         self.spec = spec
-        self.session = make_session(Path(model_dir) / VISION_GRAPH, threads=threads)
         self.table = np.load(Path(model_dir) / VISION_POSITIONS, allow_pickle=False)
+        if self.table.ndim != 2 or self.table.shape[1] != spec.hidden_size:
+            raise ValueError(f"{VISION_POSITIONS} holds a {self.table.shape} table, not [positions, {spec.hidden_size}]")
         self._grids: OrderedDict[tuple[int, int], dict[str, np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def grid_inputs(self, h: int, w: int) -> dict[str, np.ndarray]:
+    def __call__(self, h: int, w: int) -> dict[str, np.ndarray]:
         """``pos_embed``, ``rope_cos`` and ``rope_sin`` of an ``h x w`` patch grid."""
         with self._lock:
             if (h, w) in self._grids:
@@ -46,9 +49,21 @@ class VisionEncoder:
                 self._grids.popitem(last=False)
         return made
 
+
+class VisionEncoder:
+    """The encoder graph in an ONNX Runtime session."""
+
+    def __init__(self, model_dir: Path, spec: VisionSpec, threads: int | None = None):
+        self.spec = spec
+        self.session = make_session(Path(model_dir) / VISION_GRAPH, threads=threads)
+        self.grid_inputs = GridInputs(model_dir, spec)
+
     def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
         """float32 ``[tokens, out_hidden]``: one image's embeddings (``pixels``: its rows of
         ``model.image.preprocess``; ``grid``: its (t, h, w))."""
         _, h, w = grid
         feeds = {"pixel_values": np.ascontiguousarray(pixels, np.float32), **self.grid_inputs(h, w)}
         return self.session.run(["image_embeds"], feeds)[0]
+
+    def close(self) -> None:
+        self.session = None

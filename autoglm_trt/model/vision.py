@@ -83,6 +83,7 @@ class VisionSpec:
     """What the runtime needs of a GLM-4.1V vision tower beside its graph: the encoder's head size
     and rope theta (for ``rope_tables``), the merge size, and the image token ids of the prompt."""
 
+    hidden_size: int  # the encoder's width (its position table's)
     head_dim: int
     rope_theta: float
     merge_size: int
@@ -113,10 +114,15 @@ class VisionSpec:
         if not raw["num_heads"] or raw["hidden_size"] % raw["num_heads"]:
             raise UnsupportedModelError(f"vision_config hidden_size {raw['hidden_size']} is not a multiple of "
                                         f"num_heads {raw['num_heads']}")
-        return cls(raw["hidden_size"] // raw["num_heads"], float(rope.get("rope_theta", 10000.0)),
+        return cls(raw["hidden_size"], raw["hidden_size"] // raw["num_heads"], float(rope.get("rope_theta", 10000.0)),
                    raw["spatial_merge_size"], raw["patch_size"], raw["temporal_patch_size"],
                    raw["out_hidden_size"], raw["image_token_id"], raw["image_start_token_id"],
                    raw["image_end_token_id"])
+
+    def max_patches(self, max_pixels: int) -> int:
+        """The most patches an image resized within ``max_pixels`` has (``image.smart_resize`` counts
+        each pixel ``temporal_patch_size`` times)."""
+        return max(self.merge_size ** 2, max_pixels // (self.temporal_patch_size * self.patch_size ** 2))
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -37,6 +37,7 @@ from ..backends import StepRunner, check_engine, open_runner
 from ..errors import RequestError
 from ..fileutil import available_memory_bytes
 from ..graph.session import MAX_THREADS
+from ..graph.vision_runner import VisionEncoder
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.step_inputs import StepImages, step_inputs
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
@@ -67,14 +68,15 @@ __all__ = ["Choice", "Engine", "GenerationResult", "ImageOptions", "Prompt", "Re
 class ImageOptions:
     """An image-text engine's image settings (GLM-4.1V).
 
-    max_pixels: the most pixels an image is resized to (None: the checkpoint's preprocessor config;
-        Open-AutoGLM serves with 5,000,000). max_images: images per prompt. allowed_local_media_path:
+    max_pixels: the most pixels an image is resized to (None: the build config's, else the checkpoint's
+        preprocessor config; Open-AutoGLM serves with 5,000,000). max_images: images per prompt (None:
+        the build config's, 10 unless it says otherwise). allowed_local_media_path:
         the directory ``file://`` image URLs may point into (None: no file URLs). encoder_cache_bytes:
         encoder outputs kept by image hash. threads: the encoder's ONNX Runtime threads (None: the engine's).
     """
 
     max_pixels: int | None = None
-    max_images: int = MAX_IMAGES
+    max_images: int | None = None  # None: the build config's (10 unless it says otherwise)
     allowed_local_media_path: str | Path | None = None
     encoder_cache_bytes: int = ENCODER_CACHE_BYTES
     threads: int | None = None
@@ -82,7 +84,16 @@ class ImageOptions:
     @property
     def rules(self) -> ImageRules:
         where = self.allowed_local_media_path
-        return ImageRules(self.max_images, None if where is None else Path(where))
+        return ImageRules(MAX_IMAGES if self.max_images is None else self.max_images,
+                          None if where is None else Path(where))
+
+
+def _image_options(manifest: Manifest, options: ImageOptions) -> ImageOptions:
+    """``options`` with what it leaves unset taken from the engine's build config."""
+    built = manifest.data.get("build_config", {})
+    return dataclasses.replace(options, max_pixels=options.max_pixels or built.get("max_pixels"),
+                               max_images=built.get("max_images", MAX_IMAGES) if options.max_images is None
+                               else options.max_images)
 
 
 class Engine:
@@ -97,9 +108,10 @@ class Engine:
         self.allocator = BlockPool(backend.num_blocks, caching=prefix_caching)
         self.kv = KVCacheManager(self.allocator, self.block_size)
         self.scheduler = Scheduler(self.kv, self.max_batch, self.max_input_len)
-        self.images = _image_pipeline(manifest, self.block_size, images or ImageOptions()) if self.spec.vision else None
+        options = _image_options(manifest, images or ImageOptions())
+        self.images = _image_pipeline(manifest, self.block_size, options) if self.spec.vision else None
         self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1,
-                                     (images or ImageOptions()).rules if self.spec.vision else None)
+                                     options.rules if self.spec.vision else None)
         self.limits = RequestLimits(self.max_seq_len, self.max_batch, self.block_size, self.allocator.num_blocks,
                                     tokenizer is not None, str(self.dir))
         self.eos = set(self.spec.eos_token_ids)
@@ -404,7 +416,13 @@ def _image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) 
                                                        else {"max_pixels": options.max_pixels}))
     except RequestError as exc:
         raise EngineError(str(exc)) from exc
-    return ImagePipeline(manifest.dir, vision, config, block_size, options.threads, options.encoder_cache_bytes)
+    if manifest.backend == "tensorrt":
+        from ..backends.trt.vision import TrtVisionEncoder
+
+        encoder: VisionEncoder | TrtVisionEncoder = TrtVisionEncoder(manifest.dir, vision, config.max_pixels)
+    else:
+        encoder = VisionEncoder(manifest.dir, vision, options.threads)
+    return ImagePipeline(encoder, vision, config, block_size, options.encoder_cache_bytes)
 
 
 def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_bytes: int | None,

@@ -21,12 +21,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 import numpy as np
 
 from ..errors import RequestError
-from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
 from ..model.image import ImageConfig, ImageError, open_image, pixel_rows, rgb
 from ..model.multimodal import block_extras, expand, image_digest, mrope_positions
@@ -112,11 +112,17 @@ class PreparedPrompt:
     seconds: dict[str, float] = field(default_factory=dict)  # decode, preprocess, encode
 
 
+class Encoder(Protocol):
+    """A vision encoder: ``graph.vision_runner.VisionEncoder`` or ``backends.trt.vision.TrtVisionEncoder``."""
+
+    def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray: ...
+
+
 class ImagePipeline:
-    def __init__(self, engine_dir: Path, vision: VisionSpec, config: ImageConfig, block_size: int,
-                 threads: int | None = None, cache_bytes: int = ENCODER_CACHE_BYTES):
+    def __init__(self, encoder: Encoder, vision: VisionSpec, config: ImageConfig, block_size: int,
+                 cache_bytes: int = ENCODER_CACHE_BYTES):
         self.vision, self.config, self.block_size = vision, config, block_size
-        self.encoder = VisionEncoder(engine_dir, vision, threads)
+        self.encoder = encoder
         self.cache = EncoderCache(cache_bytes)
 
     def prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None]) -> PreparedPrompt:

@@ -175,6 +175,44 @@ def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size, 
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_the_plain_attention_form_equals_the_fused_one(glm4v_engine):
+    """What a TensorRT vision engine is built from (``standard_attention``: each fused
+    MultiHeadAttention written out as MatMul, Softmax, MatMul) computes the fused graph's output."""
+    import onnx
+
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.graph.vision import MICROSOFT, standard_attention
+    from autoglm_trt.graph.vision_runner import VisionEncoder
+    from autoglm_trt.model.image import ImageConfig, preprocess
+
+    vision = ExportRecord.read(glm4v_engine).vision()
+    fused = onnx.load(str(glm4v_engine / "vision.onnx"), load_external_data=False)
+    plain = standard_attention(fused, vision.head_dim)
+    assert sum(n.op_type == "MultiHeadAttention" for n in fused.graph.node) == 2
+    assert not any(n.domain == MICROSOFT for n in plain.graph.node)
+    encoder = VisionEncoder(glm4v_engine, vision)
+    pixels, grids = preprocess([random_image(90, 130, 1)], ImageConfig.from_dir(glm4v_engine))
+    feeds = {"pixel_values": pixels, **encoder.grid_inputs(int(grids[0][1]), int(grids[0][2]))}
+    want = encoder.session.run(None, feeds)[0]
+    got = make_session(plain.SerializeToString(), external_data_dir=glm4v_engine).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
+    from conftest import build_tiny_engine
+
+    engine_dir = build_tiny_engine(tiny_dir, tmp_path / "engine", family="glm4v", max_seq_len=256,
+                                   kv_num_blocks=64, max_images=1, max_pixels=2 * 60 * 60)
+    image = random_image(300, 300, 2)
+    with Engine.load(engine_dir) as engine:
+        assert engine.prepare(image_message(image)).ids.count(IMAGE_TOKEN) == 4  # resized to 56 x 56: 2 x 2 tokens
+        with pytest.raises(RequestError, match=r"more than 1 image\(s\)"):
+            engine.prepare(image_message(image, image))
+    with Engine.load(engine_dir, images=ImageOptions(max_images=2)) as engine:  # the caller's options win
+        assert engine.prepare(image_message(image, image)).ids.count(IMAGE_TOKEN) == 8
+
+
 def test_the_export_records_its_image_parity(glm4v_engine):
     from autoglm_trt.artifacts import ExportRecord
 

@@ -47,3 +47,20 @@ def test_row_alignment_for_the_scatter_kernel():
     check_row_alignment(3, np.dtype(np.float32))
     with pytest.raises(EngineError, match="multiple of 4 bytes"):
         check_row_alignment(3, np.dtype(np.float16))
+
+
+def test_a_vision_family_plans_its_image_inputs_and_a_vision_profile():
+    """GLM-4.1V's decoder steps carry image rows (up to every new token + the zero row) and indices;
+    its vision engine's profile spans one merged block to what max_pixels allows (a 1080 x 2400
+    screenshot at 5,000,000 pixels is 12,432 patches, within the 12,755 that bound allows)."""
+    from autoglm_trt.builder.profiles import vision_profile
+    from autoglm_trt.model.vision import VisionSpec
+
+    spec = spec_from_dict({**SMOL, "family": "glm4v", "mrope_section": [8, 12, 12]})
+    plan = buffer_plan(spec, max_batch=4, max_tokens=256, max_seq_len=1024, block_size=16)
+    assert plan["image_embeds"][0] == (1 + 4 * 256, 576) and plan["image_index"][0] == (4, 256)
+    vision = VisionSpec(1536, 128, 10000.0, 2, 14, 2, 4096, 151343, 151339, 151340)
+    [profile] = vision_profile(vision, 5_000_000).values()
+    assert profile["pixel_values"] == ((4, 1176), (12755, 1176), (12755, 1176))
+    assert profile["pos_embed"][2] == (12755, 1536) and profile["rope_cos"][0] == (4, 128)
+    assert 12432 <= vision.max_patches(5_000_000)

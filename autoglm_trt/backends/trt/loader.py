@@ -20,8 +20,11 @@ Profile = dict[str, tuple[Shape, Shape, Shape]]  # input -> (min, opt, max)
 
 
 def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], workspace_bytes: int,
-               optimization_level: int, timing_cache: Path, rewritten: bytes | None = None) -> dict:
-    """Parse, build and save ``engine.plan`` + ``layers.json``; return the build report.
+               optimization_level: int, timing_cache: Path, rewritten: bytes | None = None,
+               plan_name: str = "engine.plan") -> dict:
+    """Parse, build and save ``plan_name`` + its layers (``layers.json`` for ``engine.plan``,
+    ``<plan>.layers.json`` otherwise); return the build report. ``profiles``: the optimization
+    profiles in order (the decoder's prefill, then decode; the vision engine's one).
 
     ``rewritten``: a changed copy of the graph (serialized), whose external weights are still
     beside ``onnx_path`` (the parser resolves them from that path).
@@ -50,9 +53,9 @@ def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], wor
     cache = config.create_timing_cache(cache_bytes)
     if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
         raise AutoGLMError(f"TensorRT refused the timing cache {timing_cache}; delete it and build again")
-    for name in ("prefill", "decode"):
+    for name, shapes in profiles.items():
         profile = builder.create_optimization_profile()
-        for tensor, (lo, opt, hi) in profiles[name].items():
+        for tensor, (lo, opt, hi) in shapes.items():
             profile.set_shape(tensor, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
         if config.add_optimization_profile(profile) < 0:
             raise AutoGLMError(f"TensorRT refused the {name} optimization profile {profiles[name]}")
@@ -60,9 +63,9 @@ def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], wor
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise AutoGLMError("TensorRT failed to build the engine; run with TensorRT logging at VERBOSE for details")
-    tmp = out_dir / "engine.plan.tmp"
+    tmp = out_dir / f"{plan_name}.tmp"
     tmp.write_bytes(memoryview(plan))
-    tmp.replace(out_dir / "engine.plan")
+    tmp.replace(out_dir / plan_name)
     timing_cache.parent.mkdir(parents=True, exist_ok=True)
     serialized = config.get_timing_cache().serialize()
     if serialized is not None:
@@ -74,7 +77,8 @@ def build_plan(onnx_path: Path, out_dir: Path, profiles: dict[str, Profile], wor
     engine = runtime.deserialize_cuda_engine(memoryview(plan))
     inspector = engine.create_engine_inspector()
     layers = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
-    (out_dir / "layers.json").write_text(json.dumps(layers, indent=1))
+    layers_file = "layers.json" if plan_name == "engine.plan" else f"{Path(plan_name).stem}.layers.json"
+    (out_dir / layers_file).write_text(json.dumps(layers, indent=1))
     return {"backend": "tensorrt", "tensorrt_version": trt.__version__, **summarize_layers(layers)}
 
 
