@@ -5,8 +5,10 @@
 
 Sends ``--requests`` completions from ``--concurrency`` client threads: streamed greedy
 requests of random token prompts, of which ``--disconnect`` (10%) hang up mid-stream and
-``--malformed`` (5%) send a broken body. Prints P50/P99 time to first token and inter-token
-latency, aggregate tokens/s and the HTTP status counts, then checks, and exits 1 when any fails:
+``--malformed`` (5%) send a broken body; with ``--image WxH`` (an image-text engine),
+``--image-share`` of them (50%) are chats that carry a new synthetic screenshot of that size.
+Prints P50/P99 time to first token and inter-token latency, aggregate tokens/s and the HTTP
+status counts, then checks, and exits 1 when any fails:
 no 5xx; every well-formed request either completed ([DONE], all its tokens) or was one we
 cancelled; malformed ones got 400; the server's KV blocks are all free at the end (/metrics).
 """
@@ -23,7 +25,7 @@ from collections import Counter
 
 import numpy as np
 
-from autoglm_trt.serve.client import connect, served_model, stream_completion
+from autoglm_trt.serve.client import connect, screenshot_message, served_model, stream_chat, stream_completion
 
 MALFORMED = [b"{not json", b'{"model": 5}', b'{"prompt": "x"}', b'{"model": "M", "prompt": "x", "max_tokens": -3}',
              b'{"model": "M", "prompt": [1, 2], "temperature": "hot"}', b"[]"]
@@ -60,7 +62,10 @@ def main() -> int:
     ap.add_argument("--disconnect", type=float, default=0.10)
     ap.add_argument("--malformed", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--image", default=None, metavar="WxH", help="screenshots of this size in some requests")
+    ap.add_argument("--image-share", type=float, default=0.5)
     args = ap.parse_args()
+    image = tuple(int(v) for v in args.image.lower().split("x")) if args.image else None
     rng = random.Random(args.seed)
     model = served_model(args.url)
     plan = []
@@ -92,7 +97,11 @@ def main() -> int:
                         problems.append(f"request {i}: malformed body answered {status}, expected 400")
                 continue
             cut = rng.randrange(1, args.gen_len) if kind == "disconnect" else None
-            res = stream_completion(args.url, model, prompt, args.gen_len, stop_after_chunks=cut)
+            if image is not None and rng.random() < args.image_share:
+                res = stream_chat(args.url, model, screenshot_message(i, image, " ".join(map(str, prompt))),
+                                  args.gen_len, stop_after_chunks=cut)
+            else:
+                res = stream_completion(args.url, model, prompt, args.gen_len, stop_after_chunks=cut)
             with lock:
                 statuses[res.status] += 1
                 if kind == "disconnect":
@@ -117,8 +126,9 @@ def main() -> int:
         time.sleep(0.1)
     if used > 0:
         problems.append(f"{used:.0f} KV blocks still in use after the load")
-    ttft = np.array([r.token_times[0] - r.submitted for r in results]) * 1000
-    itl = np.concatenate([np.diff(r.token_times) for r in results if len(r.token_times) > 1]) * 1000
+    # (a request whose tokens all decode to no text, special tokens, sends no text chunk to time)
+    ttft = np.array([r.token_times[0] - r.submitted for r in results if r.token_times] or [np.nan]) * 1000
+    itl = np.concatenate([np.diff(r.token_times) for r in results if len(r.token_times) > 1] or [[np.nan]]) * 1000
     tokens = sum(r.completion_tokens for r in results)
     from autoglm_trt.fileutil import cpu_model
 

@@ -62,8 +62,12 @@ def generate_cmd(engine_dir: Path, prompt: str, max_new_tokens: int, temperature
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of latency and throughput.")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Share the KV blocks of prompts' common prefixes (agent loops resend the same history).")
+@click.option("--image", default=None, metavar="WxH",
+              help="Image-text models: each request a chat with a new synthetic screenshot of this size "
+                   "(e.g. 1080x2400) and the prompt as text.")
 def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, concurrency: str, prompt_len: int,
-              gen_len: int, requests: int | None, as_json: bool, plot: Path | None, prefix_caching: bool) -> None:
+              gen_len: int, requests: int | None, as_json: bool, plot: Path | None, prefix_caching: bool,
+              image: str | None) -> None:
     """Time to first token, per-token latency and throughput at several concurrency levels,
     of ENGINE_DIR in this process or of a server at --url."""
     import contextlib
@@ -79,16 +83,17 @@ def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, con
         raise AutoGLMError(f"--concurrency takes comma-separated integers, got {concurrency!r}") from exc
     if (engine_dir is None) == (url is None):
         raise AutoGLMError("give an ENGINE_DIR or --url, not both or neither")
+    size = _image_size(image) if image is not None else None
     rows = []
     with contextlib.ExitStack() as stack:
         if url is not None:
             from ..serve.client import url_call
 
-            call, vocab = url_call(url, api_key), 256  # token ids below 256 exist in every vocabulary
+            call, vocab = url_call(url, api_key, size), 256  # token ids below 256 exist in every vocabulary
         else:
             assert engine_dir is not None
             engine = stack.enter_context(Engine.load(engine_dir, prefix_caching=prefix_caching))
-            call, vocab = engine_call(engine), engine.spec.vocab_size
+            call, vocab = engine_call(engine, size), engine.spec.vocab_size
         run_level(call, vocab, 1, prompt_len, 4, 1)  # warm-up
         for c in levels:
             row = run_level(call, vocab, c, prompt_len, gen_len, requests or 2 * c)
@@ -102,6 +107,16 @@ def bench_cmd(engine_dir: Path | None, url: str | None, api_key: str | None, con
     if plot:
         draw(rows, plot)
         _log(f"plot written to {plot}")
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError as exc:
+        raise AutoGLMError(f"--image takes WIDTHxHEIGHT, e.g. 1080x2400; got {text!r}") from exc
+    if not (0 < width <= 8192 and 0 < height <= 8192):
+        raise AutoGLMError(f"--image sides must be 1..8192 pixels, got {width}x{height}")
+    return width, height
 
 
 @cli.command("serve")

@@ -24,9 +24,19 @@ from .sampling import SamplingParams
 Call = Callable[[list[int], int], tuple[list[float], float, int]]
 
 
-def engine_call(engine: Engine) -> Call:
+def engine_call(engine: Engine, image: tuple[int, int] | None = None) -> Call:
+    """Requests to an engine in this process; with ``image`` (width, height), each also carries a new
+    synthetic screenshot of that size (an image-text engine's; ``serve.client.screenshot_message``)."""
+    count = [0]
+
     def call(prompt: list[int], gen_len: int) -> tuple[list[float], float, int]:
-        [res] = engine.generate([prompt], SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
+        request: list[int] | list[dict] = prompt
+        if image is not None:
+            from ..serve.client import screenshot_message
+
+            count[0] += 1
+            request = screenshot_message(count[0], image, " ".join(map(str, prompt)))
+        [res] = engine.generate([request], SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
         return res.token_times, res.submitted, len(res.token_ids)
 
     return call

@@ -1,6 +1,7 @@
-"""A small OpenAI-completions client on the standard library, for ``bench --url`` and the load test.
+"""A small OpenAI client on the standard library, for ``bench --url`` and the load test.
 
-``stream_completion`` sends token ids as the prompt and reads the server-sent events, noting
+``stream_completion`` sends token ids (or text) as a completion's prompt, ``stream_chat`` chat
+messages (with image parts: ``screenshot_message``); both read the server-sent events, noting
 the time of every chunk that carries text (one chunk is normally one token) and the token
 count from the final ``usage`` chunk.
 """
@@ -58,12 +59,38 @@ def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens:
                       stop_after_chunks: int | None = None) -> StreamResult:
     """One streamed greedy completion (EOS ignored); with ``stop_after_chunks`` the client hangs
     up after that many text chunks (a disconnect mid-stream)."""
+    return _stream(url, "/v1/completions", {"model": model, "prompt": prompt}, max_tokens, api_key, stop_after_chunks)
+
+
+def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int, api_key: str | None = None,
+                stop_after_chunks: int | None = None) -> StreamResult:
+    """``stream_completion`` for chat messages (``/v1/chat/completions``)."""
+    return _stream(url, "/v1/chat/completions", {"model": model, "messages": messages}, max_tokens, api_key,
+                   stop_after_chunks)
+
+
+def screenshot_message(seed: int, size: tuple[int, int], text: str) -> list[dict]:
+    """One user message: a synthetic UI screenshot of ``size`` (``calib.screens``) as a PNG data: URL,
+    then ``text``: the phone agent's request shape."""
+    import base64
+    import io
+
+    from ..calib.screens import ui_screenshot
+
+    buf = io.BytesIO()
+    ui_screenshot(seed, size).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
+
+
+def _stream(url: str, path: str, request: dict, max_tokens: int, api_key: str | None,
+            stop_after_chunks: int | None) -> StreamResult:
     conn, base = connect(url)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {**request, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     res = StreamResult(0, time.perf_counter())
     try:
-        conn.request("POST", f"{base}/v1/completions", json.dumps(body), _headers(api_key))
+        conn.request("POST", f"{base}{path}", json.dumps(body), _headers(api_key))
         r = conn.getresponse()
         res.status = r.status
         if r.status != 200:
@@ -80,7 +107,7 @@ def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens:
             if chunk.get("usage"):
                 res.completion_tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):
-                if choice.get("text"):
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     res.token_times.append(time.perf_counter())
                 res.finish_reason = choice.get("finish_reason") or res.finish_reason
             if stop_after_chunks is not None and len(res.token_times) >= stop_after_chunks:
@@ -90,12 +117,20 @@ def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens:
         conn.close()
 
 
-def url_call(url: str, api_key: str | None = None) -> Call:
-    """``runtime.bench``'s request function against a server's streamed completions."""
+def url_call(url: str, api_key: str | None = None, image: tuple[int, int] | None = None) -> Call:
+    """``runtime.bench``'s request function against a server's streamed completions; with ``image``
+    (width, height), chat requests that each carry a new screenshot of that size and the prompt's
+    ids as text."""
     model = served_model(url, api_key)
+    count = [0]
 
     def call(prompt: list[int], gen_len: int) -> tuple[list[float], float, int]:
-        res = stream_completion(url, model, prompt, gen_len, api_key)
+        if image is None:
+            res = stream_completion(url, model, prompt, gen_len, api_key)
+        else:
+            count[0] += 1
+            res = stream_chat(url, model, screenshot_message(count[0], image, " ".join(map(str, prompt))), gen_len,
+                              api_key)
         if res.status != 200 or not res.done:
             raise RuntimeError(f"{url} answered {res.status}: {res.error}")
         return res.token_times, res.submitted, res.completion_tokens

@@ -283,6 +283,15 @@ def test_image_url_parts_over_the_openai_client(glm4v_engine):
             body = {**base, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
             status, err, _ = request(port, "POST", "/v1/chat/completions", body)
             assert status == 400 and message in err["error"]["message"], err
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "load_test.py"), "--url", f"http://127.0.0.1:{port}",
+                            "--requests", "24", "--concurrency", "4", "--gen-len", "8", "--prompt-len", "8",
+                            "--image", "120x260", "--disconnect", "0.2", "--malformed", "0.1"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr  # screenshots under load: no 5xx, nothing lost or leaked
+        b = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", f"http://127.0.0.1:{port}",
+                            "--concurrency", "2", "--prompt-len", "4", "--gen-len", "4", "--image", "100x200",
+                            "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert b.returncode == 0 and json.loads(b.stdout.splitlines()[0])["tokens_per_s"] > 0, b.stderr
         two = [{"type": "image_url", "image_url": {"url": data_url(shot)}}] * 2
         status, err, _ = request(port, "POST", "/v1/chat/completions",
                                  {**base, "messages": [{"role": "user", "content": two}]})
