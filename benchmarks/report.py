@@ -47,6 +47,9 @@ SECTIONS = (
             "Four engines at the same KV memory; accuracy with the held-out text fed through the pool."),
     Section("agent", "Agent workload and prefix caching", ("benchmarks.bench_agent",),
             "4 agents at once, a 1,000-token system prompt, 8 turns, the whole history resent each turn."),
+    Section("agent_images", "The phone agent on a small GLM-4.1V", ("benchmarks.bench_agent", "--images"),
+            "Open-AutoGLM's trace: one new 1080 x 2400 screenshot a turn (3,108 image tokens at max_pixels "
+            "5,000,000), a 1,500-token system prompt, the engine's time to first token split, against transformers."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),
@@ -55,6 +58,10 @@ SECTIONS = (
     Section("export_9b", "Exporting the GLM-4-9B shape", ("benchmarks.export_9b_shape",),
             "Random weights of the 9B shape written shard by shard, exported to float16: wall time and peak RSS "
             "(needs ~40 GB of disk)."),
+    Section("export_9b_glm4v", "Exporting the GLM-4.1V-9B shape (AutoGLM-Phone-9B)",
+            ("benchmarks.export_9b_shape", "--model", "glm4v", "--work", "/tmp/glm4v9b"),
+            "The decoder to float16 and the 24-layer vision tower to float32, from random bf16 weights: wall time "
+            "and peak RSS (needs ~45 GB of disk)."),
     Section("calibrate_9b", "Calibrating the GLM-4-9B shape", ("benchmarks.calibrate_9b_shape",),
             "The same shape exported to float32 (37.6 GB of weights) and calibrated one layer at a time on a "
             "24 GB machine, without the gate (needs ~90 GB of disk)."),

@@ -44,6 +44,7 @@ from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup, fork_samples
 from .images import ENCODER_CACHE_BYTES, MAX_IMAGES, ImagePipeline, PreparedPrompt
 from .kv_cache_manager import KVCacheManager
+from .penalties import adjust
 from .registry import Registry
 from .request import (
     Choice,
@@ -113,7 +114,7 @@ class Engine:
         self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1,
                                      options.rules if self.spec.vision else None)
         self.limits = RequestLimits(self.max_seq_len, self.max_batch, self.block_size, self.allocator.num_blocks,
-                                    tokenizer is not None, str(self.dir))
+                                    tokenizer is not None, str(self.dir), self.spec.vocab_size)
         self.eos = set(self.spec.eos_token_ids)
         self.requests = Registry(self.scheduler)
         self._cv = threading.Condition()
@@ -344,12 +345,17 @@ class Engine:
     def _sample(self, req: Request, logits: np.ndarray, now: float) -> None:
         """Sample one token for a request's sequence and end it if it is done."""
         seq = req.seq
-        token = sample(logits, seq.params, seq.rng)
+        p = seq.params
+        ends: set[int] = set() if p.ignore_eos else self.eos  # the tokens that end it
+        if p.stop_token_ids:
+            ends = ends | set(p.stop_token_ids)
+        token = sample(adjust(logits, p, seq.counts, ends) if p.adjusts_logits else logits, p, seq.rng)
         reason = None
-        if token in self.eos and not seq.params.ignore_eos:
+        if token in ends:
             reason = "stop"
         else:
             seq.output_ids.append(token)
+            seq.counts.add(token)
             req.token_times.append(now)
             if req.decoder is not None:
                 reason = req.add_text(req.decoder.add(token))

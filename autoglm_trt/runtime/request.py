@@ -312,6 +312,7 @@ class RequestLimits:
     num_blocks: int
     tokenizer: bool
     where: str  # the engine directory, for messages
+    vocab_size: int = 0  # 0: token ids in the parameters are not checked
 
     def check(self, ids: list[int], params: SamplingParams, pieces: bool, streaming: bool) -> None:
         """A prompt may be as long as max_seq_len - max_new_tokens (prefilled in chunks of at most
@@ -329,6 +330,11 @@ class RequestLimits:
         if streaming and (params.n > 1 or params.beam_width > 1):
             raise RequestError("a stream carries one sequence: use n=1 and beam_width=1 to stream, "
                                "or generate without streaming")
+        outside = sorted(t for t in [*(params.logit_bias or {}), *params.stop_token_ids]
+                         if self.vocab_size and t >= self.vocab_size)
+        if outside:
+            raise RequestError(f"logit_bias and stop_token_ids name token ids {outside[:5]} outside the vocabulary "
+                               f"[0, {self.vocab_size})")
         if params.beam_width > self.max_batch:
             raise RequestError(f"beam_width {params.beam_width} exceeds this engine's max_batch_size "
                                f"{self.max_batch}: a beam search runs its beams in one batch")

@@ -27,6 +27,8 @@ MAX_TEMPERATURE = 1e3
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_SEQUENCES = 64  # n and beam_width
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_STOP_TOKEN_IDS = 64
 
 
 _NOT_FINITE = "the engine produced logits that are not finite (NaN or infinity); cannot sample"
@@ -78,6 +80,15 @@ class SamplingParams:
         early_stopping: beam search ends as soon as ``beam_width`` hypotheses are finished
             (True), by transformers' heuristic (False, the default), or only when no beam can
             improve ("never").
+        frequency_penalty, presence_penalty: OpenAI's, in [-2, 2]: a generated token's logit is
+            lowered by ``frequency_penalty`` per time it was generated and by ``presence_penalty``
+            once it was (``penalties``).
+        repetition_penalty: transformers' (> 0; 1: none): the logit l of a token of the prompt or
+            the output becomes l / r if positive, l * r otherwise.
+        min_tokens: the end-of-sequence and ``stop_token_ids`` tokens are masked until this many
+            tokens are generated.
+        logit_bias: token id -> a value in [-100, 100] added to its logit.
+        stop_token_ids: further tokens that end generation like end-of-sequence (not in the output).
     """
 
     max_new_tokens: int = 64
@@ -93,6 +104,12 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -119,7 +136,45 @@ class SamplingParams:
             if timeout <= 0:
                 raise SamplingError(f"timeout must be a positive number of seconds, got {timeout!r}")
             set_("timeout", timeout)
+        self._check_adjustments()
         self._check_sequences()
+
+    def _check_adjustments(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {value!r}")
+            set_(name, value)
+        r = _real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < r <= 100.0:
+            raise SamplingError(f"repetition_penalty must be in (0, 100] (1: none), got {r!r}")
+        set_("repetition_penalty", r)
+        set_("min_tokens", _int("min_tokens", self.min_tokens, 0))
+        if self.min_tokens > self.max_new_tokens:
+            raise SamplingError(f"min_tokens ({self.min_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise SamplingError(f"logit_bias must be a mapping of at most {MAX_LOGIT_BIAS} token ids to numbers, "
+                                    f"got {_show(bias)}")
+            checked = {}
+            for k, v in bias.items():
+                value = _real("a logit_bias value", v)
+                if not -100.0 <= value <= 100.0:
+                    raise SamplingError(f"logit_bias values must be in [-100, 100], got {value!r} for token {k!r}")
+                checked[_int("a logit_bias token id", k, 0)] = value
+            set_("logit_bias", checked or None)
+        ids = self.stop_token_ids
+        if not isinstance(ids, list | tuple) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {_show(ids)}")
+        set_("stop_token_ids", tuple(_int("a stop token id", t, 0) for t in ids))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits are changed before sampling (``penalties.adjust``)."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
+                    or self.frequency_penalty or self.presence_penalty)
 
     def _check_sequences(self) -> None:
         for name in ("n", "beam_width"):
@@ -136,8 +191,12 @@ class SamplingParams:
             if self.n > self.beam_width:
                 raise SamplingError(f"n ({self.n}) beams cannot be returned from a beam search of width "
                                     f"{self.beam_width}")
-            if self.stop:
-                raise SamplingError("beam search ends at EOS or max_new_tokens; stop strings are not supported with it")
+            if self.stop or self.stop_token_ids:
+                raise SamplingError("beam search ends at EOS or max_new_tokens; stop strings and stop_token_ids are not "
+                                    "supported with it")
+            if self.adjusts_logits:
+                raise SamplingError("beam search scores the model's own log-probabilities: penalties, logit_bias and "
+                                    "min_tokens are not supported with it")
 
     @staticmethod
     def _stop_strings(stop: object) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kvcache.step_inputs import MRope, PromptImages, SeqState
+from .penalties import TokenCounts
 from .sampling import SamplingParams
 
 
@@ -36,6 +37,9 @@ class Sequence:
     def __post_init__(self) -> None:
         seed = self.params.seed
         self.rng = np.random.default_rng(seed if seed is None or self.stream == 0 else [seed, self.stream])
+        self.counts = TokenCounts(self.prompt_ids)  # its generated tokens, for the penalties
+        for token in self.output_ids:
+            self.counts.add(token)
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,9 @@
 """The OpenAI wire format this server speaks: request models, responses, stream chunks, errors.
 
-Requests are pydantic models (unknown fields are ignored, as OpenAI clients send many);
-every field is checked by type and range, and anything the engine cannot do (``logprobs``,
-``echo``, penalties, ``n > 1`` with ``stream``) is refused with a 400 that says so, rather than
-ignored. ``n`` samples share the prompt's KV blocks; the extension ``beam_width`` (with
+Requests are pydantic models: every field is checked by type and range, and every field a
+request carries is honoured or refused with a 400 that names it (``REFUSED`` says why for the
+OpenAI and vLLM fields the server does not do; any other unknown field is refused too), never
+silently dropped. ``n`` samples share the prompt's KV blocks; the extension ``beam_width`` (with
 ``length_penalty``) is the engine's beam search, whose ``n`` best beams are the choices.
 """
 
@@ -13,17 +13,51 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..runtime.sampling import MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
+# Fields the server does not do, with the reason its 400 gives (every other unknown field is refused too)
+REFUSED = {
+    "echo": "echo is not supported by this server",
+    "best_of": "best_of is not supported by this server; use n for several samples",
+    "suffix": "suffix (insertion) is not supported by this server",
+    "logprobs": "logprobs are not supported by this server",
+    "top_logprobs": "top_logprobs are not supported by this server",
+    "tools": "tools (function calling) are not supported by this server",
+    "tool_choice": "tool_choice is not supported by this server (no tools)",
+    "functions": "functions (function calling) are not supported by this server",
+    "function_call": "function_call is not supported by this server (no functions)",
+    "parallel_tool_calls": "parallel_tool_calls is not supported by this server (no tools)",
+    "response_format": "response_format (structured output) is not supported by this server; only {\"type\": \"text\"}",
+    "guided_json": "guided decoding is not supported by this server",
+    "guided_regex": "guided decoding is not supported by this server",
+    "guided_choice": "guided decoding is not supported by this server",
+    "guided_grammar": "guided decoding is not supported by this server",
+    "structured_outputs": "structured outputs are not supported by this server",
+    "logit_bias_type": "logit_bias_type is not supported by this server",
+    "skip_special_tokens": "skip_special_tokens: the server always skips special tokens in text",
+    "include_stop_str_in_output": "include_stop_str_in_output: stop strings are never included in the text",
+}
+# what a neutral value of a refused field is: sent by some clients with every request
+NEUTRAL: dict[str, tuple] = {"echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
+           "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+           "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+           "suffix": (None, ""), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The sampling fields of both endpoints. Every field a request carries is honoured or refused
+    with a 400 that names it (``REFUSED``, or unknown); none is dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -34,16 +68,30 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    user: str | None = None  # an end-user id: accepted, as OpenAI's; it changes nothing here
     # extensions (vLLM's names, and the engine's beam search)
     top_k: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
     beam_width: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
     length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-(2**31), le=2**31)  # lower runs first
-    # accepted only at their neutral values
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    logprobs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        """A refused field's 400 says why; its neutral value (some clients send one always) passes."""
+        if isinstance(data, dict):
+            for key, why in REFUSED.items():
+                if key in data and data[key] not in NEUTRAL.get(key, ()):
+                    raise ValueError(why)
+            data = {k: v for k, v in data.items() if k not in REFUSED}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -52,11 +100,12 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported by this server")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (strings of digits), got {key[:20]!r}")
         return v
 
     def sampling(self, max_tokens: int, timeout: float | None) -> SamplingParams:
@@ -64,7 +113,10 @@ class _Sampling(BaseModel):
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
                               timeout=timeout, priority=self.priority, n=self.n, beam_width=self.beam_width,
-                              length_penalty=self.length_penalty)
+                              length_penalty=self.length_penalty, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                              min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
+                              logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
 
     @property
     def include_usage(self) -> bool:
@@ -73,44 +125,46 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
-    echo: bool = Field(default=False, description="not supported")
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported by this server")
-        return v
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     url: str  # a data: URL (or file:// under the server's --allowed-local-media-path)
-    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+    # "auto" and "high" are what the server does: the model's processor resizes within max_pixels
+    detail: Literal["auto", "high"] | None = None
 
 
 class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["image_url"]
     image_url: ImageURL
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
+    name: str | None = None  # passed to the chat template
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
     def as_engine_message(self) -> dict:
         """The message as the engine takes it: text joined into a string, or with images its parts."""
-        role = "system" if self.role == "developer" else self.role
+        out: dict = {"role": "system" if self.role == "developer" else self.role}
+        if self.name is not None:
+            out["name"] = self.name
         if isinstance(self.content, str) or all(isinstance(p, TextPart) for p in self.content):
             text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)  # type: ignore[union-attr]
-            return {"role": role, "content": text}
-        return {"role": role, "content": [p.model_dump(exclude_none=True) for p in self.content]}
+            return {**out, "content": text}
+        return {**out, "content": [p.model_dump(exclude_none=True) for p in self.content]}
 
 
 class ChatCompletionRequest(_Sampling):

@@ -3,7 +3,8 @@
 Written into a model repository by ``autoglm-trt triton`` as ``<name>/1/model.py``, beside the
 engine (``<name>/1/engine``). Inputs and outputs follow TensorRT-LLM's Triton conventions:
 ``text_input`` (string), optional ``max_tokens``, ``temperature``, ``top_k``, ``top_p``,
-``random_seed``, ``stop_words``, ``stream`` (bool), and for an image-text engine ``images`` (BYTES:
+``random_seed``, ``stop_words``, ``stream`` (bool), ``frequency_penalty``, ``presence_penalty``,
+``repetition_penalty``, ``min_tokens``, and for an image-text engine ``images`` (BYTES:
 encoded image files, in the order of the placeholders ``text_input`` holds, e.g. GLM-4.1V's
 ``<|begin_of_image|><|image|><|end_of_image|>``; an element may also be a ``data:`` URL, which
 is what a JSON client such as ``/generate`` can send); output ``text_output``. A streamed request
@@ -116,7 +117,11 @@ class TritonPythonModel:
                 top_k=_given(_scalar(request, "top_k", int), 0),
                 top_p=_given(_scalar(request, "top_p", float), 1.0),
                 seed=_scalar(request, "random_seed", int),
-                stop=tuple(s for s in (_text(request, "stop_words") or []) if s))
+                stop=tuple(s for s in (_text(request, "stop_words") or []) if s),
+                frequency_penalty=_given(_scalar(request, "frequency_penalty", float), 0.0),
+                presence_penalty=_given(_scalar(request, "presence_penalty", float), 0.0),
+                repetition_penalty=_given(_scalar(request, "repetition_penalty", float), 1.0),
+                min_tokens=_given(_scalar(request, "min_tokens", int), 0))
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         images = pb_utils.get_input_tensor_by_name(request, "images")

@@ -28,7 +28,9 @@ INPUTS = (("text_input", "TYPE_STRING", "1", False), ("max_tokens", "TYPE_INT32"
           ("temperature", "TYPE_FP32", "1", True), ("top_k", "TYPE_INT32", "1", True),
           ("top_p", "TYPE_FP32", "1", True), ("random_seed", "TYPE_UINT64", "1", True),
           ("stop_words", "TYPE_STRING", "-1", True), ("stream", "TYPE_BOOL", "1", True),
-          ("images", "TYPE_STRING", "-1", True))  # BYTES: encoded image files, for an image-text engine
+          ("images", "TYPE_STRING", "-1", True),  # BYTES: encoded image files, for an image-text engine
+          ("frequency_penalty", "TYPE_FP32", "1", True), ("presence_penalty", "TYPE_FP32", "1", True),
+          ("repetition_penalty", "TYPE_FP32", "1", True), ("min_tokens", "TYPE_INT32", "1", True))
 
 
 def default_python_path(triton_site: Path | None) -> list[str]:

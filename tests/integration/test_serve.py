@@ -152,6 +152,17 @@ def test_n_samples_and_beams_are_choices(chat_engine):
     ({"model": "tiny-chat", "prompt": "hi", "n": 65}, 400, "n"),
     ({"model": "tiny-chat", "prompt": "hi", "beam_width": 2}, 400, "leave temperature at 0"),
     ({"model": "tiny-chat", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "tiny-chat", "prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"model": "tiny-chat", "prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
+    ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias keys are token ids"),
+    ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
+    ({"model": "tiny-chat", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, 400,
+     "tool_call_id"),
     ({"model": "tiny-chat", "prompt": [1, 2, 999999]}, 400, "outside the vocabulary"),
     ({"model": "tiny-chat"}, 400, "prompt"),
     ({"model": "tiny-chat", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
@@ -275,6 +286,14 @@ def test_image_url_parts_over_the_openai_client(glm4v_engine):
             pieces += [ch.delta.content or "" for ch in chunk.choices]
             use = chunk.usage or use
         assert "".join(pieces) == want.text
+        # Open-AutoGLM's own parameters (phone_agent/model/client.py): top_p 0.85, frequency_penalty 0.2
+        agent = SamplingParams(max_new_tokens=8, top_p=0.85, frequency_penalty=0.2, ignore_eos=True)
+        with Engine.load(glm4v_engine) as engine:
+            want_agent = engine.generate([messages], agent)[0]
+        streamed = c.chat.completions.create(model="tiny-glm4v", messages=messages, max_tokens=8, temperature=0.0,
+                                             top_p=0.85, frequency_penalty=0.2, stream=True,
+                                             extra_body={"ignore_eos": True})
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == want_agent.text
         assert use.prompt_tokens == want.prompt_tokens and use.completion_tokens == 8
         base = {"model": "tiny-glm4v", "max_tokens": 2}
         for url, message in [("https://example.com/shot.png", "not fetched"),

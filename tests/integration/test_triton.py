@@ -130,6 +130,20 @@ def test_images_beside_the_text(glm4v_engine, tmp_path):
         assert status >= 400 and "placeholder" in got
 
 
+def test_penalties_as_tensorrt_llm_names_them(triton, chat_engine):
+    knobs = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.2, "min_tokens": 3}
+    with Engine.load(chat_engine) as engine:
+        [want] = engine.generate(["Once upon a time"], SamplingParams(max_new_tokens=12, **knobs))
+        [plain] = engine.generate(["Once upon a time"], SamplingParams(max_new_tokens=12))
+    assert want.text != plain.text  # the knobs act on this prompt
+    status, text = post(triton["http"], "/v2/models/tiny-chat/generate",
+                        {"text_input": "Once upon a time", "max_tokens": 12, **knobs})
+    assert status == 200 and json.loads(text)["text_output"] == want.text
+    status, text = post(triton["http"], "/v2/models/tiny-chat/generate",
+                        {"text_input": "hi", "max_tokens": 3, "frequency_penalty": 9.0})
+    assert status >= 400 and "frequency_penalty" in text
+
+
 def test_bad_inputs_are_triton_errors_and_the_model_stays_up(triton):
     port = triton["http"]
     status, text = post(port, "/v2/models/tiny-chat/generate", {"max_tokens": 4})

@@ -1,0 +1,64 @@
+"""Logit adjustments before sampling (pure numpy), in vLLM's order: ``logit_bias``, then
+``min_tokens`` (the end tokens masked until that many are generated), then the penalties:
+
+- ``repetition_penalty`` r (transformers' and vLLM's definition, over the prompt's and the
+  generated tokens): a seen token's logit l becomes l / r if l > 0, else l * r;
+- ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's definition, over the generated
+  tokens): l - f * count - p * (count > 0).
+
+``TokenCounts`` keeps one sequence's generated-token counts, updated per token (never
+recounted), and the prompt's distinct tokens, found once when a repetition penalty first needs
+them; ``adjust`` touches only the rows of those tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class TokenCounts:
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = prompt_ids
+        self._prompt: np.ndarray | None = None
+        self.counts: dict[int, int] = {}
+
+    def add(self, token: int) -> None:
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+    def copy(self) -> TokenCounts:
+        out = TokenCounts(self.prompt_ids)
+        out._prompt, out.counts = self._prompt, dict(self.counts)
+        return out
+
+    @property
+    def generated(self) -> int:
+        return sum(self.counts.values())
+
+    def prompt_tokens(self) -> np.ndarray:
+        if self._prompt is None:
+            self._prompt = np.unique(np.asarray(self.prompt_ids, np.int64))
+        return self._prompt
+
+
+def adjust(logits: np.ndarray, params, counts: TokenCounts, end_ids: frozenset[int] | set[int]) -> np.ndarray:
+    """A float32 copy of one sequence's ``logits`` with ``params``' bias, ``min_tokens`` mask and
+    penalties applied (``end_ids``: the tokens that would end it, masked while fewer than
+    ``min_tokens`` are generated)."""
+    x = np.array(logits, np.float32)
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
+        x[ids] += np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias))
+    if params.min_tokens and counts.generated < params.min_tokens and end_ids:
+        x[np.fromiter(end_ids, np.int64, len(end_ids))] = -np.inf
+    if params.repetition_penalty != 1.0:
+        seen = counts.prompt_tokens()
+        if counts.counts:
+            seen = np.union1d(seen, np.fromiter(counts.counts.keys(), np.int64, len(counts.counts)))
+        r = np.float32(params.repetition_penalty)
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / r, v * r)
+    if (params.frequency_penalty or params.presence_penalty) and counts.counts:
+        ids = np.fromiter(counts.counts.keys(), np.int64, len(counts.counts))
+        n = np.fromiter(counts.counts.values(), np.float32, len(counts.counts))
+        x[ids] -= np.float32(params.frequency_penalty) * n + np.float32(params.presence_penalty)
+    return x
