@@ -125,6 +125,20 @@ def run_transformers(ckpt: Path, system: str, steps: list, engine_rows: list[dic
     return rows
 
 
+def _current(engine: Path) -> bool:
+    """Whether ``engine`` exists and was built by this code's graph and vision record (else rebuild it)."""
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.errors import AutoGLMError
+    from autoglm_trt.graph.decoder import GRAPH_VERSION
+
+    try:
+        record = ExportRecord.read(engine)
+        return (engine / "manifest.json").is_file() and record.graph_version == GRAPH_VERSION and \
+            record.vision() is not None
+    except AutoGLMError:
+        return False
+
+
 def main() -> None:
     import argparse
 
@@ -140,8 +154,8 @@ def main() -> None:
     args = ap.parse_args()
     ckpt = checkpoint(args.work / "checkpoint")
     engine = args.work / "engine-fp32"
-    if not (engine / "manifest.json").is_file():
-        build_engine(BuildRequest(ckpt, engine, precision="fp32", backend="onnxruntime",
+    if not _current(engine):
+        build_engine(BuildRequest(ckpt, engine, precision="fp32", backend="onnxruntime", force=engine.exists(),
                                   config=BuildConfig(max_seq_len=8192, max_input_len=2048, max_batch_size=4)),
                      log=lambda m: print(m, file=sys.stderr))
     system, steps = trace(args.turns, args.system_tokens)

@@ -44,7 +44,7 @@ from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup, fork_samples
 from .images import ENCODER_CACHE_BYTES, MAX_IMAGES, ImagePipeline, PreparedPrompt
 from .kv_cache_manager import KVCacheManager
-from .penalties import adjust
+from .penalties import adjust, token_logprobs
 from .registry import Registry
 from .request import (
     Choice,
@@ -55,6 +55,7 @@ from .request import (
     Request,
     RequestLimits,
     Sink,
+    TokenLogprob,
     split_prompts,
 )
 from .sampling import SamplingParams, sample
@@ -349,11 +350,14 @@ class Engine:
         ends: set[int] = set() if p.ignore_eos else self.eos  # the tokens that end it
         if p.stop_token_ids:
             ends = ends | set(p.stop_token_ids)
-        token = sample(adjust(logits, p, seq.counts, ends) if p.adjusts_logits else logits, p, seq.rng)
+        used = adjust(logits, p, seq.counts, ends) if p.adjusts_logits else logits
+        token = sample(used, p, seq.rng)
         reason = None
         if token in ends:
             reason = "stop"
         else:
+            if p.logprobs is not None:  # before the text goes out, so a sink sees its token's entry
+                req.logprobs.append(TokenLogprob(token, *token_logprobs(used, token, p.logprobs)))
             seq.output_ids.append(token)
             seq.counts.add(token)
             req.token_times.append(now)

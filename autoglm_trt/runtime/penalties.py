@@ -1,4 +1,6 @@
-"""Logit adjustments before sampling (pure numpy), in vLLM's order: ``logit_bias``, then
+"""Logit adjustments before sampling, and the log-probabilities of what was sampled (pure numpy).
+
+Adjustments, in vLLM's order: ``logit_bias``, then
 ``min_tokens`` (the end tokens masked until that many are generated), then the penalties:
 
 - ``repetition_penalty`` r (transformers' and vLLM's definition, over the prompt's and the
@@ -62,3 +64,18 @@ def adjust(logits: np.ndarray, params, counts: TokenCounts, end_ids: frozenset[i
         n = np.fromiter(counts.counts.values(), np.float32, len(counts.counts))
         x[ids] -= np.float32(params.frequency_penalty) * n + np.float32(params.presence_penalty)
     return x
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability under ``log_softmax(logits)`` and the ``top`` most likely tokens'
+    (descending; ties by lower id), in float64."""
+    x = np.asarray(logits, np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    best: list[tuple[int, float]] = []
+    if top:
+        k = min(top, x.size)
+        ids = np.argpartition(-x, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -x[ids]))]
+        best = [(int(i), float(x[i] - lse)) for i in ids]
+    return float(x[token] - lse), best

@@ -179,6 +179,16 @@ def split_prompts(prompts: object) -> list[object]:
 
 
 @dataclass
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives' (``SamplingParams.logprobs``)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Choice:
     """One of a request's outputs: a sample, or a beam (with its score)."""
 
@@ -186,6 +196,7 @@ class Choice:
     token_ids: list[int]
     finish_reason: str
     score: float | None = None  # a beam's sum of log-probabilities / length ** length_penalty
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token of token_ids
 
 
 @dataclass
@@ -228,6 +239,8 @@ class Request:
         self.submitted = time.perf_counter()
         self.deadline = None if timeout is None else self.submitted + timeout
         self.children: list[Request] = []  # the further samples of SamplingParams(n=...)
+        self.logprobs: list[TokenLogprob] = []  # with SamplingParams.logprobs, one per generated token
+        self.marks: list[int] = []  # for each streamed piece, how many of ``logprobs`` it covers
         self.beam: BeamGroup | None = None  # the beams of SamplingParams(beam_width=...)
 
     def spawn(self, seq: Sequence, decoder: IncrementalDecoder | None) -> Request:
@@ -249,8 +262,9 @@ class Request:
             choices = [Choice(tokenizer.decode(list(h.tokens)) if tokenizer else "", list(h.tokens),
                               "stop" if h.eos else reason, h.score) for h in self.beam.results(self.seq.params.n)]
         else:
-            choices = [Choice(r.text, list(r.seq.output_ids), r.seq.finish_reason or "cancelled")
-                       for r in [self, *self.children]]
+            wanted = self.seq.params.logprobs is not None
+            choices = [Choice(r.text, list(r.seq.output_ids), r.seq.finish_reason or "cancelled",
+                              logprobs=list(r.logprobs) if wanted else None) for r in [self, *self.children]]
         best = choices[0]
         return GenerationResult(best.text, best.token_ids, best.finish_reason, len(self.seq.prompt_ids),
                                 self.token_times, self.submitted, choices)
@@ -289,6 +303,8 @@ class Request:
     def _send(self, upto: int) -> None:
         if upto > self.sent:
             if self.pieces is not None:
+                # the k-th piece's tokens' log-probabilities end at marks[k] (noted before the piece goes out)
+                self.marks.append(len(self.logprobs))
                 self.pieces.put(self.text[self.sent : upto])
             self.sent = upto
 

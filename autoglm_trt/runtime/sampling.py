@@ -29,6 +29,7 @@ MAX_STOP_CHARS = 1024
 MAX_SEQUENCES = 64  # n and beam_width
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
 
 
 _NOT_FINITE = "the engine produced logits that are not finite (NaN or infinity); cannot sample"
@@ -89,6 +90,10 @@ class SamplingParams:
             tokens are generated.
         logit_bias: token id -> a value in [-100, 100] added to its logit.
         stop_token_ids: further tokens that end generation like end-of-sequence (not in the output).
+        logprobs: report each generated token's log-probability and the ``logprobs`` most likely
+            alternatives' (0 to 20; None: none): ``log_softmax`` of the logits the sampler used
+            (after logit_bias, the min_tokens mask and the penalties; before temperature, top-k
+            and top-p).
     """
 
     max_new_tokens: int = 64
@@ -110,6 +115,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -169,6 +175,10 @@ class SamplingParams:
         if not isinstance(ids, list | tuple) or len(ids) > MAX_STOP_TOKEN_IDS:
             raise SamplingError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {_show(ids)}")
         set_("stop_token_ids", tuple(_int("a stop token id", t, 0) for t in ids))
+        if self.logprobs is not None:
+            set_("logprobs", _int("logprobs", self.logprobs, 0))
+            if self.logprobs > MAX_LOGPROBS:
+                raise SamplingError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -194,9 +204,9 @@ class SamplingParams:
             if self.stop or self.stop_token_ids:
                 raise SamplingError("beam search ends at EOS or max_new_tokens; stop strings and stop_token_ids are not "
                                     "supported with it")
-            if self.adjusts_logits:
-                raise SamplingError("beam search scores the model's own log-probabilities: penalties, logit_bias and "
-                                    "min_tokens are not supported with it")
+            if self.adjusts_logits or self.logprobs is not None:
+                raise SamplingError("beam search scores the model's own log-probabilities: penalties, logit_bias, "
+                                    "min_tokens and logprobs are not supported with it")
 
     @staticmethod
     def _stop_strings(stop: object) -> tuple[str, ...]:

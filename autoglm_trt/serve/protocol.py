@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..runtime.sampling import MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
+from ..runtime.request import TokenLogprob
+from ..runtime.sampling import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -29,8 +31,6 @@ REFUSED = {
     "echo": "echo is not supported by this server",
     "best_of": "best_of is not supported by this server; use n for several samples",
     "suffix": "suffix (insertion) is not supported by this server",
-    "logprobs": "logprobs are not supported by this server",
-    "top_logprobs": "top_logprobs are not supported by this server",
     "tools": "tools (function calling) are not supported by this server",
     "tool_choice": "tool_choice is not supported by this server (no tools)",
     "functions": "functions (function calling) are not supported by this server",
@@ -47,7 +47,7 @@ REFUSED = {
     "include_stop_str_in_output": "include_stop_str_in_output: stop strings are never included in the text",
 }
 # what a neutral value of a refused field is: sent by some clients with every request
-NEUTRAL: dict[str, tuple] = {"echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
+NEUTRAL: dict[str, tuple] = {"echo": (False,), "tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
            "suffix": (None, ""), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}
@@ -116,7 +116,13 @@ class _Sampling(BaseModel):
                               length_penalty=self.length_penalty, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
                               min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
-                              logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
+                              logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                              logprobs=self.top_logprob_count)
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        """``SamplingParams.logprobs``: how many alternatives each token reports (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -125,6 +131,11 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the legacy API's: top alternatives
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -170,6 +181,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
@@ -189,29 +212,56 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
-    """``choices``: (text, finish reason) of each sample or beam, in order."""
+Decode = Callable[[int], str]  # one token id -> its text
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None, decode: Decode) -> dict | None:
+    """OpenAI chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if entries is None:
+        return None
+
+    def item(token: int, logprob: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, decode: Decode, offset: int = 0) -> dict | None:
+    """The completions API's ``logprobs``: parallel lists of tokens, their log-probabilities, the top
+    alternatives by token text, and each token's offset in the text (from ``offset``)."""
+    if entries is None:
+        return None
+    tokens = [decode(e.token) for e in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+
+def completion_response(rid: str, model: str, choices: list[tuple[str, str, dict | None]], use: dict) -> dict:
+    """``choices``: (text, finish reason, logprobs) of each sample or beam, in order."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": k, "text": text, "finish_reason": OPENAI_FINISH.get(finish, finish),
-                         "logprobs": None} for k, (text, finish) in enumerate(choices)], "usage": use}
+                         "logprobs": lp} for k, (text, finish, lp) in enumerate(choices)], "usage": use}
 
 
-def chat_response(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
+def chat_response(rid: str, model: str, choices: list[tuple[str, str, dict | None]], use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": k, "message": {"role": "assistant", "content": text},
-                         "finish_reason": OPENAI_FINISH.get(finish, finish), "logprobs": None}
-                        for k, (text, finish) in enumerate(choices)], "usage": use}
+                         "finish_reason": OPENAI_FINISH.get(finish, finish), "logprobs": lp}
+                        for k, (text, finish, lp) in enumerate(choices)], "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None) -> dict:
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                          "finish_reason": None if finish is None else OPENAI_FINISH.get(finish, finish)}]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                          "finish_reason": None if finish is None else OPENAI_FINISH.get(finish, finish)}]}
 
 

@@ -27,8 +27,10 @@ from .metrics import ServerMetrics
 from .protocol import (
     _Sampling,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     error_body,
     new_id,
@@ -126,27 +128,49 @@ class Serving:
         except AutoGLMError as exc:  # the engine failed or closed under this request: not the client's fault
             raise ApiError(503 if not self.engine.alive else 500, str(exc), "server_error", "generation_failed") from exc
         use = usage(res.prompt_tokens, sum(len(c.token_ids) for c in res.choices))
-        build = chat_response if chat else completion_response
-        return JSONResponse(build(rid, self.model, [(c.text, c.finish_reason) for c in res.choices], use))
+        if chat:
+            body = chat_response(rid, self.model, [(c.text, c.finish_reason, chat_logprobs(c.logprobs, self._token))
+                                                   for c in res.choices], use)
+        else:
+            body = completion_response(rid, self.model, [(c.text, c.finish_reason,
+                                                          completion_logprobs(c.logprobs, self._token))
+                                                         for c in res.choices], use)
+        return JSONResponse(body)
+
+    def _token(self, token: int) -> str:
+        """A token's own text (special tokens included), for logprobs."""
+        tok = self.engine.tokenizer
+        return tok.token_text(token) if tok is not None else str(token)
 
     async def _events(self, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
-        def chunk(text: str, finish: str | None) -> dict:
+        wanted = req.seq.params.logprobs is not None
+        covered, pieces, offset = 0, 0, 0
+
+        def chunk(text: str, finish: str | None, upto: int) -> dict:
+            """A chunk of ``text`` with the log-probabilities of the tokens up to ``upto`` not yet sent."""
+            nonlocal covered, offset
+            entries = req.logprobs[covered:upto] if wanted else None
+            covered = max(covered, upto)
             if chat:
-                return chat_chunk(rid, self.model, {"content": text} if text else {}, finish)
-            return completion_chunk(rid, self.model, text, finish)
+                return chat_chunk(rid, self.model, {"content": text} if text else {}, finish,
+                                  chat_logprobs(entries, self._token))
+            lp = completion_logprobs(entries, self._token, offset)
+            offset += len(text)
+            return completion_chunk(rid, self.model, text, finish, lp)
 
         try:
             if chat:
                 yield _sse(chat_chunk(rid, self.model, {"role": "assistant", "content": ""}, None))
             while (piece := await sink.queue.get()) is not None:
-                yield _sse(chunk(piece, None))
+                yield _sse(chunk(piece, None, req.marks[pieces] if wanted else 0))
+                pieces += 1
             try:
                 res = self._finished(req)
             except AutoGLMError as exc:
                 yield _sse(error_body(str(exc), "server_error", "generation_failed"))
             else:
-                yield _sse(chunk("", res.finish_reason))
+                yield _sse(chunk("", res.finish_reason, len(req.logprobs)))
                 if include_usage:
                     obj = "chat.completion.chunk" if chat else "text_completion"
                     yield _sse(usage_chunk(rid, self.model, obj, usage(res.prompt_tokens, len(res.token_ids))))

@@ -70,3 +70,28 @@ def test_min_tokens_logit_bias_and_stop_token_ids(tiny_engine):
     assert len(late.token_ids) == 4 and late.finish_reason == "stop" and eos not in late.token_ids
     assert stopped.token_ids == [] and stopped.finish_reason == "stop"
     assert biased.token_ids == [77] * 5
+
+
+def test_logprobs_are_log_softmax_of_the_logits_the_sampler_used(tiny_engine, reference):
+    """Each generated token's log-probability and its top 3 (sorted) equal log_softmax of
+    transformers' logits after the frequency penalty, the adjusted logits the sampler drew from."""
+    torch, model = reference
+    params = SamplingParams(max_new_tokens=6, frequency_penalty=0.7, logprobs=3, ignore_eos=True)
+    with Engine.load(tiny_engine) as engine:
+        [res] = engine.generate([PROMPTS[1]], params)
+    [choice] = res.choices
+    assert [e.token for e in choice.logprobs] == res.token_ids
+    ids, counts = list(PROMPTS[1]), {}
+    for entry in choice.logprobs:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].numpy().astype(np.float32)
+        for t, c in counts.items():
+            logits[t] -= np.float32(0.7) * c
+        lp = torch.log_softmax(torch.from_numpy(logits.astype(np.float64)), -1).numpy()
+        assert entry.logprob == pytest.approx(lp[entry.token], abs=1e-4)
+        order = np.argsort(-lp, kind="stable")[:3]
+        assert [t for t, _ in entry.top] == order.tolist()
+        np.testing.assert_allclose([v for _, v in entry.top], lp[order], atol=1e-4)
+        assert entry.top[0][0] == entry.token  # greedy: the sampled token is the most likely
+        counts[entry.token] = counts.get(entry.token, 0) + 1
+        ids.append(entry.token)

@@ -151,7 +151,7 @@ def test_n_samples_and_beams_are_choices(chat_engine):
     ({"model": "tiny-chat", "prompt": "hi", "n": 2, "stream": True}, 400, "stream carries one choice"),
     ({"model": "tiny-chat", "prompt": "hi", "n": 65}, 400, "n"),
     ({"model": "tiny-chat", "prompt": "hi", "beam_width": 2}, 400, "leave temperature at 0"),
-    ({"model": "tiny-chat", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "tiny-chat", "prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ({"model": "tiny-chat", "prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({"model": "tiny-chat", "prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
     ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias keys are token ids"),
@@ -316,3 +316,35 @@ def test_image_url_parts_over_the_openai_client(glm4v_engine):
                                  {**base, "messages": [{"role": "user", "content": two}]})
         assert status == 400 and "more than 1 image(s)" in err["error"]["message"], err
         assert request(port, "GET", "/health")[0] == 200
+
+
+def test_logprobs_in_openai_shapes_whole_and_streamed(chat_engine):
+    """Chat ``logprobs``/``top_logprobs`` and the completions API's ``logprobs``: one entry per generated
+    token, equal to the engine's, the alternatives sorted; a stream's chunks carry the same entries."""
+    messages = [{"role": "user", "content": "hi"}]
+    with Engine.load(chat_engine) as engine:
+        [want] = engine.generate([messages], SamplingParams(max_new_tokens=8, logprobs=2, ignore_eos=True))
+    with server(chat_engine) as (port, _):
+        c = client(port)
+        r = c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0,
+                                      logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens == 8
+        assert [x.logprob for x in content] == pytest.approx([e.logprob for e in want.choices[0].logprobs], abs=1e-6)
+        assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob
+                   for x in content)
+        streamed = []
+        for chunk in c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0,
+                                               logprobs=True, top_logprobs=2, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].logprobs:
+                streamed += chunk.choices[0].logprobs.content
+        assert [x.logprob for x in streamed] == pytest.approx([x.logprob for x in content], abs=1e-5)
+        done = c.completions.create(model="tiny-chat", prompt="Once upon", max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+        lp = done.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(5)]
+        status, err, _ = request(port, "POST", "/v1/chat/completions",
+                                 {"model": "tiny-chat", "messages": messages, "top_logprobs": 2})
+        assert status == 400 and "top_logprobs needs logprobs" in err["error"]["message"]
