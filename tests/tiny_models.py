@@ -18,9 +18,9 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(attention_bias=True, head_dim=16, partial_rotary_factor=0.5,
                                                     pad_token_id=0, eos_token_id=[1, 2])),
     # GLM-4.1V (AutoGLM-Phone-9B's architecture): a GLM-4-0414 decoder with M-RoPE, an mrope_section
-    # other than the 9B's [8, 12, 12], a small vision tower (not exported yet); GLM-4.1V's special
-    # tokens past the byte vocabulary
-    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", dict(head_dim=16, eos_token_id=[1, 2])),
+    # other than the 9B's [8, 12, 12], a small vision tower; GLM-4.1V's special tokens past the byte
+    # vocabulary, <|endoftext|> and <|user|> its end tokens (GLM's)
+    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", dict(head_dim=16, eos_token_id=[267, 265])),
 }
 GLM4V_TOKENS = dict(image_start_token_id=257, image_end_token_id=258, image_token_id=259, video_start_token_id=260,
                     video_end_token_id=261, video_token_id=262)

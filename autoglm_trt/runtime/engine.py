@@ -42,6 +42,7 @@ from ..kvcache.block_pool import BlockPool
 from ..kvcache.step_inputs import StepImages, step_inputs
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup, fork_samples
+from .guided import Grammars, Guide
 from .images import ENCODER_CACHE_BYTES, MAX_IMAGES, ImagePipeline, PreparedPrompt
 from .kv_cache_manager import KVCacheManager
 from .penalties import adjust, token_logprobs
@@ -63,7 +64,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence, Step
 
 log = logging.getLogger(__name__)
-__all__ = ["Choice", "Engine", "GenerationResult", "ImageOptions", "Prompt", "RequestError"]
+__all__ = ["Choice", "Engine", "GenerationResult", "Guide", "ImageOptions", "Prompt", "RequestError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,7 @@ class Engine:
         self.limits = RequestLimits(self.max_seq_len, self.max_batch, self.block_size, self.allocator.num_blocks,
                                     tokenizer is not None, str(self.dir), self.spec.vocab_size)
         self.eos = set(self.spec.eos_token_ids)
+        self.grammars = Grammars(self.dir / "tokenizer.json", self.spec.vocab_size, list(self.spec.eos_token_ids))
         self.requests = Registry(self.scheduler)
         self._cv = threading.Condition()
         self._closed = False
@@ -209,6 +211,8 @@ class Engine:
         if timeout is not None:
             params = dataclasses.replace(params, timeout=timeout)
         pieces, streaming = stream is not False, stream is True
+        if params.guide is not None:
+            self.grammars.compile(params.guide)  # a malformed guide is refused before any work
         if isinstance(prompt, PreparedPrompt):
             made = prompt
         else:
@@ -351,6 +355,10 @@ class Engine:
         if p.stop_token_ids:
             ends = ends | set(p.stop_token_ids)
         used = adjust(logits, p, seq.counts, ends) if p.adjusts_logits else logits
+        if p.guide is not None:
+            if seq.guided is None:
+                seq.guided = self.grammars.state(p.guide)
+            used = seq.guided.masked(used)
         token = sample(used, p, seq.rng)
         reason = None
         if token in ends:
@@ -360,9 +368,11 @@ class Engine:
                 req.logprobs.append(TokenLogprob(token, *token_logprobs(used, token, p.logprobs)))
             seq.output_ids.append(token)
             seq.counts.add(token)
+            if seq.guided is not None and seq.guided.accept(token):
+                reason = "stop"
             req.token_times.append(now)
             if req.decoder is not None:
-                reason = req.add_text(req.decoder.add(token))
+                reason = req.add_text(req.decoder.add(token)) or reason
         if reason is None and (len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_seq_len):
             reason = "length"
         if reason is not None:

@@ -21,6 +21,7 @@ from numbers import Integral, Real
 import numpy as np
 
 from ..errors import AutoGLMError
+from .guided import Guide
 
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflow float64 for ordinary logits
 MAX_TEMPERATURE = 1e3
@@ -90,6 +91,8 @@ class SamplingParams:
             tokens are generated.
         logit_bias: token id -> a value in [-100, 100] added to its logit.
         stop_token_ids: further tokens that end generation like end-of-sequence (not in the output).
+        guide: hold the output to a JSON schema, regex, choice list or Lark grammar (``guided.Guide``);
+            the end-of-sequence token is allowed exactly where the grammar may end.
         logprobs: report each generated token's log-probability and the ``logprobs`` most likely
             alternatives' (0 to 20; None: none): ``log_softmax`` of the logits the sampler used
             (after logit_bias, the min_tokens mask and the penalties; before temperature, top-k
@@ -116,6 +119,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -175,6 +179,15 @@ class SamplingParams:
         if not isinstance(ids, list | tuple) or len(ids) > MAX_STOP_TOKEN_IDS:
             raise SamplingError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {_show(ids)}")
         set_("stop_token_ids", tuple(_int("a stop token id", t, 0) for t in ids))
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                raise SamplingError(f"guide must be a Guide (autoglm_trt.runtime.Guide), got {_show(self.guide)}")
+            try:
+                self.guide.check()
+            except AutoGLMError as exc:
+                raise SamplingError(str(exc)) from exc
+            if self.ignore_eos:
+                raise SamplingError("a guided generation ends where its grammar does: ignore_eos cannot be set with it")
         if self.logprobs is not None:
             set_("logprobs", _int("logprobs", self.logprobs, 0))
             if self.logprobs > MAX_LOGPROBS:
@@ -204,9 +217,9 @@ class SamplingParams:
             if self.stop or self.stop_token_ids:
                 raise SamplingError("beam search ends at EOS or max_new_tokens; stop strings and stop_token_ids are not "
                                     "supported with it")
-            if self.adjusts_logits or self.logprobs is not None:
+            if self.adjusts_logits or self.logprobs is not None or self.guide is not None:
                 raise SamplingError("beam search scores the model's own log-probabilities: penalties, logit_bias, "
-                                    "min_tokens and logprobs are not supported with it")
+                                    "min_tokens, logprobs and guides are not supported with it")
 
     @staticmethod
     def _stop_strings(stop: object) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kvcache.step_inputs import MRope, PromptImages, SeqState
+from .guided import GuidedState
 from .penalties import TokenCounts
 from .sampling import SamplingParams
 
@@ -38,6 +39,7 @@ class Sequence:
         seed = self.params.seed
         self.rng = np.random.default_rng(seed if seed is None or self.stream == 0 else [seed, self.stream])
         self.counts = TokenCounts(self.prompt_ids)  # its generated tokens, for the penalties
+        self.guided: GuidedState | None = None  # its place in its grammar (SamplingParams.guide), made when it first samples
         for token in self.output_ids:
             self.counts.add(token)
 
