@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..errors import AutoGLMError
+from ..runtime.guided import Guide
 from ..runtime.request import TokenLogprob
 from ..runtime.sampling import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
 
@@ -36,12 +38,6 @@ REFUSED = {
     "functions": "functions (function calling) are not supported by this server",
     "function_call": "function_call is not supported by this server (no functions)",
     "parallel_tool_calls": "parallel_tool_calls is not supported by this server (no tools)",
-    "response_format": "response_format (structured output) is not supported by this server; only {\"type\": \"text\"}",
-    "guided_json": "guided decoding is not supported by this server",
-    "guided_regex": "guided decoding is not supported by this server",
-    "guided_choice": "guided decoding is not supported by this server",
-    "guided_grammar": "guided decoding is not supported by this server",
-    "structured_outputs": "structured outputs are not supported by this server",
     "logit_bias_type": "logit_bias_type is not supported by this server",
     "skip_special_tokens": "skip_special_tokens: the server always skips special tokens in text",
     "include_stop_str_in_output": "include_stop_str_in_output: stop strings are never included in the text",
@@ -49,7 +45,7 @@ REFUSED = {
 # what a neutral value of a refused field is: sent by some clients with every request
 NEUTRAL: dict[str, tuple] = {"echo": (False,), "tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-           "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+           "parallel_tool_calls": (None,), "best_of": (None, 1),
            "suffix": (None, ""), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}
 
 
@@ -81,6 +77,13 @@ class _Sampling(BaseModel):
     length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-(2**31), le=2**31)  # lower runs first
+    # structured output: OpenAI's response_format, and vLLM's guided_* / structured_outputs (one at most)
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # a Lark grammar, or the name of a shipped one ("autoglm_action")
+    structured_outputs: dict | None = None  # {"json" | "regex" | "choice" | "grammar": ...}
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +95,55 @@ class _Sampling(BaseModel):
                     raise ValueError(why)
             data = {k: v for k, v in data.items() if k not in REFUSED}
         return data
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> _Sampling:
+        self.guide()  # a malformed or doubled guide is this request's 400
+        return self
+
+    def guide(self) -> Guide | None:
+        """The output's guide from whichever field names one (ValueError for several, or a malformed one)."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                found.append(Guide.json_object())
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+                found.append(Guide.json_schema(spec["schema"]))
+            elif kind != "text":
+                raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}')
+        named = dict(self.structured_outputs or {})
+        for key, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                           ("grammar", self.guided_grammar)):
+            if value is not None:
+                named.setdefault(key, value)
+        unknown = set(named) - {"json", "regex", "choice", "grammar"}
+        if unknown:
+            raise ValueError(f"structured_outputs takes json, regex, choice or grammar, not {sorted(unknown)}")
+        for key, value in named.items():
+            if key == "json":
+                found.append(Guide.json_schema(value))
+            elif key == "regex":
+                found.append(Guide.regex(value))
+            elif key == "choice":
+                if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                    raise ValueError("a choice guide is a list of strings")
+                found.append(Guide.choice(value))
+            elif isinstance(value, str) and value.replace("_", "").isalnum():
+                try:
+                    found.append(Guide.shipped(value))
+                except AutoGLMError as exc:
+                    raise ValueError(str(exc)) from exc
+            else:
+                found.append(Guide.lark(value))
+        if len(found) > 1:
+            raise ValueError("give one output guide: response_format, guided_json, guided_regex, guided_choice or "
+                             "guided_grammar")
+        return found[0] if found else None
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +169,7 @@ class _Sampling(BaseModel):
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
                               min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
                               logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-                              logprobs=self.top_logprob_count)
+                              logprobs=self.top_logprob_count, guide=self.guide())
 
     @property
     def top_logprob_count(self) -> int | None:

@@ -348,3 +348,34 @@ def test_logprobs_in_openai_shapes_whole_and_streamed(chat_engine):
         status, err, _ = request(port, "POST", "/v1/chat/completions",
                                  {"model": "tiny-chat", "messages": messages, "top_logprobs": 2})
         assert status == 400 and "top_logprobs needs logprobs" in err["error"]["message"]
+
+
+def test_structured_output_over_the_openai_client(glm4v_engine):
+    """response_format json_schema (OpenAI's client), vLLM's guided_choice and a shipped grammar by
+    name, streamed or not: every answer parses; malformed or doubled guides are 400s."""
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "tag": {"enum": ["a", "b"]}},
+              "required": ["x", "tag"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Answer."}]
+    with server(glm4v_engine) as (port, _):
+        c = client(port)
+        r = c.chat.completions.create(model="tiny-glm4v", messages=messages, max_tokens=60, temperature=1.0, seed=3,
+                                      n=8, response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "a", "schema": schema}})
+        for choice in r.choices:
+            answer = json.loads(choice.message.content)
+            assert answer["tag"] in ("a", "b") and 0 <= answer["x"] <= 9 and choice.finish_reason == "stop"
+        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="tiny-glm4v", messages=messages, max_tokens=20, stream=True,
+            extra_body={"guided_choice": ["yes", "no"]}) if ch.choices)
+        assert text in ("yes", "no")
+        r = c.chat.completions.create(model="tiny-glm4v", messages=messages, max_tokens=240, temperature=0,
+                                      extra_body={"guided_grammar": "autoglm_action"})
+        assert r.choices[0].finish_reason in ("stop", "length")
+        for body, message in [({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema"),
+                              ({"guided_regex": "a", "guided_choice": ["b"]}, "give one output guide"),
+                              ({"guided_regex": "(unclosed"}, "not usable"),
+                              ({"guided_grammar": "no_such_grammar"}, "no shipped grammar")]:
+            status, err, _ = request(port, "POST", "/v1/chat/completions",
+                                     {"model": "tiny-glm4v", "messages": messages, "max_tokens": 4, **body})
+            assert status == 400 and message in err["error"]["message"], err
