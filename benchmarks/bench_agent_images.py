@@ -35,8 +35,8 @@ IMAGE_TOKEN = 259  # the test checkpoints' <|image|> (tests/tiny_models.py GLM4V
 
 
 def screenshot(seed: int) -> bytes:
-    """A synthetic UI-like 1080 x 2400 screenshot (``calib.screens``), PNG-encoded as the agent sends it."""
-    from autoglm_trt.calib.screens import ui_screenshot
+    """A synthetic UI-like 1080 x 2400 screenshot (``model.screens``), PNG-encoded as the agent sends it."""
+    from autoglm_trt.model.screens import ui_screenshot
 
     buf = io.BytesIO()
     ui_screenshot(seed, SCREEN).save(buf, format="PNG")

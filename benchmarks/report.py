@@ -43,6 +43,9 @@ SECTIONS = (
     Section("attention", "Decode steps with and without the native operators",
             ("benchmarks.bench_attention", "--rounds", "3")),
     Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
+    Section("guided", "Structured output and penalties", ("benchmarks.bench_guided", "--rounds", "3"),
+            "16 concurrent requests free, under a JSON schema, and with Open-AutoGLM's frequency_penalty plus a "
+            "repetition penalty."),
     Section("kv", "INT8 KV cache", ("benchmarks.bench_kv",),
             "Four engines at the same KV memory; accuracy with the held-out text fed through the pool."),
     Section("agent", "Agent workload and prefix caching", ("benchmarks.bench_agent",),

@@ -25,7 +25,8 @@ from collections import Counter
 
 import numpy as np
 
-from autoglm_trt.serve.client import connect, screenshot_message, served_model, stream_chat, stream_completion
+from autoglm_trt.model.screens import screenshot_message
+from autoglm_trt.serve.client import connect, served_model, stream_chat, stream_completion
 
 MALFORMED = [b"{not json", b'{"model": 5}', b'{"prompt": "x"}', b'{"model": "M", "prompt": "x", "max_tokens": -3}',
              b'{"model": "M", "prompt": [1, 2], "temperature": "hot"}', b"[]"]

@@ -4,7 +4,7 @@ must cover the image tokens' hidden states as well as text's.
 Input: the export (its vision encoder, preprocessor settings and tokenizer ids), the text
 windows ``[n, T]`` and the images: those in the calibration folder (``*.png``, ``*.jpg``,
 ``*.jpeg``, ``*.webp``) or, without any, ``DEFAULT_IMAGES`` synthetic UI screenshots
-(``screens.ui_screenshot``). Output: one window per image, ``T`` tokens long: the start of a text
+(``model.screens.ui_screenshot``). Output: one window per image, ``T`` tokens long: the start of a text
 window, ``<|begin_of_image|>``, the image's tokens (resized so that they take at most half the
 window), ``<|end_of_image|>``, then text again; its embeddings from the export's encoder and its
 3-D positions (``WindowImages``).
@@ -22,7 +22,7 @@ from ..graph.runner import WindowImages
 from ..graph.vision_runner import VisionEncoder
 from ..model.image import ImageConfig, open_image, pixel_rows, rgb
 from ..model.multimodal import ImageSpan, mrope_positions, tokens_of
-from .screens import ui_screenshot
+from ..model.screens import ui_screenshot
 
 DEFAULT_IMAGES = 4
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")

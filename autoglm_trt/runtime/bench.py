@@ -26,13 +26,13 @@ Call = Callable[[list[int], int], tuple[list[float], float, int]]
 
 def engine_call(engine: Engine, image: tuple[int, int] | None = None) -> Call:
     """Requests to an engine in this process; with ``image`` (width, height), each also carries a new
-    synthetic screenshot of that size (an image-text engine's; ``serve.client.screenshot_message``)."""
+    synthetic screenshot of that size (an image-text engine's; ``model.screens.screenshot_message``)."""
     count = [0]
 
     def call(prompt: list[int], gen_len: int) -> tuple[list[float], float, int]:
         request: list[int] | list[dict] = prompt
         if image is not None:
-            from ..serve.client import screenshot_message
+            from ..model.screens import screenshot_message
 
             count[0] += 1
             request = screenshot_message(count[0], image, " ".join(map(str, prompt)))

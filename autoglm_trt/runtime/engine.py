@@ -37,20 +37,18 @@ from ..backends import StepRunner, check_engine, open_runner
 from ..errors import RequestError
 from ..fileutil import available_memory_bytes
 from ..graph.session import MAX_THREADS
-from ..graph.vision_runner import VisionEncoder
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.step_inputs import StepImages, step_inputs
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup, fork_samples
 from .guided import Grammars, Guide
-from .images import ENCODER_CACHE_BYTES, MAX_IMAGES, ImagePipeline, PreparedPrompt
+from .images import ImageOptions, PreparedPrompt, image_options, image_pipeline
 from .kv_cache_manager import KVCacheManager
 from .penalties import adjust, token_logprobs
 from .registry import Registry
 from .request import (
     Choice,
     GenerationResult,
-    ImageRules,
     Prompt,
     PromptEncoder,
     Request,
@@ -67,38 +65,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Choice", "Engine", "GenerationResult", "Guide", "ImageOptions", "Prompt", "RequestError"]
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageOptions:
-    """An image-text engine's image settings (GLM-4.1V).
-
-    max_pixels: the most pixels an image is resized to (None: the build config's, else the checkpoint's
-        preprocessor config; Open-AutoGLM serves with 5,000,000). max_images: images per prompt (None:
-        the build config's, 10 unless it says otherwise). allowed_local_media_path:
-        the directory ``file://`` image URLs may point into (None: no file URLs). encoder_cache_bytes:
-        encoder outputs kept by image hash. threads: the encoder's ONNX Runtime threads (None: the engine's).
-    """
-
-    max_pixels: int | None = None
-    max_images: int | None = None  # None: the build config's (10 unless it says otherwise)
-    allowed_local_media_path: str | Path | None = None
-    encoder_cache_bytes: int = ENCODER_CACHE_BYTES
-    threads: int | None = None
-
-    @property
-    def rules(self) -> ImageRules:
-        where = self.allowed_local_media_path
-        return ImageRules(MAX_IMAGES if self.max_images is None else self.max_images,
-                          None if where is None else Path(where))
-
-
-def _image_options(manifest: Manifest, options: ImageOptions) -> ImageOptions:
-    """``options`` with what it leaves unset taken from the engine's build config."""
-    built = manifest.data.get("build_config", {})
-    return dataclasses.replace(options, max_pixels=options.max_pixels or built.get("max_pixels"),
-                               max_images=built.get("max_images", MAX_IMAGES) if options.max_images is None
-                               else options.max_images)
-
-
 class Engine:
     def __init__(self, manifest: Manifest, backend: StepRunner, tokenizer: TextTokenizer | None,
                  prefix_caching: bool = True, images: ImageOptions | None = None):
@@ -111,8 +77,8 @@ class Engine:
         self.allocator = BlockPool(backend.num_blocks, caching=prefix_caching)
         self.kv = KVCacheManager(self.allocator, self.block_size)
         self.scheduler = Scheduler(self.kv, self.max_batch, self.max_input_len)
-        options = _image_options(manifest, images or ImageOptions())
-        self.images = _image_pipeline(manifest, self.block_size, options) if self.spec.vision else None
+        options = image_options(manifest, images or ImageOptions())
+        self.images = image_pipeline(manifest, self.block_size, options) if self.spec.vision else None
         self.prompts = PromptEncoder(tokenizer, self.spec.vocab_size, self.max_seq_len - 1,
                                      options.rules if self.spec.vision else None)
         self.limits = RequestLimits(self.max_seq_len, self.max_batch, self.block_size, self.allocator.num_blocks,
@@ -415,34 +381,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -> ImagePipeline:
-    """The engine's image front end: its vision encoder and preprocessing settings (``EngineError``
-    when the engine lacks them)."""
-    from ..artifacts import ExportRecord
-    from ..model.image import ImageConfig
-
-    vision = ExportRecord.read(manifest.dir).vision()
-    if vision is None:
-        raise EngineError(f"{manifest.dir} holds a {manifest.spec.family} model but no vision encoder; rebuild it")
-    if isinstance(options.max_images, bool) or not isinstance(options.max_images, int) or options.max_images < 0:
-        raise EngineError(f"max_images must be a non-negative integer, got {options.max_images!r}")
-    where = options.allowed_local_media_path
-    if where is not None and not Path(where).is_dir():
-        raise EngineError(f"allowed_local_media_path {where} is not a directory")
-    try:
-        config = ImageConfig.from_dir(manifest.dir, **({} if options.max_pixels is None
-                                                       else {"max_pixels": options.max_pixels}))
-    except RequestError as exc:
-        raise EngineError(str(exc)) from exc
-    if manifest.backend == "tensorrt":
-        from ..backends.trt.vision import TrtVisionEncoder
-
-        encoder: VisionEncoder | TrtVisionEncoder = TrtVisionEncoder(manifest.dir, vision, config.max_pixels)
-    else:
-        encoder = VisionEncoder(manifest.dir, vision, options.threads)
-    return ImagePipeline(encoder, vision, config, block_size, options.encoder_cache_bytes)
 
 
 def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_bytes: int | None,

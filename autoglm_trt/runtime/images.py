@@ -15,6 +15,7 @@ engine's loop goes on with other requests' steps while a screenshot is encoded.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -26,7 +27,9 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from ..artifacts import EngineError, ExportRecord, Manifest
 from ..errors import RequestError
+from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
 from ..model.image import ImageConfig, ImageError, open_image, pixel_rows, rgb
 from ..model.multimodal import block_extras, expand, image_digest, mrope_positions
@@ -60,6 +63,46 @@ def image_url_source(url: object, allowed_dir: Path | None) -> object:
     if not path.is_relative_to(allowed_dir.resolve()):
         raise RequestError(f"the file {unquote(parsed.path)!r} is outside the allowed local media path")
     return path
+
+
+@dataclass(frozen=True)
+class ImageRules:
+    """Which images a prompt may carry: how many, and where ``file://`` URLs may point (None: nowhere)."""
+
+    max_images: int = 10
+    allowed_local_media_path: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageOptions:
+    """An image-text engine's image settings (GLM-4.1V).
+
+    max_pixels: the most pixels an image is resized to (None: the build config's, else the checkpoint's
+        preprocessor config; Open-AutoGLM serves with 5,000,000). max_images: images per prompt (None:
+        the build config's, 10 unless it says otherwise). allowed_local_media_path:
+        the directory ``file://`` image URLs may point into (None: no file URLs). encoder_cache_bytes:
+        encoder outputs kept by image hash. threads: the encoder's ONNX Runtime threads (None: the engine's).
+    """
+
+    max_pixels: int | None = None
+    max_images: int | None = None  # None: the build config's (10 unless it says otherwise)
+    allowed_local_media_path: str | Path | None = None
+    encoder_cache_bytes: int = ENCODER_CACHE_BYTES
+    threads: int | None = None
+
+    @property
+    def rules(self) -> ImageRules:
+        where = self.allowed_local_media_path
+        return ImageRules(MAX_IMAGES if self.max_images is None else self.max_images,
+                          None if where is None else Path(where))
+
+
+def image_options(manifest: Manifest, options: ImageOptions) -> ImageOptions:
+    """``options`` with what it leaves unset taken from the engine's build config."""
+    built = manifest.data.get("build_config", {})
+    return dataclasses.replace(options, max_pixels=options.max_pixels or built.get("max_pixels"),
+                               max_images=built.get("max_images", MAX_IMAGES) if options.max_images is None
+                               else options.max_images)
 
 
 class EncoderCache:
@@ -156,3 +199,28 @@ class ImagePipeline:
         return PreparedPrompt(ids, PromptImages(tuple(s.start for s in spans), tuple(embeds)), MRope(positions, delta),
                               block_extras(len(ids), spans, self.block_size),
                               {"decode": t1 - t0, "preprocess": preprocess_s, "encode": t2 - t1 - preprocess_s})
+
+
+def image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -> ImagePipeline:
+    """The engine's image front end: its vision encoder and preprocessing settings (``EngineError``
+    when the engine lacks them)."""
+    vision = ExportRecord.read(manifest.dir).vision()
+    if vision is None:
+        raise EngineError(f"{manifest.dir} holds a {manifest.spec.family} model but no vision encoder; rebuild it")
+    if isinstance(options.max_images, bool) or not isinstance(options.max_images, int) or options.max_images < 0:
+        raise EngineError(f"max_images must be a non-negative integer, got {options.max_images!r}")
+    where = options.allowed_local_media_path
+    if where is not None and not Path(where).is_dir():
+        raise EngineError(f"allowed_local_media_path {where} is not a directory")
+    try:
+        config = ImageConfig.from_dir(manifest.dir, **({} if options.max_pixels is None
+                                                       else {"max_pixels": options.max_pixels}))
+    except RequestError as exc:
+        raise EngineError(str(exc)) from exc
+    if manifest.backend == "tensorrt":
+        from ..backends.trt.vision import TrtVisionEncoder
+
+        encoder: VisionEncoder | TrtVisionEncoder = TrtVisionEncoder(manifest.dir, vision, config.max_pixels)
+    else:
+        encoder = VisionEncoder(manifest.dir, vision, options.threads)
+    return ImagePipeline(encoder, vision, config, block_size, options.encoder_cache_bytes)

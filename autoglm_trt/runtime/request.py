@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -26,7 +25,7 @@ from ..errors import RequestError
 from ..kvcache.layout import blocks_needed
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup
-from .images import PreparedPrompt, image_url_source
+from .images import ImageRules, PreparedPrompt, image_url_source
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -35,14 +34,6 @@ PROMPT_HELP = ("a prompt is a string, a non-empty list of chat messages ({'role'
                "parts}) or a non-empty list of token ids")
 PART_HELP = ("a content part is {'type': 'text', 'text': str}, {'type': 'image_url', 'image_url': {'url': "
              "'data:image/png;base64,...'}} or {'type': 'image', 'image': a PIL image, bytes or a path}")
-
-
-@dataclass(frozen=True)
-class ImageRules:
-    """Which images a prompt may carry: how many, and where ``file://`` URLs may point (None: nowhere)."""
-
-    max_images: int = 10
-    allowed_local_media_path: Path | None = None
 
 
 class PromptEncoder:

@@ -1,7 +1,7 @@
 """A small OpenAI client on the standard library, for ``bench --url`` and the load test.
 
 ``stream_completion`` sends token ids (or text) as a completion's prompt, ``stream_chat`` chat
-messages (with image parts: ``screenshot_message``); both read the server-sent events, noting
+messages (with image parts: ``model.screens.screenshot_message``); both read the server-sent events, noting
 the time of every chunk that carries text (one chunk is normally one token) and the token
 count from the final ``usage`` chunk.
 """
@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from ..model.screens import screenshot_message
 from ..runtime.bench import Call
 
 
@@ -67,20 +68,6 @@ def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int, api
     """``stream_completion`` for chat messages (``/v1/chat/completions``)."""
     return _stream(url, "/v1/chat/completions", {"model": model, "messages": messages}, max_tokens, api_key,
                    stop_after_chunks)
-
-
-def screenshot_message(seed: int, size: tuple[int, int], text: str) -> list[dict]:
-    """One user message: a synthetic UI screenshot of ``size`` (``calib.screens``) as a PNG data: URL,
-    then ``text``: the phone agent's request shape."""
-    import base64
-    import io
-
-    from ..calib.screens import ui_screenshot
-
-    buf = io.BytesIO()
-    ui_screenshot(seed, size).save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
 
 
 def _stream(url: str, path: str, request: dict, max_tokens: int, api_key: str | None,

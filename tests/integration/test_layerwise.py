@@ -149,7 +149,7 @@ def test_image_windows_statistics_layer_by_layer_equal_the_whole_graph(tiny_dir,
     place, 3-D positions): the layer-by-layer pass substitutes the rows on the host and must match
     the whole graph, which takes them through its image inputs; and the images move the ranges."""
     from autoglm_trt.calib.image_windows import calibration_images, image_windows
-    from autoglm_trt.calib.screens import ui_screenshot
+    from autoglm_trt.model.screens import ui_screenshot
 
     export_dir = tmp_path / "export"
     export_checkpoint(ExportConfig(tiny_dir("glm4v"), export_dir, validate=False), log=lambda m: None)

@@ -160,7 +160,7 @@ def test_n_samples_and_beams_are_choices(chat_engine):
     ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
-      "response_format": {"type": "json_object"}}, 400, "response_format"),
+      "response_format": {"type": "yaml"}}, 400, "response_format type must be"),
     ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, 400,
      "tool_call_id"),
     ({"model": "tiny-chat", "prompt": [1, 2, 999999]}, 400, "outside the vocabulary"),

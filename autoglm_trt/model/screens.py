@@ -1,6 +1,7 @@
-"""Synthetic phone screenshots for calibration and benchmarks: flat panels, bars, buttons and a
-little noise on a light background (what an agent's UI screenshots look like to an encoder:
-large uniform areas and sharp edges), from a seed, in numpy + Pillow."""
+"""Synthetic phone screenshots for calibration, benchmarks and load tests: flat panels, bars,
+buttons and a little noise on a light background (what an agent's UI screenshots look like to an
+encoder: large uniform areas and sharp edges), from a seed, in numpy + Pillow; and the chat
+message that carries one, as the phone agent sends it."""
 
 from __future__ import annotations
 
@@ -29,3 +30,15 @@ def ui_screenshot(seed: int, size: tuple[int, int] = PHONE):
     arr = np.asarray(image).copy()
     arr[::7, ::5] ^= rng.integers(0, 16, arr[::7, ::5].shape, dtype=np.uint8)
     return Image.fromarray(arr)
+
+
+def screenshot_message(seed: int, size: tuple[int, int], text: str) -> list[dict]:
+    """One user message: a synthetic screenshot of ``size`` as a PNG ``data:`` URL, then ``text``
+    (the phone agent's request shape)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    ui_screenshot(seed, size).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
