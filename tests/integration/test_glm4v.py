@@ -220,3 +220,25 @@ def test_the_export_records_its_image_parity(glm4v_engine):
     report = record.data["parity"]["images"]
     assert report["passed"] and report["chunked"]["argmax_agree"] == report["prompt_tokens"]
     assert record.vision() is not None and all(f.is_file() for f in record.vision_files())
+
+
+def test_images_survive_preemption_and_forks(tiny_dir, tmp_path):
+    """A pool too small for four image prompts at once preempts and later recomputes some (their
+    image rows come again from the sequence), and n=3 samples fork after the prompt: every answer
+    equals the same request run alone on a roomy engine."""
+    from conftest import build_tiny_engine
+
+    small = build_tiny_engine(tiny_dir, tmp_path / "small", family="glm4v", max_seq_len=128, max_input_len=24,
+                              kv_num_blocks=16, max_batch_size=4)
+    prompts = [image_message(f"screen {k}: ", random_image(150 + 20 * k, 120, 10 + k), " act") for k in range(4)]
+    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    with Engine.load(small, prefix_caching=False) as engine:
+        together = engine.generate(prompts, greedy)
+        preempted = engine.stats()["preemptions"]
+        [forked] = engine.generate([prompts[0]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=5, n=3))
+    with Engine.load(small, prefix_caching=False) as engine:
+        alone = [engine.generate([p], greedy)[0] for p in prompts]
+        [single] = engine.generate([prompts[0]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=5, n=3))
+    assert preempted > 0
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [c.token_ids for c in forked.choices] == [c.token_ids for c in single.choices]
