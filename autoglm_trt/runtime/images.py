@@ -9,8 +9,9 @@ Python API an ``{"type": "image", "image": ...}`` part may also carry a PIL imag
 Each image is decoded (``model.image.open_image``: its header's size checked before decoding)
 and hashed (its decoded RGB pixels and grid); the prompt's length is checked after the expansion
 and before any encoding; then each image's embeddings come from ``EncoderCache`` (by that hash),
-or it is preprocessed as transformers' ``Glm4vImageProcessor`` does and encoded. This runs on the caller's thread, so the
-engine's loop goes on with other requests' steps while a screenshot is encoded.
+or it is preprocessed as transformers' ``Glm4vImageProcessor`` does and encoded. This runs on
+the caller's thread, so the engine's loop goes on with other requests' steps while a screenshot
+is encoded.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class ImageRules:
     allowed_local_media_path: Path | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ImageOptions:
     """An image-text engine's image settings (GLM-4.1V).
 
