@@ -56,12 +56,15 @@ class TextTokenizer:
         """One token's text, a special token's included (for log-probabilities)."""
         return self.tok.decode([token], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """The messages rendered by the chat template (``tools``: OpenAI's tool definitions, which
+        templates that describe tools to the model read as ``tools``) and tokenized."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; pass plain text or token ids")
         text = RenderBudget().render(self._compiled(), messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=_token_text(self.config.get("bos_token")),
-                                     eos_token=_token_text(self.config.get("eos_token")))
+                                     eos_token=_token_text(self.config.get("eos_token")), tools=tools)
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def _compiled(self):

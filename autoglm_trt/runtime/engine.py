@@ -117,20 +117,22 @@ class Engine:
         template's one placeholder here (``prepare`` expands it to the image's tokens)."""
         return self.prompts.encode(prompt)
 
-    def prepare(self, prompt: Prompt, images: Seq[object] | None = None) -> PreparedPrompt:
+    def prepare(self, prompt: Prompt, images: Seq[object] | None = None,
+                tools: list[dict] | None = None) -> PreparedPrompt:
         """A prompt made ready to submit: tokenized, and its images (an image-text engine's) decoded,
         preprocessed and encoded. ``RequestError`` if it is malformed or could not fit with even one
         new token. For a caller that needs the prompt's length first (``len(prepared.ids)``).
 
         ``images``: for a text or token-id prompt that holds the image placeholders itself (GLM-4.1V:
         ``<|begin_of_image|><|image|><|end_of_image|>`` per image), the images in order (PIL images,
-        bytes, paths or ``data:`` URLs); chat messages carry theirs as parts instead."""
+        bytes, paths or ``data:`` URLs); chat messages carry theirs as parts instead. ``tools``: OpenAI's
+        tool definitions, for a chat template that describes them to the model."""
         one = SamplingParams(max_new_tokens=1)
-        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False), images)
+        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False), images, tools)
 
     def _prepared(self, prompt: object, check: Callable[[list[int]], None],
-                  images: Seq[object] | None = None) -> PreparedPrompt:
-        ids, sources = self.prompts.encode_with_images(prompt)
+                  images: Seq[object] | None = None, tools: list[dict] | None = None) -> PreparedPrompt:
+        ids, sources = self.prompts.encode_with_images(prompt, tools)
         if images:
             if sources:
                 raise RequestError("the messages carry images as parts: pass images= only with a text or token-id "

@@ -48,8 +48,9 @@ class PromptEncoder:
         """Token ids of a prompt; a chat message's image part becomes the template's placeholder."""
         return self.encode_with_images(prompt)[0]
 
-    def encode_with_images(self, prompt: object) -> tuple[list[int], list[object]]:
-        """Token ids (one placeholder per image) and the images' sources, in order."""
+    def encode_with_images(self, prompt: object, tools: list[dict] | None = None) -> tuple[list[int], list[object]]:
+        """Token ids (one placeholder per image) and the images' sources, in order (``tools``: tool
+        definitions for the chat template)."""
         images: list[object] = []
         if isinstance(prompt, str):
             ids = self._tok().encode(self._text(prompt, "the prompt"))
@@ -57,7 +58,7 @@ class PromptEncoder:
             raise RequestError("a single chat message was passed as the prompt; pass a list of messages "
                                "([{'role': 'user', 'content': ...}])")
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._tok().apply_chat_template(self._messages(prompt, images))
+            ids = self._tok().apply_chat_template(self._messages(prompt, images), tools=tools)
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -107,6 +108,8 @@ class PromptEncoder:
                 raise RequestError(f"message {k} needs a 'role' string, got {_describe(role)}")
             if isinstance(content, list) and content:
                 content = self._parts(content, k, images)
+            elif content is None and m.get("tool_calls"):  # an assistant turn that only called tools
+                content = ""
             elif not isinstance(content, str):
                 raise RequestError(f"message {k} needs a 'content' string or a non-empty list of parts, got "
                                    f"{_describe(content)}")

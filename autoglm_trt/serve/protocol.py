@@ -9,6 +9,7 @@ silently dropped. ``n`` samples share the prompt's KV blocks; the extension ``be
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -33,19 +34,15 @@ REFUSED = {
     "echo": "echo is not supported by this server",
     "best_of": "best_of is not supported by this server; use n for several samples",
     "suffix": "suffix (insertion) is not supported by this server",
-    "tools": "tools (function calling) are not supported by this server",
-    "tool_choice": "tool_choice is not supported by this server (no tools)",
     "functions": "functions (function calling) are not supported by this server",
     "function_call": "function_call is not supported by this server (no functions)",
-    "parallel_tool_calls": "parallel_tool_calls is not supported by this server (no tools)",
     "logit_bias_type": "logit_bias_type is not supported by this server",
     "skip_special_tokens": "skip_special_tokens: the server always skips special tokens in text",
     "include_stop_str_in_output": "include_stop_str_in_output: stop strings are never included in the text",
 }
 # what a neutral value of a refused field is: sent by some clients with every request
-NEUTRAL: dict[str, tuple] = {"echo": (False,), "tools": (None, []),
-           "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-           "parallel_tool_calls": (None,), "best_of": (None, 1),
+NEUTRAL: dict[str, tuple] = {"echo": (False,), "functions": (None, []), "function_call": (None, "none"),
+           "best_of": (None, 1),
            "suffix": (None, ""), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}
 
 
@@ -217,17 +214,57 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     name: str | None = None  # passed to the chat template
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, passed to the chat template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (only an assistant turn with tool_calls may leave it out)")
+        return self
 
     def as_engine_message(self) -> dict:
         """The message as the engine takes it: text joined into a string, or with images its parts."""
         out: dict = {"role": "system" if self.role == "developer" else self.role}
-        if self.name is not None:
-            out["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.content is None:
+            return {**out, "content": None}
         if isinstance(self.content, str) or all(isinstance(p, TextPart) for p in self.content):
             text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)  # type: ignore[union-attr]
             return {**out, "content": text}
         return {**out, "content": [p.model_dump(exclude_none=True) for p in self.content]}
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None  # the arguments always follow the schema here
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -235,6 +272,55 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a call is one tool call here; true allows that, false asks it
+
+    def called_tool(self) -> str | None:
+        """The function a named ``tool_choice`` calls, "*" when one is required, None when none is."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return "*" if choice == "required" else None
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema the call is generated under: the named function's arguments, or (required)
+        one of ``{"name": <a tool>, "arguments": <its arguments>}``."""
+        called = self.called_tool()
+        if called is None:
+            return None
+        params = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or []}
+        if called != "*":
+            return params.get(called)  # (a name not among the tools is _tools' 400)
+        return {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                           "properties": {"name": {"const": name}, "arguments": schema}}
+                          for name, schema in params.items()]}
+
+    def guide(self) -> Guide | None:
+        found = super().guide()
+        schema = self.tool_schema()
+        if schema is not None and found is not None:
+            raise ValueError("a required or named tool call is its own output guide; give no other")
+        return Guide.json_schema(schema) if schema is not None else found
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if names and choice in (None, "auto"):
+            raise ValueError('tool_choice "auto" (the default with tools) needs the model\'s own tool-call format, '
+                             'which this server does not parse; use "required", a named function, or "none"')
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        return self
+
+    def template_tools(self) -> list[dict] | None:
+        """The tool definitions as the chat template reads them (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -303,6 +389,20 @@ def chat_response(rid: str, model: str, choices: list[tuple[str, str, dict | Non
             "choices": [{"index": k, "message": {"role": "assistant", "content": text},
                          "finish_reason": OPENAI_FINISH.get(finish, finish), "logprobs": lp}
                         for k, (text, finish, lp) in enumerate(choices)], "usage": use}
+
+
+def tool_calls(text: str, called: str) -> list[dict] | None:
+    """OpenAI's ``tool_calls`` from a guided call's text (``called``: the named function, or "*" for
+    ``{"name", "arguments"}``); None when the text is not a whole call (cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    name, arguments = (called, value) if called != "*" else (value.get("name"), value.get("arguments"))
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return [{"id": new_id("call"), "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, logprobs: dict | None = None) -> dict:

@@ -25,6 +25,7 @@ from ..runtime.request import Prompt
 from ..runtime.request import Request as EngineRequest
 from .metrics import ServerMetrics
 from .protocol import (
+    ChatCompletionRequest,
     _Sampling,
     chat_chunk,
     chat_logprobs,
@@ -34,6 +35,7 @@ from .protocol import (
     completion_response,
     error_body,
     new_id,
+    tool_calls,
     usage,
     usage_chunk,
 )
@@ -85,7 +87,9 @@ class Serving:
             raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry shortly",
                            "rate_limit_error", "queue_full", headers={"Retry-After": "1"})
         # tokens, and images decoded and encoded, off the event loop; RequestError -> 400
-        prepared = await run_in_threadpool(self.engine.prepare, prompt)
+        tools = body.template_tools() if isinstance(body, ChatCompletionRequest) else None
+        called = body.called_tool() if isinstance(body, ChatCompletionRequest) else None
+        prepared = await run_in_threadpool(self.engine.prepare, prompt, None, tools)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
             room = max(1, self.engine.max_seq_len - len(prepared.ids))  # a prompt too long is refused by submit
@@ -100,14 +104,15 @@ class Serving:
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return StreamingResponse(self._events(req, sink, rid, chat, body.include_usage),
+            return StreamingResponse(self._events(req, sink, rid, chat, body.include_usage, called),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            return await self._whole(request, req, sink, rid, chat)
+            return await self._whole(request, req, sink, rid, chat, called)
         finally:
             self.inflight -= 1
 
-    async def _whole(self, request: Request, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool) -> Response:
+    async def _whole(self, request: Request, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
+                     called: str | None) -> Response:
         while True:
             try:
                 item = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
@@ -131,6 +136,11 @@ class Serving:
         if chat:
             body = chat_response(rid, self.model, [(c.text, c.finish_reason, chat_logprobs(c.logprobs, self._token))
                                                    for c in res.choices], use)
+            for out, c in zip(body["choices"], res.choices):
+                calls = tool_calls(c.text, called) if called is not None else None
+                if calls is not None:  # the guided call: OpenAI's tool_calls in place of the content
+                    out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    out["finish_reason"] = "tool_calls"
         else:
             body = completion_response(rid, self.model, [(c.text, c.finish_reason,
                                                           completion_logprobs(c.logprobs, self._token))
@@ -143,7 +153,9 @@ class Serving:
         return tok.token_text(token) if tok is not None else str(token)
 
     async def _events(self, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, called: str | None = None) -> AsyncIterator[str]:
+        """Server-sent events of a streamed request; a tool call goes out whole, as one
+        ``delta.tool_calls``, once its text is complete."""
         wanted = req.seq.params.logprobs is not None
         covered, pieces, offset = 0, 0, 0
 
@@ -163,14 +175,24 @@ class Serving:
             if chat:
                 yield _sse(chat_chunk(rid, self.model, {"role": "assistant", "content": ""}, None))
             while (piece := await sink.queue.get()) is not None:
-                yield _sse(chunk(piece, None, req.marks[pieces] if wanted else 0))
+                if called is None:
+                    yield _sse(chunk(piece, None, req.marks[pieces] if wanted else 0))
                 pieces += 1
             try:
                 res = self._finished(req)
             except AutoGLMError as exc:
                 yield _sse(error_body(str(exc), "server_error", "generation_failed"))
             else:
-                yield _sse(chunk("", res.finish_reason, len(req.logprobs)))
+                calls = tool_calls(res.text, called) if called is not None else None
+                if calls is not None:
+                    delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+                    yield _sse(chat_chunk(rid, self.model, delta, None, chat_logprobs(req.logprobs or None, self._token)
+                                          if wanted else None))
+                    yield _sse(chat_chunk(rid, self.model, {}, "tool_calls"))
+                else:
+                    if called is not None and res.text:  # a call cut short: its text, as it is
+                        yield _sse(chunk(res.text, None, len(req.logprobs)))
+                    yield _sse(chunk("", res.finish_reason, len(req.logprobs)))
                 if include_usage:
                     obj = "chat.completion.chunk" if chat else "text_completion"
                     yield _sse(usage_chunk(rid, self.model, obj, usage(res.prompt_tokens, len(res.token_ids))))

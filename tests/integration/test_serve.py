@@ -161,8 +161,7 @@ def test_n_samples_and_beams_are_choices(chat_engine):
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
       "response_format": {"type": "yaml"}}, 400, "response_format type must be"),
-    ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, 400,
-     "tool_call_id"),
+    ({"model": "tiny-chat", "messages": [{"role": "user", "content": "x", "audio": {"id": "1"}}]}, 400, "audio"),
     ({"model": "tiny-chat", "prompt": [1, 2, 999999]}, 400, "outside the vocabulary"),
     ({"model": "tiny-chat"}, 400, "prompt"),
     ({"model": "tiny-chat", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
@@ -379,3 +378,47 @@ def test_structured_output_over_the_openai_client(glm4v_engine):
             status, err, _ = request(port, "POST", "/v1/chat/completions",
                                      {"model": "tiny-glm4v", "messages": messages, "max_tokens": 4, **body})
             assert status == 400 and message in err["error"]["message"], err
+
+
+def test_tool_calls_required_and_named(glm4v_engine):
+    """``tool_choice`` "required" or a named function: the call is generated under the arguments'
+    schema and returned as OpenAI ``tool_calls`` (streamed as one ``delta.tool_calls``); a history
+    with a call and its tool answer is accepted; "auto" is a 400 that says why."""
+    tap = {"type": "function", "function": {"name": "tap", "description": "Tap a point", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["x", "y"],
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "y": {"type": "integer", "minimum": 0, "maximum": 999}}}}}
+    back = {"type": "function", "function": {"name": "back", "parameters": {
+        "type": "object", "additionalProperties": False, "properties": {}}}}
+    messages = [{"role": "user", "content": "Open the settings."}]
+    with server(glm4v_engine) as (port, _):
+        c = client(port)
+        r = c.chat.completions.create(model="tiny-glm4v", messages=messages, tools=[tap, back], tool_choice="required",
+                                      max_tokens=60, temperature=1.0, seed=2, n=6)
+        for choice in r.choices:
+            [call] = choice.message.tool_calls
+            args = json.loads(call.function.arguments)
+            assert choice.finish_reason == "tool_calls" and call.function.name in ("tap", "back")
+            assert (set(args) == {"x", "y"} and all(0 <= v <= 999 for v in args.values())) if call.function.name == "tap" \
+                else args == {}
+        named = {"type": "function", "function": {"name": "tap"}}
+        calls = []
+        for chunk in c.chat.completions.create(model="tiny-glm4v", messages=messages, tools=[tap, back],
+                                               tool_choice=named, max_tokens=60, stream=True):
+            if chunk.choices and chunk.choices[0].delta.tool_calls:
+                calls += chunk.choices[0].delta.tool_calls
+        assert len(calls) == 1 and calls[0].function.name == "tap"
+        assert set(json.loads(calls[0].function.arguments)) == {"x", "y"}
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "call_1", "type": "function", "function": {"name": "back", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+        r = c.chat.completions.create(model="tiny-glm4v", messages=history, tools=[tap, back], tool_choice="none",
+                                      max_tokens=4)
+        assert r.choices[0].message.content is not None
+        status, err, _ = request(port, "POST", "/v1/chat/completions",
+                                 {"model": "tiny-glm4v", "messages": messages, "tools": [tap], "max_tokens": 4})
+        assert status == 400 and "tool_choice \"auto\"" in err["error"]["message"], err
+        status, err, _ = request(port, "POST", "/v1/chat/completions",
+                                 {"model": "tiny-glm4v", "messages": messages, "tools": [tap], "max_tokens": 4,
+                                  "tool_choice": {"type": "function", "function": {"name": "swipe"}}})
+        assert status == 400 and "not among the tools" in err["error"]["message"], err
