@@ -4,10 +4,12 @@ Written into a model repository by ``autoglm-trt triton`` as ``<name>/1/model.py
 engine (``<name>/1/engine``). Inputs and outputs follow TensorRT-LLM's Triton conventions:
 ``text_input`` (string), optional ``max_tokens``, ``temperature``, ``top_k``, ``top_p``,
 ``random_seed``, ``stop_words``, ``stream`` (bool), ``frequency_penalty``, ``presence_penalty``,
-``repetition_penalty``, ``min_tokens``, and for an image-text engine ``images`` (BYTES:
-encoded image files, in the order of the placeholders ``text_input`` holds, e.g. GLM-4.1V's
-``<|begin_of_image|><|image|><|end_of_image|>``; an element may also be a ``data:`` URL, which
-is what a JSON client such as ``/generate`` can send); output ``text_output``. A streamed request
+``repetition_penalty``, ``min_tokens``, ``return_log_probs`` (then ``output_log_probs``: each
+generated token's log-probability), ``guided_decoding_guide_type`` / ``guided_decoding_guide``,
+and for an image-text engine ``images`` (BYTES: encoded image files, in the order of the
+placeholders ``text_input`` holds, e.g. GLM-4.1V's ``<|begin_of_image|><|image|><|end_of_image|>``;
+an element may also be a ``data:`` URL, which is what a JSON client such as ``/generate`` can
+send); output ``text_output``. A streamed request
 gets one response per text piece, then an empty final one; a plain request gets one
 response. Continuous batching and the paged KV cache live in the engine, so Triton's dynamic
 batcher stays off; each model instance loads its own engine.
@@ -60,6 +62,28 @@ def _scalar(request, name, kind):
     if v.size != 1:
         raise ValueError(f"{name} must hold one value, got {v.size}")
     return kind(v[0])
+
+
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json_schema", "regex": "regex", "lark": "lark"}
+
+
+def _guide(request):
+    """The output guide TensorRT-LLM's Triton backend names: ``guided_decoding_guide_type`` (json,
+    json_schema, regex, or lark: a Lark grammar or a shipped grammar's name) and ``guided_decoding_guide``."""
+    from autoglm_trt.errors import RequestError
+    from autoglm_trt.runtime import Guide
+
+    kind = _text(request, "guided_decoding_guide_type")
+    if not kind:
+        return None
+    kind, text = kind[0], (_text(request, "guided_decoding_guide") or [""])[0]
+    if kind not in GUIDE_TYPES:
+        raise RequestError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+    if kind == "json":
+        return Guide.json_object()
+    if kind == "lark" and text.replace("_", "").isalnum():
+        return Guide.shipped(text)
+    return getattr(Guide, GUIDE_TYPES[kind])(text)
 
 
 def _given(value, default):
@@ -121,7 +145,9 @@ class TritonPythonModel:
                 frequency_penalty=_given(_scalar(request, "frequency_penalty", float), 0.0),
                 presence_penalty=_given(_scalar(request, "presence_penalty", float), 0.0),
                 repetition_penalty=_given(_scalar(request, "repetition_penalty", float), 1.0),
-                min_tokens=_given(_scalar(request, "min_tokens", int), 0))
+                min_tokens=_given(_scalar(request, "min_tokens", int), 0),
+                logprobs=0 if _scalar(request, "return_log_probs", bool) else None,
+                guide=_guide(request))
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         images = pb_utils.get_input_tensor_by_name(request, "images")
@@ -150,10 +176,19 @@ class TritonPythonModel:
         self._respond(request, handle, sink, sender, stream)
 
     def _respond(self, request, handle, sink, sender, stream):
-        def out(text):
-            return pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))])
+        covered = [0]
 
+        def out(text, upto=None):
+            """A response with ``text`` and, when asked for, the log-probabilities of its tokens."""
+            tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+            if handle.seq.params.logprobs is not None:
+                end = len(handle.logprobs) if upto is None else upto
+                values = [e.logprob for e in handle.logprobs[covered[0]:end]]
+                covered[0] = max(covered[0], end)
+                tensors.append(pb_utils.Tensor("output_log_probs", np.array(values, dtype=np.float32)))
+            return pb_utils.InferenceResponse(output_tensors=tensors)
+
+        pieces = 0
         while True:
             try:
                 piece = sink.queue.get(timeout=0.25)
@@ -164,13 +199,16 @@ class TritonPythonModel:
             if piece is None:
                 break
             if stream:
-                sender.send(out(piece))
+                sender.send(out(piece, handle.marks[pieces]))
+            pieces += 1
         try:
             result = self.engine.outcome(handle)
         except Exception as exc:  # noqa: BLE001 - the request's own failure goes back to its client
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
             return
         if stream:
+            if handle.seq.params.logprobs is not None and covered[0] < len(handle.logprobs):
+                sender.send(out(""))  # tokens whose text went out with none (special tokens)
             sender.send(flags=FINAL)
         else:
             sender.send(out(result.text), flags=FINAL)

@@ -30,7 +30,9 @@ INPUTS = (("text_input", "TYPE_STRING", "1", False), ("max_tokens", "TYPE_INT32"
           ("stop_words", "TYPE_STRING", "-1", True), ("stream", "TYPE_BOOL", "1", True),
           ("images", "TYPE_STRING", "-1", True),  # BYTES: encoded image files, for an image-text engine
           ("frequency_penalty", "TYPE_FP32", "1", True), ("presence_penalty", "TYPE_FP32", "1", True),
-          ("repetition_penalty", "TYPE_FP32", "1", True), ("min_tokens", "TYPE_INT32", "1", True))
+          ("repetition_penalty", "TYPE_FP32", "1", True), ("min_tokens", "TYPE_INT32", "1", True),
+          ("return_log_probs", "TYPE_BOOL", "1", True),
+          ("guided_decoding_guide_type", "TYPE_STRING", "1", True), ("guided_decoding_guide", "TYPE_STRING", "1", True))
 
 
 def default_python_path(triton_site: Path | None) -> list[str]:
@@ -52,7 +54,8 @@ def config_pbtxt(name: str, instances: int, python_path: list[str], threads: int
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
             "model_transaction_policy { decoupled: true }\n"
             f"input [\n{inputs}\n]\n"
-            'output [\n  { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }\n]\n'
+            'output [\n  { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] },\n'
+            '  { name: "output_log_probs" data_type: TYPE_FP32 dims: [ -1 ] }\n]\n'
             f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n{parameters}\n")
 
 

@@ -144,6 +144,25 @@ def test_penalties_as_tensorrt_llm_names_them(triton, chat_engine):
     assert status >= 400 and "frequency_penalty" in text
 
 
+def test_log_probs_and_guided_decoding_as_tensorrt_llm_names_them(triton, chat_engine):
+    with Engine.load(chat_engine) as engine:
+        [want] = engine.generate(["Once upon a time"], SamplingParams(max_new_tokens=6, logprobs=0))
+    status, text = post(triton["http"], "/v2/models/tiny-chat/generate",
+                        {"text_input": "Once upon a time", "max_tokens": 6, "return_log_probs": True})
+    got = json.loads(text)
+    assert status == 200 and got["output_log_probs"] == pytest.approx([e.logprob for e in want.choices[0].logprobs],
+                                                                      abs=1e-5)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    status, text = post(triton["http"], "/v2/models/tiny-chat/generate",
+                        {"text_input": "Once upon a time", "max_tokens": 30, "temperature": 1.0, "random_seed": 3,
+                         "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": json.dumps(schema)})
+    assert status == 200 and 0 <= json.loads(json.loads(text)["text_output"])["n"] <= 99
+    status, text = post(triton["http"], "/v2/models/tiny-chat/generate",
+                        {"text_input": "hi", "max_tokens": 3, "guided_decoding_guide_type": "yaml"})
+    assert status >= 400 and "guided_decoding_guide_type" in text
+
+
 def test_bad_inputs_are_triton_errors_and_the_model_stays_up(triton):
     port = triton["http"]
     status, text = post(port, "/v2/models/tiny-chat/generate", {"max_tokens": 4})
