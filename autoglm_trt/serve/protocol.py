@@ -23,9 +23,13 @@ from ..runtime.request import TokenLogprob
 from ..runtime.sampling import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A request object whose unknown fields are refused (a 400 naming them), never dropped."""
+
     model_config = ConfigDict(extra="forbid")
 
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
@@ -46,11 +50,9 @@ NEUTRAL: dict[str, tuple] = {"echo": (False,), "functions": (None, []), "functio
            "suffix": (None, ""), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Strict):
     """The sampling fields of both endpoints. Every field a request carries is honoured or refused
     with a 400 that names it (``REFUSED``, or unknown); none is dropped."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -187,31 +189,23 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ImageURL(_Strict):
     url: str  # a data: URL (or file:// under the server's --allowed-local-media-path)
     # "auto" and "high" are what the server does: the model's processor resizes within max_pixels
     detail: Literal["auto", "high"] | None = None
 
 
-class ImagePart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ImagePart(_Strict):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     name: str | None = None  # passed to the chat template
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
@@ -238,31 +232,23 @@ class ChatMessage(BaseModel):
         return {**out, "content": [p.model_dump(exclude_none=True) for p in self.content]}
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionDef(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments (an object)
     strict: bool | None = None  # the arguments always follow the schema here
 
 
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ToolDef(_Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
