@@ -242,3 +242,21 @@ def test_images_survive_preemption_and_forks(tiny_dir, tmp_path):
     assert preempted > 0
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [c.token_ids for c in forked.choices] == [c.token_ids for c in single.choices]
+
+
+def test_an_int8_build_calibrates_with_images_and_answers_them(tiny_dir, tmp_path):
+    """``build --precision int8`` on GLM-4.1V: the calibration takes image windows (synthetic
+    screenshots: the shipped calibration folder holds text), the engine keeps the float encoder and
+    answers image prompts."""
+    import json
+
+    from conftest import build_tiny_engine
+
+    engine_dir = build_tiny_engine(tiny_dir, tmp_path / "int8", family="glm4v", precision="int8", max_seq_len=256,
+                                   kv_num_blocks=64)
+    record = json.loads((engine_dir / "calib.json").read_text())
+    assert record["data"]["image_windows"] == 4 and (engine_dir / "vision.onnx").is_file()
+    with Engine.load(engine_dir) as engine:
+        [res] = engine.generate([image_message("what is on the screen? ", random_image(120, 200, 3))],
+                                SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert len(res.token_ids) == 6 and res.prompt_tokens > 20
