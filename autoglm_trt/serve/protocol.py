@@ -384,6 +384,8 @@ def tool_calls(text: str, called: str) -> list[dict] | None:
         value = json.loads(text)
     except ValueError:
         return None
+    if not isinstance(value, dict):
+        return None
     name, arguments = (called, value) if called != "*" else (value.get("name"), value.get("arguments"))
     if not isinstance(name, str) or not isinstance(arguments, dict):
         return None
