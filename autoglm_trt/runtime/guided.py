@@ -36,7 +36,8 @@ class Guide:
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> Guide:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        """Properties are generated in the schema's order (a "thought" before an "answer" stays first)."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
     @classmethod
     def json_object(cls) -> Guide:
