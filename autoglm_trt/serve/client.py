@@ -91,6 +91,8 @@ def _stream(url: str, path: str, request: dict, max_tokens: int, api_key: str | 
                 res.done = True
                 break
             chunk = json.loads(data)
+            if chunk.get("error"):  # the request failed after its stream began
+                res.error = str(chunk["error"].get("message"))[:300]
             if chunk.get("usage"):
                 res.completion_tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):
