@@ -24,23 +24,15 @@ import sys
 import time
 from pathlib import Path
 
+from autoglm_trt.model.screens import ui_screenshot_png
+
 from .common import ROOT, machine
 
 TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=64, max_position_embeddings=16384, mrope_section=[4, 6, 6])
 VISION = dict(depth=4, hidden_size=256, intermediate_size=512, num_heads=4, image_size=336)
 PREPROCESSOR = {"size": {"shortest_edge": 56 * 56, "longest_edge": 5_000_000}}  # Open-AutoGLM's max_pixels
-SCREEN = (1080, 2400)
 IMAGE_TOKEN = 259  # the test checkpoints' <|image|> (tests/tiny_models.py GLM4V_TOKENS)
-
-
-def screenshot(seed: int) -> bytes:
-    """A synthetic UI-like 1080 x 2400 screenshot (``model.screens``), PNG-encoded as the agent sends it."""
-    from autoglm_trt.model.screens import ui_screenshot
-
-    buf = io.BytesIO()
-    ui_screenshot(seed, SCREEN).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def checkpoint(out: Path) -> Path:
@@ -55,7 +47,7 @@ def checkpoint(out: Path) -> Path:
 def trace(turns: int, system_tokens: int) -> tuple[str, list[tuple[bytes, str]]]:
     text = "".join(f.read_text() for f in sorted((ROOT / "calibration" / "data").glob("*.txt")))
     system = text[:system_tokens]  # the byte-level tokenizer: one token a byte
-    steps = [(screenshot(t), f"Step {t + 1}: {text[system_tokens + 97 * t: system_tokens + 97 * t + 60]}")
+    steps = [(ui_screenshot_png(t), f"Step {t + 1}: {text[system_tokens + 97 * t: system_tokens + 97 * t + 60]}")
              for t in range(turns)]
     return system, steps
 

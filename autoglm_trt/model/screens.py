@@ -32,13 +32,19 @@ def ui_screenshot(seed: int, size: tuple[int, int] = PHONE):
     return Image.fromarray(arr)
 
 
-def screenshot_message(seed: int, size: tuple[int, int], text: str) -> list[dict]:
-    """One user message: a synthetic screenshot of ``size`` as a PNG ``data:`` URL, then ``text``
-    (the phone agent's request shape)."""
-    import base64
+def ui_screenshot_png(seed: int, size: tuple[int, int] = PHONE) -> bytes:
+    """``ui_screenshot`` PNG-encoded, as the agent sends a screenshot."""
     import io
 
     buf = io.BytesIO()
     ui_screenshot(seed, size).save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
+
+
+def screenshot_message(seed: int, size: tuple[int, int], text: str) -> list[dict]:
+    """One user message: a synthetic screenshot of ``size`` as a PNG ``data:`` URL, then ``text``
+    (the phone agent's request shape)."""
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(ui_screenshot_png(seed, size)).decode()
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]

@@ -181,11 +181,12 @@ class Engine:
         pieces, streaming = stream is not False, stream is True
         if params.guide is not None:
             self.grammars.compile(params.guide)  # a malformed guide is refused before any work
-        if isinstance(prompt, PreparedPrompt):
+        check = lambda ids: self.limits.check(ids, params, pieces, streaming)  # noqa: E731
+        if isinstance(prompt, PreparedPrompt):  # prepared for one new token: checked for these params now
             made = prompt
+            check(made.ids)
         else:
-            made = self._prepared(prompt, lambda ids: self.limits.check(ids, params, pieces, streaming))
-        self.limits.check(made.ids, params, pieces, streaming)
+            made = self._prepared(prompt, check)
         seq = Sequence(made.ids, params, block_extras=made.block_extras, mrope=made.mrope, images=made.images)
         beam = params.beam_width > 1
         req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer and not beam else None, stream,
@@ -326,7 +327,7 @@ class Engine:
         if p.guide is not None:
             if seq.guided is None:
                 seq.guided = self.grammars.state(p.guide)
-            used = seq.guided.masked(used)
+            used = seq.guided.masked(used, in_place=p.adjusts_logits)  # adjust() made a copy already
         token = sample(used, p, seq.rng)
         reason = None
         if token in ends:

@@ -150,11 +150,12 @@ class GuidedState:
         self.matcher, self.lln = matcher, lln
         self.mask = lln.allocate_token_bitmask(1, vocab_size)
 
-    def masked(self, logits: np.ndarray) -> np.ndarray:
-        """A float32 copy of ``logits`` with every token the grammar cannot take next at -inf."""
+    def masked(self, logits: np.ndarray, in_place: bool = False) -> np.ndarray:
+        """``logits`` (a float32 copy, or themselves with ``in_place``) with every token the grammar
+        cannot take next at -inf."""
         self._check()
         self.lln.fill_next_token_bitmask(self.matcher, self.mask, 0)
-        out = np.array(logits, np.float32)
+        out = logits if in_place else np.array(logits, np.float32)
         self.lln.apply_token_bitmask_inplace(out[None], self.mask)
         return out
 
