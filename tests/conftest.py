@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,11 +140,17 @@ def slow_engine(tmp_path_factory):
                              max_batch_size=1, max_input_len=64, max_seq_len=2048, kv_num_blocks=300, kv_block_size=8)
 
 
+SANITIZED = "AUTOGLM_TRT_TEST_LIBRARY"  # a library the native tests use instead (test_fuzz_ops: the sanitizer build)
+
+
 @pytest.fixture(scope="session")
 def library():
-    """The installed native library's build for this machine (skips where there is none)."""
+    """The installed native library's build for this machine (skips where there is none), or
+    ``$AUTOGLM_TRT_TEST_LIBRARY``."""
     from autoglm_trt.native import library as native_library
 
+    if os.environ.get(SANITIZED):
+        return Path(os.environ[SANITIZED])
     path, why = native_library()
     if path is None:
         pytest.skip(f"no native library here: {why}")
@@ -212,6 +219,10 @@ def kernel_library(request):
     """The best installed build for this CPU, and where the CPU allows, the AVX2 and the generic
     (portable C kernels) builds, so each of the three is checked on a machine that has AVX-512."""
     name = request.param
+    if os.environ.get(SANITIZED):
+        if name != "native":
+            pytest.skip(f"{SANITIZED} is set: only that library is tested")
+        return Path(os.environ[SANITIZED])
     if name == "avx2" and not cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
     from autoglm_trt.native import int8_kernel

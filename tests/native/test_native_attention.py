@@ -95,6 +95,27 @@ def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t, int8_kv):
         assert not out[b, n:].any(), "padding rows must be zero"
 
 
+@pytest.mark.parametrize("nb,bs,ctx,table,why", [
+    (4, 0, [0], [[0]], "blocks of 0: each must be at least 1"),  # once a division by zero (SIGFPE)
+    (0, 4, [3], [[0]], "0 blocks of 4: each must be at least 1"),  # once a read out of the empty pool
+    (4, 4, [2**63 - 1], [[0]], r"context_lens\[0\] = 9223372036854775807 does not fit a block table"),  # overflow
+    (4, 4, [-5], [[0]], r"context_lens\[0\] = -5"),
+    (4, 4, [9], [[0, 1, 4]], r"block_tables\[0\]\[2\] = 4 is outside the pool of 4 blocks"),  # once block 0
+])
+def test_inputs_the_kernel_cannot_read_safely_fail_the_run_with_the_reason(library, nb, bs, ctx, table, why):
+    """A crafted graph's pool geometry, lengths or block numbers: an ONNX Runtime error naming the
+    operator and what does not fit, instead of a crash, a read outside the pools or silent zeros."""
+    hq = hkv = 1
+    d = 8
+    sess = op_session(library, hq, hkv, d, nb, bs)
+    feeds = {"q": np.ones((1, 1, hq, d), np.float32), "k": np.ones((1, 1, hkv, d), np.float32),
+             "v": np.ones((1, 1, hkv, d), np.float32), "pk": np.zeros((hkv, nb, bs, d), np.float32),
+             "pv": np.zeros((hkv, nb, bs, d), np.float32), "bt": np.array(table, np.int64),
+             "ctx": np.array(ctx, np.int64), "ql": np.ones(1, np.int64)}
+    with pytest.raises(Exception, match=f"PagedAttention: .*{why}"):
+        sess.run(["out"], feeds)
+
+
 def _runner(engine_dir, monkeypatch, native: bool):
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner

@@ -23,7 +23,7 @@
  * FloatLinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (N a
  * multiple of 32); FloatLinearSiluMul: one output, [..., N / 2], SiLU(first half) * second half as
  * ONNX Runtime's QuickGelu and Mul compute it (``vec.h``). Shapes that do not fit together (the
- * rewrite never makes them) give zeros. FloatLinearSkipNorm: inputs 2-4 (skip [..., N], gamma [N],
+ * rewrite never makes them) fail the run with the reason. FloatLinearSkipNorm: inputs 2-4 (skip [..., N], gamma [N],
  * epsilon scalar) and outputs (normalized, sum), both [..., N]: the linear's output plus skip,
  * and its RMSNorm, as ONNX Runtime's SkipSimplifiedLayerNormalization computes them
  * (``skip_norm.h``).
@@ -201,18 +201,24 @@ static void gated_pair(void *data, size_t i) {
   }
 }
 
-static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
+static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
   LinearCall call;
   int64_t wd[3];
   void *w;
-  if (linear_input(ctx, mode, &call) || fixed_input(ctx, constants, 1, &w, wd, 3)) return;
+  const char *why = linear_input(ctx, mode, &call);
+  if (why != NULL) return why;
+  if (fixed_input(ctx, constants, 1, &w, wd, 3)) return "the weights (input 1) are missing or not of rank 3";
   const int64_t k = call.k, rows = call.rows;
-  if (linear_begin(ctx, constants, &call, 16 * wd[0], 2, wd[1] == k && wd[2] == 16 && k >= 1)) return;
+  const char *weights = wd[1] == k && wd[2] == 16 && k >= 1 ? NULL
+                        : reason("weights [%lld, %lld, %lld] do not fit inputs of %lld features (want [N / 16, K, 16])",
+                                 (long long)wd[0], (long long)wd[1], (long long)wd[2], (long long)k);
+  if ((why = linear_begin(ctx, constants, &call, weights == NULL ? 16 * wd[0] : 0, 2, weights)) != NULL) return why == linear_done ? NULL : why;
   const int64_t chunk = chunk_rows(rows), chunks = (rows + chunk - 1) / chunk;
   const int64_t items = mode == GATED ? wd[0] / 2 : (wd[0] + 1) / 2; /* gate tiles, or tile pairs */
   Job job = {call.x, rows, k, call.n, w, call.y, call.y2, chunk, items};
   parallel_for(ctx, mode == GATED ? gated_pair : tile_pair, (size_t)(items * chunks), 2, &job);
   linear_end(ctx, &call, 2);
+  return NULL;
 }
 
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }

@@ -38,36 +38,36 @@ static void rotate_row(void *data, size_t i) {
   rotate_quantize(r->x + (int64_t)i * r->n, r->y + (int64_t)i * r->n, r->n, r->b, r->factor, r->zero);
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) {
-  (void)kernel;
+static const char *run(OrtKernelContext *ctx) {
   size_t rank = 0;
   int64_t dims[MAX_DIMS], hd[2], none[1];
   void *x, *h, *scale, *zero;
   if (input_of_rank(ctx, 0, &x, dims, MAX_DIMS, &rank) || rank < 1 || input(ctx, 1, &h, hd, 2) ||
       input(ctx, 2, &scale, none, 0) || input(ctx, 3, &zero, none, 0))
-    return;
+    return "an input is missing or has the wrong rank (x [..., n], hadamard [b, b], scalar scale and zero)";
+  const int64_t n = dims[rank - 1], b = hd[0];
+  const float s = *(const float *)scale;
+  if (n < 1 || !valid_block(b, n) || hd[1] != b) /* rows of nothing could be 2^40 rows */
+    return reason("a Hadamard block of %lld x %lld for rows of %lld: it must be square, a power of two up to %d "
+                  "and divide the rows", (long long)hd[0], (long long)hd[1], (long long)n, MAX_BLOCK);
+  if (!(s > 0.0f)) return "the scale must be positive";
   OrtValue *out_value = NULL;
   uint8_t *y = NULL;
   if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, dims, rank, &out_value)) ||
       failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&y)))
-    return;
+    return "could not allocate the output";
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-  const int64_t n = dims[rank - 1], b = hd[0];
-  const float s = *(const float *)scale;
-  /* a size the graph never makes (the rewrite uses this only on its hadamard_<b> blocks): zeros */
-  if (!valid_block(b, n) || hd[1] != b || !(s > 0.0f)) {
-    memset(y, 0, (size_t)(rows * n));
-    return;
-  }
   Rows job = {x, y, n, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero};
   parallel_for(ctx, rotate_row, (size_t)rows, 16, &job);
+  return NULL;
 }
 
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return op_status("HadamardQuantize", run(ctx)); }
 static const char *op_name(const CustomOp *op) { (void)op; return "HadamardQuantize"; }
 static int input_type(const CustomOp *op, size_t i) { (void)op; return i == 3 ? ELEM_UINT8 : ELEM_FLOAT; }
 static size_t input_count(const CustomOp *op) { (void)op; return 4; }
 static int uint8_output(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_UINT8; }
 
-const CustomOp hadamard_quantize = {8,            stateless_kernel, op_name, cpu_provider, input_type, input_count,
-                                    uint8_output, one_output,       compute, destroy_kernel, required, required};
+const CustomOp hadamard_quantize = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name, input_type, input_count,
+                                             uint8_output, one_output, required, compute);

@@ -24,7 +24,8 @@
  *   6 weight_scale  float32 [N]
  * Output:
  *   0 y             float32 [..., N]        (sum_k (xq[k] - zero) W[k, n]) * (act_scale * weight_scale[n])
- * Shapes that do not fit together (the rewrite, passes/linears.py, never makes them) give zeros.
+ * Shapes that do not fit together (the rewrite, passes/linears.py, never makes them) fail the run
+ * with the reason.
  *
  * Int8LinearSplit: the same, with y's two halves as outputs of their own, [..., N / 2] each (a
  * fused gate/up projection and the Split that follows it; N a multiple of 32, so no tile of 16
@@ -173,9 +174,10 @@ static void dequantize(const Job *j, const int32_t *sums, int rows, int64_t firs
     return;
   }
 #endif
-  for (int i = 0; i < rows; i++)
+  for (int i = 0; i < rows; i++) /* the difference wraps, as the vector instructions' does */
     for (int64_t c = 0; c < count; c++)
-      y[i * stride + c] = (float)(sums[16 * i + c] - zero * j->col_sums[first + c]) * (j->a_scale * j->w_scale[first + c]);
+      y[i * stride + c] = (float)(int32_t)((uint32_t)sums[16 * i + c] - (uint32_t)zero * (uint32_t)j->col_sums[first + c]) *
+                          (j->a_scale * j->w_scale[first + c]);
 }
 
 /* the quantized inputs of rows r.. (at most ROWS, below r1; past ``rows`` they repeat row r) */
@@ -263,25 +265,35 @@ static void tile_run(void *data, size_t i) {
   for (int64_t t = run * r->per; t < end; t++) r->tile(r->job, t, r0, r1);
 }
 
-static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
+static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
   LinearCall call;
   int64_t hd[2], none[1], wd[4], cd[1], sd[1];
   void *h, *scale, *zero, *w, *col_sums, *w_scale;
-  if (linear_input(ctx, mode, &call) || fixed_input(ctx, constants, 1, &h, hd, 2) ||
-      fixed_input(ctx, constants, 2, &scale, none, 0) || fixed_input(ctx, constants, 3, &zero, none, 0) ||
-      fixed_input(ctx, constants, 4, &w, wd, 4) || fixed_input(ctx, constants, 5, &col_sums, cd, 1) ||
-      fixed_input(ctx, constants, 6, &w_scale, sd, 1))
-    return;
-  const int64_t k = call.k, rows = call.rows, n = sd[0], b = hd[0], kp = 4 * wd[1];
+  const char *why = linear_input(ctx, mode, &call);
+  if (why != NULL) return why;
+  if (fixed_input(ctx, constants, 1, &h, hd, 2) || fixed_input(ctx, constants, 2, &scale, none, 0) ||
+      fixed_input(ctx, constants, 3, &zero, none, 0) || fixed_input(ctx, constants, 4, &w, wd, 4) ||
+      fixed_input(ctx, constants, 5, &col_sums, cd, 1) || fixed_input(ctx, constants, 6, &w_scale, sd, 1))
+    return "an input is missing or has the wrong rank (hadamard [b, b], scalar scale and zero, weight "
+           "[N16, K4, 16, 4], col_sums [16 N16], weight_scale [N])";
+  const int64_t k = call.k, rows = call.rows, n = sd[0], b = hd[0];
+  const int packed = wd[0] >= 1 && wd[1] >= 1 && wd[2] == 16 && wd[3] == 4; /* then its sizes are bounded */
+  const int64_t kp = packed ? 4 * wd[1] : 0;
   const float s = *(const float *)scale;
-  const int fits = valid_block(b, k) && hd[1] == b && s > 0.0f && wd[2] == 16 && wd[3] == 4 && kp >= k &&
-                   kp - k < 4 && n <= 16 * wd[0] && n > 16 * (wd[0] - 1) && cd[0] == 16 * wd[0];
-  if (linear_begin(ctx, constants, &call, n, 7, fits)) return;
+  const char *weights =
+      k < 1 || !valid_block(b, k) || hd[1] != b
+          ? reason("a Hadamard block of %lld x %lld does not fit inputs of %lld features", (long long)hd[0],
+                   (long long)hd[1], (long long)k)
+      : !(s > 0.0f) ? "the activation scale must be positive"
+      : !packed || kp < k || kp - k >= 4 || n > 16 * wd[0] || n <= 16 * (wd[0] - 1) || cd[0] != 16 * wd[0]
+          ? reason("weight [%lld, %lld, %lld, %lld], col_sums [%lld] and weight_scale [%lld] do not fit inputs of "
+                   "%lld features (want [ceil(N / 16), ceil(K / 4), 16, 4], [16 ceil(N / 16)] and [N])",
+                   (long long)wd[0], (long long)wd[1], (long long)wd[2], (long long)wd[3], (long long)cd[0],
+                   (long long)n, (long long)k)
+          : NULL;
+  if ((why = linear_begin(ctx, constants, &call, n, 7, weights)) != NULL) return why == linear_done ? NULL : why;
   uint8_t *xq = malloc((size_t)(rows * kp));
-  if (xq == NULL) {
-    linear_zero(&call);
-    return;
-  }
+  if (xq == NULL) return "out of memory for the quantized inputs";
   Job job = {call.x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
              w, col_sums, w_scale, s, n, call.y, call.y2};
   parallel_for(ctx, quantize_row, (size_t)rows, 4, &job);
@@ -293,6 +305,7 @@ static void run_linear(OrtKernelContext *ctx, const Constants *constants, int mo
   parallel_for(ctx, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
   linear_end(ctx, &call, 4);
   free(xq);
+  return NULL;
 }
 
 static int input_type(const CustomOp *op, size_t i) {

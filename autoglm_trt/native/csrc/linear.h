@@ -33,47 +33,41 @@ typedef struct {
   NormJob norm;
 } LinearCall;
 
-/* input 0 into ``call``: 1 when it cannot be read */
-static inline int linear_input(OrtKernelContext *ctx, int mode, LinearCall *call) {
+/* input 0 into ``call``: NULL, or why it cannot be read */
+static inline const char *linear_input(OrtKernelContext *ctx, int mode, LinearCall *call) {
   void *x;
   memset(call, 0, sizeof *call);
   call->mode = mode;
-  if (input_of_rank(ctx, 0, &x, call->dims, MAX_DIMS, &call->rank) || call->rank < 1) return 1;
+  if (input_of_rank(ctx, 0, &x, call->dims, MAX_DIMS, &call->rank) || call->rank < 1)
+    return "input 0 is missing or has no dimensions (want [..., K])";
   call->x = x;
   call->k = call->dims[call->rank - 1];
-  call->rows = 1;
-  for (size_t i = 0; i + 1 < call->rank; i++) call->rows *= call->dims[i];
-  return 0;
+  if (product_over(call->dims, call->rank - 1, INT64_MAX, &call->rows)) return "input 0 has too many rows";
+  return NULL;
 }
 
-/* the outputs' values, each (rows x its last dimension) */
-static inline int64_t linear_values(const LinearCall *call) { return call->rows * call->dims[call->rank - 1]; }
+static const char linear_done[] = "no rows"; /* linear_begin's answer when there is nothing to compute */
 
-/* zeros in every output (a shape the rewrite never makes) */
-static inline void linear_zero(const LinearCall *call) {
-  const int outputs = call->mode == SPLIT || call->mode == NORM ? 2 : 1;
-  for (int o = 0; o < outputs; o++) memset(call->out[o], 0, (size_t)linear_values(call) * sizeof(float));
-}
-
-/* The outputs of a linear of ``n`` columns, and for NORM its inputs from ``norm_first``; ``fits``
- * is the kernel's verdict on its weights. 1: nothing to compute (an output could not be made, or
- * the outputs were zeroed because a shape does not fit, or there are no rows). */
-static inline int linear_begin(OrtKernelContext *ctx, const Constants *constants, LinearCall *call, int64_t n,
-                               size_t norm_first, int fits) {
+/* The outputs of a linear of ``n`` columns, and for NORM its inputs from ``norm_first``, once
+ * ``weights``, the kernel's verdict on its weights, is NULL (they fit): NULL when the kernel has
+ * work to do, ``linear_done`` when there are no rows, else why the run fails. */
+static inline const char *linear_begin(OrtKernelContext *ctx, const Constants *constants, LinearCall *call, int64_t n,
+                                       size_t norm_first, const char *weights) {
   const int halves = call->mode == SPLIT || call->mode == GATED;
   const int outputs = call->mode == SPLIT || call->mode == NORM ? 2 : 1;
+  if (weights != NULL) return weights;
+  if (halves && n % 32) /* halves that would split a tile of 16 columns */
+    return reason("%lld output columns do not split into two halves of whole 16-column tiles", (long long)n);
   call->n = n;
   call->dims[call->rank - 1] = halves ? n / 2 : n;
-  if (float_outputs(ctx, outputs, call->dims, call->rank, call->out)) return 1;
+  if (float_outputs(ctx, outputs, call->dims, call->rank, call->out)) return "could not allocate the outputs";
   call->y = call->mode == NORM ? call->out[1] : call->out[0]; /* NORM: the linear's output is the sum (output 1) */
   call->y2 = call->mode == SPLIT ? call->out[1] : NULL;
   call->norm = (NormJob){call->y, NULL, NULL, 0.0f, n, call->out[0]};
-  if (!fits || (halves && n % 32) || /* halves that would split a tile of 16 columns */
-      (call->mode == NORM && norm_inputs(ctx, constants, norm_first, call->rows, n, &call->norm))) {
-    linear_zero(call);
-    return 1;
-  }
-  return call->rows == 0;
+  if (call->mode == NORM && norm_inputs(ctx, constants, norm_first, call->rows, n, &call->norm))
+    return reason("the skip input must hold [rows %lld, %lld] values, gamma [%lld] and epsilon a scalar",
+                  (long long)call->rows, (long long)n, (long long)n);
+  return call->rows == 0 ? linear_done : NULL;
 }
 
 /* after the linear's columns: the NORM form's residual + RMSNorm, row by row */

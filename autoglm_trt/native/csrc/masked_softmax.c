@@ -11,7 +11,7 @@
  * (upper 8 + lower 8, two horizontal adds, the two halves); then each exp times 1 / sum. So the
  * outputs equal the graph's bit for bit (``tests/test_masked_softmax.py`` checks it against
  * ONNX Runtime's own nodes); the rewrite (``passes/prefill_scores.py``) uses it only where the library
- * is built for AVX-512F, as MLAS then is. Other builds give zeros (never used).
+ * is built for AVX-512F, as MLAS then is. Other builds fail the run (the rewrite never uses them).
  *
  * Inputs:
  *   0 past   float32 [H, B, G, T, P]       scores over the past keys
@@ -35,6 +35,7 @@ typedef struct {
   float *out_past, *out_new;
   int64_t rows, b_count, t_count, p, n; /* rows = H * B * G * T */
   int64_t group;                        /* G * T: rows of one (head, batch) pair */
+  int failed;                           /* a work item found no memory for its row */
 } Job;
 
 #if defined(__AVX512F__)
@@ -46,15 +47,18 @@ static void rows_item(void *data, size_t item) {
   const int64_t width = j->p + j->n, first = (int64_t)item * ROWS_PER_ITEM;
   const int64_t last = first + ROWS_PER_ITEM < j->rows ? first + ROWS_PER_ITEM : j->rows;
   float *row = thread_scratch((size_t)width * sizeof(float));
-  if (row == NULL) return; /* the outputs keep the zeros they were given */
+  if (row == NULL) { /* the run fails */
+    __atomic_store_n(&((Job *)data)->failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
   for (int64_t r = first; r < last; r++) {
     const int64_t b = r / j->group % j->b_count, t = r % j->t_count; /* r = ((h B + b) G + g) T + t */
     const float *bias = j->bias + (b * j->t_count + t) * width;
     for (int64_t i = 0; i < j->p; i++) row[i] = j->past[r * j->p + i] + bias[i];
     for (int64_t i = 0; i < j->n; i++) row[j->p + i] = j->fresh[r * j->n + i] + bias[j->p + i];
     mlas_softmax(row, width);
-    memcpy(j->out_past + r * j->p, row, (size_t)j->p * sizeof(float));
-    memcpy(j->out_new + r * j->n, row + j->p, (size_t)j->n * sizeof(float));
+    if (j->p) memcpy(j->out_past + r * j->p, row, (size_t)j->p * sizeof(float)); /* an empty output has no data */
+    if (j->n) memcpy(j->out_new + r * j->n, row + j->p, (size_t)j->n * sizeof(float));
   }
 }
 #else
@@ -62,34 +66,38 @@ const int masked_softmax_exact = 0;
 static void rows_item(void *data, size_t item) { (void)data, (void)item; }
 #endif
 
-static void compute(void *kernel, OrtKernelContext *ctx) {
-  (void)kernel;
+static const char *run(OrtKernelContext *ctx) {
   int64_t pd[5], nd[5], bd[5];
   void *past, *fresh, *bias;
-  if (input(ctx, 0, &past, pd, 5) || input(ctx, 1, &fresh, nd, 5) || input(ctx, 2, &bias, bd, 5)) return;
+  if (input(ctx, 0, &past, pd, 5) || input(ctx, 1, &fresh, nd, 5) || input(ctx, 2, &bias, bd, 5))
+    return "an input is missing or not of rank 5 (past, new and bias scores)";
+  if (!masked_softmax_exact) return "this build of the native library has no MaskedSoftmax (it needs AVX-512F)";
+  if (memcmp(pd, nd, 4 * sizeof(int64_t)) || bd[0] != 1 || bd[1] != pd[1] || bd[2] != 1 || bd[3] != pd[3] ||
+      bd[4] != pd[4] + nd[4] || pd[4] + nd[4] < 1)
+    return reason("scores [%lld, %lld, %lld, %lld, %lld] and [.., %lld] do not fit a bias of [%lld, %lld, %lld, %lld, "
+                  "%lld]", (long long)pd[0], (long long)pd[1], (long long)pd[2], (long long)pd[3], (long long)pd[4],
+                  (long long)nd[4], (long long)bd[0], (long long)bd[1], (long long)bd[2], (long long)bd[3],
+                  (long long)bd[4]);
   float *out[2];
   for (int o = 0; o < 2; o++) {
     OrtValue *value = NULL;
     if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, (size_t)o, o ? nd : pd, 5, &value)) ||
         failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(value, (void **)&out[o])))
-      return;
+      return "could not allocate the outputs";
   }
   const int64_t rows = pd[0] * pd[1] * pd[2] * pd[3];
-  memset(out[0], 0, (size_t)(rows * pd[4]) * sizeof(float));
-  memset(out[1], 0, (size_t)(rows * nd[4]) * sizeof(float));
-  /* shapes that do not fit together (the rewrite never makes them) leave the zeros */
-  if (memcmp(pd, nd, 4 * sizeof(int64_t)) || bd[0] != 1 || bd[1] != pd[1] || bd[2] != 1 || bd[3] != pd[3] ||
-      bd[4] != pd[4] + nd[4] || pd[4] + nd[4] < 1 || rows == 0)
-    return;
-  Job job = {past, fresh, bias, out[0], out[1], rows, pd[1], pd[3], pd[4], nd[4], pd[2] * pd[3]};
+  if (rows == 0) return NULL;
+  Job job = {past, fresh, bias, out[0], out[1], rows, pd[1], pd[3], pd[4], nd[4], pd[2] * pd[3], 0};
   const size_t items = (size_t)((rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
   parallel_for(ctx, rows_item, items, 2, &job);
+  return job.failed ? "out of memory for a row of scores" : NULL;
 }
 
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return op_status("MaskedSoftmax", run(ctx)); }
 static const char *op_name(const CustomOp *op) { (void)op; return "MaskedSoftmax"; }
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
 static size_t three_inputs(const CustomOp *op) { (void)op; return 3; }
 static size_t two_outputs(const CustomOp *op) { (void)op; return 2; }
 
-const CustomOp masked_softmax = {8,            stateless_kernel, op_name, cpu_provider, input_type, three_inputs,
-                                 float_output, two_outputs,      compute, destroy_kernel, required, required};
+const CustomOp masked_softmax = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name, input_type, three_inputs,
+                                          float_output, two_outputs, required, compute);

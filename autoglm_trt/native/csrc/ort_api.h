@@ -4,7 +4,9 @@
  * neither the PyPI wheels nor Debian 12), so the library declares the little it needs: the
  * positions of the functions it calls in the ``OrtApi`` table (those of ONNX Runtime's
  * ``onnxruntime_c_api.h``; the table only ever grows at its end, so a position never changes),
- * and version 8 of the custom operator struct, which every later ONNX Runtime accepts.
+ * and version 16 of the custom operator struct (ONNX Runtime 1.16 and later), the first whose
+ * compute function returns a status: an operator given inputs it cannot read safely (a crafted
+ * engine directory's graph, say) fails the run with a one-line reason instead of computing.
  * The library is built at install time (``setup.py``), one build per instruction set.
  */
 #ifndef AUTOGLM_ORT_API_H
@@ -22,10 +24,12 @@ typedef struct OrtCustomOpDomain OrtCustomOpDomain;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
 
 enum { OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic: an input that may be absent */
+enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 }; /* OrtErrorCode */
 enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT8 = 3, ELEM_INT32 = 6, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
 
 /* positions in ONNX Runtime's OrtApi function table */
 enum {
+  API_CREATE_STATUS = 0,
   API_CREATE_CUSTOM_OP_DOMAIN = 26,
   API_CUSTOM_OP_DOMAIN_ADD = 27,
   API_ADD_CUSTOM_OP_DOMAIN = 28,
@@ -47,7 +51,8 @@ typedef struct {
   const char *(*GetVersionString)(void);
 } ApiBase;
 
-/* version 8 of OrtCustomOp: ONNX Runtime reads no field past GetOutputCharacteristic for it */
+/* version 16 of OrtCustomOp: ONNX Runtime reads no field past KernelComputeV2 for it, and calls
+ * KernelComputeV2 (KernelCompute stays NULL) and CreateKernel (CreateKernelV2 stays NULL) */
 typedef struct CustomOp {
   uint32_t version;
   void *(*CreateKernel)(const struct CustomOp *op, const void *api, const OrtKernelInfo *info);
@@ -61,11 +66,17 @@ typedef struct CustomOp {
   void (*KernelDestroy)(void *kernel);
   int (*GetInputCharacteristic)(const struct CustomOp *op, size_t index);
   int (*GetOutputCharacteristic)(const struct CustomOp *op, size_t index);
+  int (*GetInputMemoryType)(const struct CustomOp *op, size_t index); /* OrtMemTypeDefault (0): CPU memory */
+  int (*GetVariadicInputMinArity)(const struct CustomOp *op);         /* for variadic inputs: none here */
+  int (*GetVariadicInputHomogeneity)(const struct CustomOp *op);
+  int (*GetVariadicOutputMinArity)(const struct CustomOp *op);
+  int (*GetVariadicOutputHomogeneity)(const struct CustomOp *op);
+  OrtStatus *(*CreateKernelV2)(const struct CustomOp *op, const void *api, const OrtKernelInfo *info, void **kernel);
+  OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *context);
 } CustomOp;
 
-/* set by RegisterCustomOps (register.c) */
+/* set by RegisterCustomOps (register.c): version 18 of the table */
 extern const void *const *api;
-extern int has_parallel_for; /* the table is of version 18 or later: ONNX Runtime's threads run the work */
 
 #define API(index, type) ((type)api[index])
 typedef OrtStatus *(*InputCountFn)(const OrtKernelContext *, size_t *);
@@ -81,6 +92,7 @@ typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
 typedef OrtStatus *(*DomainAddFn)(OrtCustomOpDomain *, const CustomOp *);
 typedef OrtStatus *(*AddDomainFn)(OrtSessionOptions *, OrtCustomOpDomain *);
 typedef OrtStatus *(*ConstantInputFn)(const OrtKernelInfo *, size_t, int *, const OrtValue **);
+typedef OrtStatus *(*CreateStatusFn)(int, const char *);
 typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
 
 /* 1 when the call failed (its status is released) */
@@ -88,6 +100,21 @@ static inline int failed(OrtStatus *status) {
   if (status == NULL) return 0;
   API(API_RELEASE_STATUS, ReleaseStatusFn)(status);
   return 1;
+}
+
+/* "<op>: <why>" as an ONNX Runtime error status (INVALID_ARGUMENT), or NULL when ``why`` is NULL:
+ * what an operator's compute function returns (``register.c``) */
+OrtStatus *op_status(const char *op, const char *why);
+/* a reason with numbers in it, formatted into a buffer of the calling thread (valid until its next call) */
+const char *reason(const char *format, ...) __attribute__((format(printf, 1, 2)));
+
+/* *out = the product of ``count`` sizes; 1 when one is negative or the product passes ``limit`` */
+static inline int product_over(const int64_t *sizes, size_t count, int64_t limit, int64_t *out) {
+  int64_t p = 1;
+  for (size_t i = 0; i < count; i++)
+    if (sizes[i] < 0 || __builtin_mul_overflow(p, sizes[i], &p) || p > limit) return 1;
+  *out = p;
+  return 0;
 }
 
 /* an input's data, its shape (at most ``most`` dims) and its rank; 1 on failure */
@@ -143,6 +170,21 @@ static inline int float_outputs(OrtKernelContext *ctx, int count, const int64_t 
   return 0;
 }
 
+/* the callbacks every operator here shares */
+int default_memory(const CustomOp *op, size_t index);
+int no_variadic(const CustomOp *op);
+
+/* an operator's struct: its kernel's creation and release, name, input types and count, output
+ * types and count, the inputs' characteristics, and its compute function */
+#define CUSTOM_OP(create, destroy, name, in_types, in_count, out_types, out_count, in_kinds, compute)            \
+  {.version = 16, .CreateKernel = create, .GetName = name, .GetExecutionProviderType = cpu_provider,           \
+   .GetInputType = in_types, .GetInputTypeCount = in_count, .GetOutputType = out_types,                        \
+   .GetOutputTypeCount = out_count, .KernelCompute = NULL, .KernelDestroy = destroy,                            \
+   .GetInputCharacteristic = in_kinds, .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, \
+   .GetVariadicInputMinArity = no_variadic, .GetVariadicInputHomogeneity = no_variadic,                        \
+   .GetVariadicOutputMinArity = no_variadic, .GetVariadicOutputHomogeneity = no_variadic, .CreateKernelV2 = NULL, \
+   .KernelComputeV2 = compute}
+
 /* the trivial callbacks every operator here shares */
 void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info);
 const char *cpu_provider(const CustomOp *op);
@@ -156,18 +198,18 @@ void *constants_kernel(const CustomOp *op, const void *ort_api, const OrtKernelI
 void release_constants(void *kernel);
 
 /* one operator of the linear family (float outputs, a ``Constants`` kernel): its variable, name,
- * input types, input and output counts, and the call that computes it (``ctx`` is the kernel
- * context, ``constants`` the kernel) */
+ * input types, input and output counts, and the call that computes it, which gives NULL or why it
+ * could not (``ctx`` is the kernel context, ``constants`` the kernel) */
 #define LINEAR_OP(var, name, types, inputs, outputs, call)                                                      \
   static const char *var##_name(const CustomOp *op) { (void)op; return name; }                                  \
   static size_t var##_inputs(const CustomOp *op) { (void)op; return inputs; }                                   \
   static size_t var##_outputs(const CustomOp *op) { (void)op; return outputs; }                                 \
-  static void var##_compute(void *kernel, OrtKernelContext *ctx) {                                              \
+  static OrtStatus *var##_compute(void *kernel, OrtKernelContext *ctx) {                                        \
     const Constants *constants = kernel;                                                                        \
-    call;                                                                                                       \
+    return op_status(name, call);                                                                               \
   }                                                                                                             \
-  const CustomOp var = {8,           constants_kernel, var##_name,    cpu_provider,      types,    var##_inputs, \
-                        float_output, var##_outputs,   var##_compute, release_constants, required, required};
+  const CustomOp var = CUSTOM_OP(constants_kernel, release_constants, var##_name, types, var##_inputs,           \
+                                 float_output, var##_outputs, required, var##_compute);
 
 extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, int8_linear, int8_linear_split,
     rope_qkv, float_linear, float_linear_split, int8_linear_silu_mul, float_linear_silu_mul,

@@ -245,13 +245,13 @@ static void block_scores_i8(const float *const *qr, int64_t rows, const int8_t *
 #define DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, ROWS, CHUNKS)                                             \
   static void values_##SUFFIX##_##ROWS##x##CHUNKS(float *const *orow, const float *scores, int64_t width,  \
                                                    const void *pool_v, float v_scale, const int64_t *table, \
-                                                   int64_t ctx, int64_t NB, int64_t BS) {                  \
+                                                   int64_t ctx, int64_t BS) {                              \
     (void)v_scale; /* float32 pools have none */                                                           \
     __m512 acc[ROWS][CHUNKS];                                                                              \
     for (int r = 0; r < ROWS; r++)                                                                         \
       for (int c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_loadu_ps(orow[r] + 16 * c);                      \
     for (int64_t m = 0; m * BS < ctx; m++) {                                                               \
-      const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;                                 \
+      const int64_t block = table[m];                                                                      \
       const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;                                             \
       for (int64_t s = 0; s < n; s++) {                                                                    \
         const T *v = (const T *)pool_v + (block * BS + s) * (CHUNKS * 16);                                 \
@@ -282,12 +282,11 @@ DEFINE_VALUES_OF(f32, float, LOAD_F32, AS_IS)
 DEFINE_VALUES_OF(i8, int8_t, LOAD_I8, SCALED)
 
 typedef void (*ValuesFn)(float *const *, const float *, int64_t, const void *, float, const int64_t *, int64_t,
-                         int64_t, int64_t);
+                         int64_t);
 
 /* the values pass of every row, in groups; head_dim D is 64 or 128 */
 static void values_pass(float *const *orow, int64_t rows, const float *scores, int64_t width, const void *pool_v,
-                        int int8, float v_scale, const int64_t *table, int64_t ctx, int64_t NB, int64_t BS,
-                        int64_t D) {
+                        int int8, float v_scale, const int64_t *table, int64_t ctx, int64_t BS, int64_t D) {
   static const ValuesFn f32_d64[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4, values_f32_4x4},
                         f32_d128[] = {values_f32_1x8, values_f32_2x8},
                         i8_d64[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4, values_i8_4x4},
@@ -296,7 +295,7 @@ static void values_pass(float *const *orow, int64_t rows, const float *scores, i
   const int64_t most = D == 64 ? 4 : 2;
   for (int64_t r = 0; r < rows; r += most) {
     const int64_t g = rows - r < most ? rows - r : most;
-    fns[g - 1](orow + r, scores + r * width, width, pool_v, v_scale, table, ctx, NB, BS);
+    fns[g - 1](orow + r, scores + r * width, width, pool_v, v_scale, table, ctx, BS);
   }
 }
 #endif
@@ -306,8 +305,8 @@ static void values_pass(float *const *orow, int64_t rows, const float *scores, i
  * The pools hold float32, or int8 with this head's scales k_scale and v_scale. */
 static void attend(const float *const *qr, float *const *orow, int64_t rows, int64_t G, const float *k_new,
                    const float *v_new, int64_t new_stride, const void *pool_k, const void *pool_v, int int8,
-                   float k_scale, float v_scale, const int64_t *table, int64_t ctx, int64_t qlen, int64_t NB,
-                   int64_t BS, int64_t D, float *scores) {
+                   float k_scale, float v_scale, const int64_t *table, int64_t ctx, int64_t qlen, int64_t BS,
+                   int64_t D, float *scores) {
   const int64_t width = ctx + qlen;
 #ifdef TURNED
   const int turned = D == 64 || D == 128;
@@ -315,7 +314,7 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
   const int turned = 0;
 #endif
   for (int64_t m = 0; m * BS < ctx; m++) {
-    const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0; /* never read outside the pool */
+    const int64_t block = table[m]; /* inside the pool: check_sequences */
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
 #ifdef TURNED
     if (turned) {
@@ -341,10 +340,10 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
     key_scores_f32(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
   for (int64_t r = 0; r < rows; r++) vec_softmax(scores + r * width, ctx + r / G + 1);
 #ifdef TURNED
-  if (turned) values_pass(orow, rows, scores, width, pool_v, int8, v_scale, table, ctx, NB, BS, D);
+  if (turned) values_pass(orow, rows, scores, width, pool_v, int8, v_scale, table, ctx, BS, D);
 #endif
   for (int64_t m = 0; !turned && m * BS < ctx; m++) {
-    const int64_t block = table[m] >= 0 && table[m] < NB ? table[m] : 0;
+    const int64_t block = table[m];
     const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
     for (int64_t s = 0; s < n; s++) {
       const int64_t at = (block * BS + s) * D, p = m * BS + s;
@@ -369,6 +368,7 @@ typedef struct {
   const float *k_scales, *v_scales; /* per KV head, for int8 pools; NULL for float32 pools */
   const int64_t *slots;          /* each sequence's slot for its new K/V, or NULL: none stored */
   const void *k_store, *v_store; /* the new K/V to store, [B, 1, Hkv, D] of the pools' type */
+  int failed;                    /* a work item found no memory for its scratch */
 } Job;
 
 /* sequence b's new K and V of KV head h into its slot, if that is inside the pools */
@@ -381,19 +381,28 @@ static void store(const Job *j, int64_t b, int64_t h) {
   memcpy((char *)j->pool_v + to, (const char *)j->v_store + from, (size_t)D * size);
 }
 
+/* the bytes of a work item's scratch: the scores [n G, c + n], then the query and output row
+ * pointers; ``check_inputs`` has bounded them */
+static size_t scratch_bytes(int64_t n, int64_t G, int64_t c) {
+  const size_t score_bytes = ((size_t)(n * G * (c + n)) * sizeof(float) + 63) / 64 * 64;
+  return score_bytes + 2 * (size_t)(n * G) * sizeof(float *);
+}
+
 /* work item i: sequence i / Hkv, KV head i % Hkv (each with scratch of its own) */
 static void run_item(void *data, size_t i) {
-  const Job *j = data;
+  Job *j = data;
   const int64_t b = (int64_t)i / j->Hkv, h = (int64_t)i % j->Hkv, G = j->Hq / j->Hkv, T = j->T, D = j->D;
   const int64_t c = j->ctx_lens[b], n = j->q_lens[b];
-  if (c < 0 || n < 1 || n > T || (c + j->BS - 1) / j->BS > j->MB) return; /* padding, or a table too short */
-  /* scratch: the scores [n G, c + n], then the query and output row pointers */
-  const size_t score_bytes = ((size_t)(n * G * (c + n)) * sizeof(float) + 63) / 64 * 64;
-  char *scratch = thread_scratch(score_bytes + 2 * (size_t)(n * G) * sizeof(float *));
-  float *scores = (float *)scratch;
-  const float **qr = scratch != NULL ? (const float **)(scratch + score_bytes) : NULL;
-  float **orow = scratch != NULL ? (float **)(qr + n * G) : NULL;
-  if (scratch != NULL) {
+  if (n > 0) { /* a sequence of no new tokens (padding) has nothing to attend */
+    const size_t score_bytes = ((size_t)(n * G * (c + n)) * sizeof(float) + 63) / 64 * 64;
+    char *scratch = thread_scratch(scratch_bytes(n, G, c));
+    if (scratch == NULL) {
+      __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+      return;
+    }
+    float *scores = (float *)scratch;
+    const float **qr = (const float **)(scratch + score_bytes);
+    float **orow = (float **)(qr + n * G);
     for (int64_t r = 0; r < n * G; r++) {
       const int64_t at = ((b * T + r / G) * j->Hq + h * G + r % G) * D;
       qr[r] = j->q + at;
@@ -404,60 +413,95 @@ static void run_item(void *data, size_t i) {
     const int64_t step = (b * T * j->Hkv + h) * D;
     attend(qr, orow, n * G, G, j->k_new + step, j->v_new + step, j->Hkv * D, (const char *)j->pool_k + pool,
            (const char *)j->pool_v + pool, int8, int8 ? j->k_scales[h] : 1.0f, int8 ? j->v_scales[h] : 1.0f,
-           j->tables + b * j->MB, c, n, j->NB, j->BS, D, scores);
+           j->tables + b * j->MB, c, n, j->BS, D, scores);
   }
   if (j->slots != NULL) store(j, b, h);
 }
 
-/* the optional store inputs, if given for a step of one new token a sequence, into ``job``; else
- * the job stores nothing */
-static void store_inputs(OrtKernelContext *ctx, int int8, Job *job, int64_t B) {
+/* the optional store inputs into ``job`` (NULL), or why they do not fit; a prefill step (T > 1)
+ * stores nothing whatever they hold */
+static const char *store_inputs(OrtKernelContext *ctx, int int8, Job *job, int64_t B) {
   const size_t at = int8 ? 10 : 8;
   size_t count = 0;
   void *slots, *k_store = (void *)job->k_new, *v_store = (void *)job->v_new;
   int64_t sd[1], kd[4], vd[4];
   const int64_t want[4] = {B, 1, job->Hkv, job->D};
-  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT_COUNT, InputCountFn)(ctx, &count)) || count <= at || job->T != 1 ||
-      input(ctx, at, &slots, sd, 1) || sd[0] != B ||
-      (int8 && (input(ctx, 11, &k_store, kd, 4) || input(ctx, 12, &v_store, vd, 4) || memcmp(kd, want, sizeof kd) ||
-                memcmp(vd, want, sizeof vd))))
-    return;
-  job->slots = slots, job->k_store = k_store, job->v_store = v_store;
+  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT_COUNT, InputCountFn)(ctx, &count)) || count <= at) return NULL;
+  if (input(ctx, at, &slots, sd, 1) || sd[0] != B) return reason("slots must be [B = %lld]", (long long)B);
+  if (int8 && (count <= 12 || input(ctx, 11, &k_store, kd, 4) || input(ctx, 12, &v_store, vd, 4) ||
+               memcmp(kd, want, sizeof kd) || memcmp(vd, want, sizeof vd)))
+    return reason("with slots, the int8 K and V to store must be [%lld, 1, %lld, %lld]", (long long)B,
+                  (long long)job->Hkv, (long long)job->D);
+  if (job->T == 1) job->slots = slots, job->k_store = k_store, job->v_store = v_store;
+  return NULL;
+}
+
+/* NULL when every sequence's lengths and the blocks its table names fit the pools and the table,
+ * and its scratch is of a sane size; else why not */
+static const char *check_sequences(const Job *j, int64_t B) {
+  const int64_t G = j->Hq / j->Hkv;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t c = j->ctx_lens[b], n = j->q_lens[b];
+    if (n < 0 || n > j->T)
+      return reason("query_lens[%lld] = %lld is outside [0, %lld]", (long long)b, (long long)n, (long long)j->T);
+    if (c < 0 || c / j->BS + (c % j->BS != 0) > j->MB)
+      return reason("context_lens[%lld] = %lld does not fit a block table of %lld blocks of %lld", (long long)b,
+                    (long long)c, (long long)j->MB, (long long)j->BS);
+    const int64_t sizes[3] = {n > 0 ? n : 1, G, c + n + 1}, *table = j->tables + b * j->MB;
+    int64_t scores;
+    if (product_over(sizes, 3, ((int64_t)1 << 40) / (int64_t)sizeof(float), &scores))
+      return reason("sequence %lld's scores (%lld x %lld queries over %lld keys) are too many", (long long)b,
+                    (long long)n, (long long)G, (long long)(c + n));
+    for (int64_t m = 0; m * j->BS < c; m++)
+      if (table[m] < 0 || table[m] >= j->NB)
+        return reason("block_tables[%lld][%lld] = %lld is outside the pool of %lld blocks", (long long)b,
+                      (long long)m, (long long)table[m], (long long)j->NB);
+  }
+  return NULL;
 }
 
 /* both operators: inputs 0..7 as documented at the top; with int8 pools, 8 and 9 are the K and V
- * scales of each KV head; then the optional store inputs */
-static void run(OrtKernelContext *ctx, int int8) {
+ * scales of each KV head; then the optional store inputs. NULL, or why the inputs do not fit. */
+static const char *run(OrtKernelContext *ctx, int int8) {
   void *p[10];
   int64_t qd[4], kd[4], vd[4], pk[4], pv[4], bt[2], cl[1], ql[1], ks[1] = {0}, vs[1] = {0};
   if (input(ctx, 0, &p[0], qd, 4) || input(ctx, 1, &p[1], kd, 4) || input(ctx, 2, &p[2], vd, 4) ||
       input(ctx, 3, &p[3], pk, 4) || input(ctx, 4, &p[4], pv, 4) || input(ctx, 5, &p[5], bt, 2) ||
       input(ctx, 6, &p[6], cl, 1) || input(ctx, 7, &p[7], ql, 1) ||
       (int8 && (input(ctx, 8, &p[8], ks, 1) || input(ctx, 9, &p[9], vs, 1))))
-    return;
+    return "an input is missing or has the wrong rank (q, k, v [B, T, H, D], pools [Hkv, NB, BS, D], "
+           "block_tables [B, MB], context_lens and query_lens [B])";
   const int64_t B = qd[0], T = qd[1], Hq = qd[2], D = qd[3], Hkv = pk[0], NB = pk[1], BS = pk[2], MB = bt[1];
-  int64_t out_dims[3] = {B, T, Hq * D};
-  OrtValue *out_value = NULL;
-  float *out = NULL;
-  if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, out_dims, 3, &out_value)) ||
-      failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&out)))
-    return;
-  memset(out, 0, (size_t)(B * T * Hq * D) * sizeof(float));
-  /* shapes the kernel cannot read safely leave the output zero (the engine graph never makes them:
-   * version 8 of the operator struct has no way to return an error) */
-  if (Hkv <= 0 || Hq % Hkv || kd[0] != B || kd[1] != T || kd[2] != Hkv || kd[3] != D || memcmp(vd, kd, sizeof kd) ||
+  if (Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || NB < 1 || BS < 1)
+    return reason("%lld query heads, %lld KV heads, head size %lld, %lld blocks of %lld: each must be at least 1, "
+                  "and the KV heads divide the query heads", (long long)Hq, (long long)Hkv, (long long)D,
+                  (long long)NB, (long long)BS);
+  if (kd[0] != B || kd[1] != T || kd[2] != Hkv || kd[3] != D || memcmp(vd, kd, sizeof kd) ||
       memcmp(pv, pk, sizeof pk) || pk[3] != D || bt[0] != B || cl[0] != B || ql[0] != B ||
       (int8 && (ks[0] != Hkv || vs[0] != Hkv)))
-    return;
-  Job job = {p[0], p[1], p[2], p[3], p[4], out, p[5], p[6], p[7], T, Hq, Hkv, D, NB, BS, MB,
-             int8 ? p[8] : NULL, int8 ? p[9] : NULL, NULL, NULL, NULL};
-  store_inputs(ctx, int8, &job, B);
-  const size_t items = (size_t)(B * Hkv);
-  parallel_for(ctx, run_item, items, 2, &job);
+    return reason("shapes do not fit q [%lld, %lld, %lld, %lld] and pools [%lld, %lld, %lld, %lld]", (long long)B,
+                  (long long)T, (long long)Hq, (long long)D, (long long)Hkv, (long long)NB, (long long)BS,
+                  (long long)D);
+  Job job = {p[0], p[1], p[2], p[3], p[4], NULL, p[5], p[6], p[7], T, Hq, Hkv, D, NB, BS, MB,
+             int8 ? p[8] : NULL, int8 ? p[9] : NULL, NULL, NULL, NULL, 0};
+  const char *why = check_sequences(&job, B);
+  if (why == NULL) why = store_inputs(ctx, int8, &job, B);
+  if (why != NULL) return why;
+  int64_t out_dims[3] = {B, T, Hq * D};
+  OrtValue *out_value = NULL;
+  if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, out_dims, 3, &out_value)) ||
+      failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&job.out)))
+    return "could not allocate the output";
+  if (B * T > 0) memset(job.out, 0, (size_t)(B * T * Hq * D) * sizeof(float)); /* an empty output has no data */
+  parallel_for(ctx, run_item, (size_t)(B * Hkv), 2, &job);
+  return job.failed ? "out of memory for attention scores" : NULL;
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel, run(ctx, 0); }
-static void compute_int8(void *kernel, OrtKernelContext *ctx) { (void)kernel, run(ctx, 1); }
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return op_status("PagedAttention", run(ctx, 0)); }
+static OrtStatus *compute_int8(void *kernel, OrtKernelContext *ctx) {
+  (void)kernel;
+  return op_status("PagedAttentionInt8KV", run(ctx, 1));
+}
 
 static const char *op_name(const CustomOp *op) { (void)op; return "PagedAttention"; }
 static const char *op_name_int8(const CustomOp *op) { (void)op; return "PagedAttentionInt8KV"; }
@@ -471,9 +515,8 @@ static int input_type_int8(const CustomOp *op, size_t i) {
 static size_t input_count_int8(const CustomOp *op) { (void)op; return 13; }
 static int optional_store_int8(const CustomOp *op, size_t i) { (void)op; return i >= 10 ? OPTIONAL : 0; }
 
-const CustomOp paged_attention = {8,           stateless_kernel, op_name,  cpu_provider,   input_type,     input_count,
-                                  float_output, one_output,       compute,  destroy_kernel, optional_store, required};
-const CustomOp paged_attention_int8 = {8,           stateless_kernel, op_name_int8, cpu_provider, input_type_int8,
-                                       input_count_int8, float_output, one_output, compute_int8, destroy_kernel,
-                                       optional_store_int8, required};
-
+const CustomOp paged_attention = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name, input_type, input_count,
+                                           float_output, one_output, optional_store, compute);
+const CustomOp paged_attention_int8 = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name_int8, input_type_int8,
+                                                input_count_int8, float_output, one_output, optional_store_int8,
+                                                compute_int8);

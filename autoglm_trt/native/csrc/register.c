@@ -1,22 +1,40 @@
 /* The library's entry point, and the callbacks its operators share. */
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "ort_api.h"
 
 const void *const *api;
-int has_parallel_for;
+
+OrtStatus *op_status(const char *op, const char *why) {
+  if (why == NULL) return NULL;
+  char message[320];
+  snprintf(message, sizeof message, "%s: %s", op, why);
+  return API(API_CREATE_STATUS, CreateStatusFn)(ORT_INVALID_ARGUMENT, message);
+}
+
+const char *reason(const char *format, ...) {
+  static _Thread_local char text[256];
+  va_list args;
+  va_start(args, format);
+  vsnprintf(text, sizeof text, format, args);
+  va_end(args);
+  return text;
+}
+
+int default_memory(const CustomOp *op, size_t index) { (void)op, (void)index; return 0; }
+int no_variadic(const CustomOp *op) { (void)op; return 0; }
 
 void *stateless_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
   (void)op, (void)ort_api, (void)info;
   return (void *)1; /* the operators keep no state: any non-null kernel */
 }
-/* the inputs past the first that are constant initializers; where ONNX Runtime is older than 1.18
- * (the library then uses version 1 of the table, which has no KernelInfoGetConstantInput_tensor) or
- * memory runs out, a kernel that knows none, whose inputs are all read on every run */
+/* the inputs past the first that are constant initializers; where memory runs out, a kernel that
+ * knows none, whose inputs are all read on every run */
 static const Constants none;
 void *constants_kernel(const CustomOp *op, const void *ort_api, const OrtKernelInfo *info) {
   (void)ort_api;
-  if (!has_parallel_for) return (void *)&none;
   Constants *c = calloc(1, sizeof *c);
   if (c == NULL) return (void *)&none;
   const size_t count = op->GetInputTypeCount(op);
@@ -47,9 +65,12 @@ int float_output(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
                                                                   const ApiBase *base) {
   static OrtCustomOpDomain *domain; /* ONNX Runtime keeps using the domain: it is never freed */
-  const void *const *newer = base->GetApi(18);
-  has_parallel_for = newer != NULL;
-  api = newer != NULL ? newer : base->GetApi(1);
+  api = base->GetApi(18); /* KernelContext_ParallelFor and KernelInfoGetConstantInput_tensor are in it */
+  if (api == NULL) {
+    const void *const *oldest = base->GetApi(1);
+    return ((CreateStatusFn)oldest[API_CREATE_STATUS])(ORT_FAIL, "autoglm-trt's native library needs ONNX Runtime "
+                                                                 "1.18 or later; upgrade onnxruntime");
+  }
   static const CustomOp *const ops[] = {&paged_attention, &paged_attention_int8, &hadamard_quantize, &int8_linear,
                                          &int8_linear_split, &rope_qkv, &float_linear, &float_linear_split,
                                          &int8_linear_silu_mul, &float_linear_silu_mul, &int8_linear_skip_norm,

@@ -21,7 +21,7 @@
  *   0 q      float32 [B, T, Hq, D]
  *   1 k      float32 [B, T, Hkv, D]
  *   2 v      float32 [B, T, Hkv, D]
- * Shapes that do not fit together (the rewrite never makes them) give zeros.
+ * Shapes that do not fit together (the rewrite never makes them) fail the run with the reason.
  */
 #include <string.h>
 
@@ -87,47 +87,48 @@ static void token(void *data, size_t at) {
   memcpy(j->v + (int64_t)at * j->hkv * d, x + (j->hq + j->hkv) * d, (size_t)(j->hkv * d) * sizeof(float));
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) {
-  const Constants *constants = kernel; /* R's entries and the head counts */
+static const char *run(OrtKernelContext *ctx, const Constants *constants) {
   int64_t xd[3], cd[4], sd[4], id[2], vd[1], hd[1];
   void *qkv, *cos, *sin, *index, *value, *heads;
   if (input(ctx, 0, &qkv, xd, 3) || input(ctx, 1, &cos, cd, 4) || input(ctx, 2, &sin, sd, 4) ||
       fixed_input(ctx, constants, 3, &index, id, 2) || fixed_input(ctx, constants, 4, &value, vd, 1) ||
       fixed_input(ctx, constants, 5, &heads, hd, 1) || hd[0] != 2)
-    return;
+    return "an input is missing or has the wrong rank (qkv [B, T, W], cos and sin [B, T, 1, D], index [E, 2], "
+           "value [E], heads [2])";
   const int64_t hq = ((const int64_t *)heads)[0], hkv = ((const int64_t *)heads)[1];
-  const int64_t d = hq + 2 * hkv > 0 ? xd[2] / (hq + 2 * hkv) : 0;
-  const int64_t tokens = xd[0] * xd[1];
+  if (hq < 1 || hkv < 1 || hq > xd[2] || hkv > (xd[2] - hq) / 2 || xd[2] % (hq + 2 * hkv))
+    return reason("heads (%lld, %lld) do not divide a qkv width of %lld", (long long)hq, (long long)hkv,
+                  (long long)xd[2]);
+  const int64_t d = xd[2] / (hq + 2 * hkv), tokens = xd[0] * xd[1];
+  if (d > MAX_HEAD) return reason("a head of %lld is over the %d this operator takes", (long long)d, MAX_HEAD);
+  if (id[1] != 2 || vd[0] != id[0]) return "index must be [E, 2] and value [E]";
+  for (int64_t e = 0; e < id[0]; e++) /* an entry outside the head would write past it */
+    for (int c = 0; c < 2; c++)
+      if (((const int32_t *)index)[2 * e + c] < 0 || ((const int32_t *)index)[2 * e + c] >= d)
+        return reason("index[%lld] is outside a head of %lld", (long long)e, (long long)d);
+  for (int i = 0; i < 4; i++) {
+    const int64_t want = i == 0 ? xd[0] : i == 1 ? xd[1] : i == 2 ? 1 : d;
+    if (cd[i] != want || sd[i] != want)
+      return reason("cos and sin must be [%lld, %lld, 1, %lld]", (long long)xd[0], (long long)xd[1], (long long)d);
+  }
   float *out[3];
   const int64_t counts[3] = {hq, hkv, hkv};
   for (size_t i = 0; i < 3; i++) {
-    const int64_t dims[4] = {xd[0], xd[1], counts[i] > 0 ? counts[i] : 0, d > 0 ? d : 0};
-    OrtValue *value = NULL;
-    if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, i, dims, 4, &value)) ||
-        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(value, (void **)&out[i])))
-      return;
-  }
-  int fits = d >= 1 && d <= MAX_HEAD && hq >= 1 && hkv >= 1 && xd[2] == (hq + 2 * hkv) * d && id[1] == 2 &&
-             vd[0] == id[0];
-  for (int64_t e = 0; e < id[0] && fits; e++) /* an entry outside the head would write past it */
-    fits = ((const int32_t *)index)[2 * e] >= 0 && ((const int32_t *)index)[2 * e] < d &&
-           ((const int32_t *)index)[2 * e + 1] >= 0 && ((const int32_t *)index)[2 * e + 1] < d;
-  for (int i = 0; i < 4 && fits; i++) {
-    const int64_t want = i == 0 ? xd[0] : i == 1 ? xd[1] : i == 2 ? 1 : d;
-    fits = cd[i] == want && sd[i] == want;
-  }
-  if (!fits) {
-    for (size_t i = 0; i < 3; i++)
-      if (counts[i] > 0 && d > 0) memset(out[i], 0, (size_t)(tokens * counts[i] * d) * sizeof(float));
-    return;
+    const int64_t dims[4] = {xd[0], xd[1], counts[i], d};
+    OrtValue *out_value = NULL;
+    if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, i, dims, 4, &out_value)) ||
+        failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&out[i])))
+      return "could not allocate the outputs";
   }
   int32_t row[MAX_HEAD];
   float sign[MAX_HEAD];
   Job job = {qkv, cos, sin, index, value, id[0], out[0], out[1], out[2], hq, hkv, d, 0, row, sign};
   single_entries(&job);
   parallel_for(ctx, token, (size_t)tokens, 16, &job);
+  return NULL;
 }
 
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { return op_status("RopeQKV", run(ctx, kernel)); }
 static const char *op_name(const CustomOp *op) { (void)op; return "RopeQKV"; }
 static int input_type(const CustomOp *op, size_t i) {
   (void)op;
@@ -136,5 +137,5 @@ static int input_type(const CustomOp *op, size_t i) {
 static size_t input_count(const CustomOp *op) { (void)op; return 6; }
 static size_t three_outputs(const CustomOp *op) { (void)op; return 3; }
 
-const CustomOp rope_qkv = {8,            constants_kernel, op_name, cpu_provider,      input_type, input_count,
-                           float_output, three_outputs,    compute, release_constants, required,   required};
+const CustomOp rope_qkv = CUSTOM_OP(constants_kernel, release_constants, op_name, input_type, input_count,
+                                    float_output, three_outputs, required, compute);

@@ -28,7 +28,10 @@ static inline float exp_nonpositive(float x) {
   p = p * f + 1.0f;
   p = p * f + 1.0f;
   union { int32_t i; float f; } scale;
-  scale.i = ((int32_t)n + 127) << 23;
+  /* n past the exponent's range (x below -87, where the result is 0 anyway, or x = NaN, where p is
+   * NaN) is clamped first, so that the conversion and the shift stay defined */
+  const float e = n >= -127.0f ? (n <= 128.0f ? n : 128.0f) : -127.0f;
+  scale.i = ((int32_t)e + 127) * (1 << 23);
   return t < -126.0f ? 0.0f : p * scale.f;
 }
 

@@ -1,0 +1,88 @@
+"""Every native operator under random and extreme inputs (``fuzz_driver.py``), in a process of its
+own: with the installed library, and with a build under AddressSanitizer and UBSan, under which
+the other native tests run once too. A crash, a hang, a sanitizer's report or an error that does
+not name its operator fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+SANITIZERS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
+# the tests of the operators' arithmetic, run again against the sanitizer build
+OPERATOR_TESTS = ("test_native_attention.py", "test_int8_linear.py", "test_float_linear.py", "test_rope_op.py",
+                  "test_masked_softmax.py", "test_constant_inputs.py")
+
+
+def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None) -> dict[str, tuple[int, int]]:
+    """Runs the driver; each operator's (ran, refused), after checking the run ended well."""
+    done = subprocess.run([sys.executable, str(HERE / "fuzz_driver.py"), str(library), "--cases", str(cases),
+                           "--seed", str(seed)], capture_output=True, text=True, timeout=900, env=env)
+    lines = (done.stdout + done.stderr).splitlines()
+    problems = [line for line in lines if not re.match(r"\w+ case \d+: |RESULT ", line)]
+    assert done.returncode == 0 and not problems, (
+        f"exit {done.returncode}; last case: {next((x for x in reversed(lines) if ' case ' in x), '-')}\n"
+        + "\n".join(problems[:40]))
+    results = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"RESULT (\w+): (\d+) ran, (\d+) refused", done.stdout)}
+    assert len(results) == 13, results
+    for op, (ran, refused) in results.items():  # the cases reach the kernels, and the checks
+        assert ran >= cases // 4 and refused >= cases // 10, (op, ran, refused)
+    return results
+
+
+def test_every_operator_computes_or_refuses_by_name(library):
+    fuzz(library, 300, seed=7)
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The best build for this CPU compiled with AddressSanitizer and UBSan, and the environment
+    that loads it into Python (the sanitizer runtime first, and libstdc++ so that its interception
+    of C++ exceptions finds them)."""
+    from autoglm_trt.native import library as native_library
+    from autoglm_trt.native import variant_of
+    from autoglm_trt.native.build import compile_library, compiler
+    from autoglm_trt.native.variants import COMMON_FLAGS, SOURCES, for_machine
+
+    cc = compiler()
+    if cc is None:
+        pytest.skip("no C compiler for the sanitizer build")
+    runtime = [subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+               for name in ("libasan.so", "libstdc++.so")]
+    if not all(os.path.isabs(path) and os.path.exists(path) for path in runtime):
+        pytest.skip(f"{cc} has no AddressSanitizer runtime (libasan) here")
+    best, why = native_library()
+    variants = {v.name: v for v in for_machine()}
+    variant = variants.get(variant_of(best)) if best is not None else variants["generic"]
+    out = tmp_path_factory.mktemp("asan") / "libautoglm-asan.so"
+    compile_library(out, variant.flags, SOURCES, COMMON_FLAGS, extra=SANITIZERS, cc=cc)
+    env = {**os.environ, "LD_PRELOAD": " ".join(runtime), "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
+           "UBSAN_OPTIONS": "print_stacktrace=1", "AUTOGLM_TRT_TEST_LIBRARY": str(out)}
+    return out, env
+
+
+def test_no_sanitizer_report_under_fuzzing(sanitized):
+    out, env = sanitized
+    fuzz(out, 400, seed=11, env=env)
+
+
+def test_operator_tests_pass_under_sanitizers(sanitized):
+    """The arithmetic tests of the operators, against the sanitizer build (``library`` and
+    ``kernel_library`` give it: ``$AUTOGLM_TRT_TEST_LIBRARY``)."""
+    _, env = sanitized
+    # -s: a sanitizer's report goes out as it is written (the process ends before pytest would show it)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
+                           "-k", "not doctor and not compiled_loop",  # those compare the installed library with others
+                           *(str(HERE / name) for name in OPERATOR_TESTS)],
+                          capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
+    tail = (done.stdout + done.stderr)[-4000:]
+    assert done.returncode == 0, tail
+    assert "AddressSanitizer" not in done.stderr + done.stdout and "runtime error" not in done.stderr + done.stdout, tail
+    assert re.search(r"\d+ passed", done.stdout), tail
