@@ -5,9 +5,11 @@ sanitizer's report in a sanitizer build, ends that process and fails the test in
 Each case starts from inputs that fit the operator (small random sizes), then changes up to three
 things: a dimension (to 0, 1, a random size, or a huge one beside a zero, so the tensor stays
 empty), an index or length (to -1, a value just past the end, or +-2**62), a scale (to 0, -1, NaN,
-inf), an input's rank, or an optional input left out. An operator must either compute or refuse
-with an error that starts with its name; a case that fits must compute. It prints one line per
-operator (cases run and refused) and exits 1 on a wrong answer.
+inf), an input's rank, or an optional input left out; a quarter of PagedAttention's cases come
+with a pool geometry or lengths that fit each other but not the kernel (a block size or pool of
+0, a context near 2**63, a table of blocks past the pool). An operator must either compute or
+refuse with an error that starts with its name. It prints each case before running it, one line
+per operator (cases run and refused), and exits 1 when an error does not name its operator.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def _float_linear(rng, extra: int) -> list[np.ndarray]:
     rows = (int(rng.integers(1, 3)), int(rng.integers(1, 6)))
     feeds = [rng.standard_normal((*rows, k)).astype(F), rng.standard_normal((n16, k, 16)).astype(F)]
     if extra:
-        feeds += [rng.standard_normal((*rows, 16 * n16)).astype(F), rng.standard_normal(16 * n16).astype(F), np.array(1e-5, F)]
+        n = 16 * n16
+        feeds += [rng.standard_normal((*rows, n)).astype(F), rng.standard_normal(n).astype(F), np.array(1e-5, F)]
     return feeds
 
 
