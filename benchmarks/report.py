@@ -131,7 +131,7 @@ def main() -> None:
     blocks = existing(PAGE.read_text()) if PAGE.is_file() else {}
     where, failed = machine(), []
     for section in (s for s in SECTIONS if s.key in wanted):
-        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         try:
             output = run(section, args.timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:

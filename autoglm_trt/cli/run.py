@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import AutoGLMError
+from ..serve.guard import DEFAULT_MAX_BODY_BYTES
 from . import _log, cli
 
 
@@ -143,10 +144,16 @@ def _image_size(text: str) -> tuple[int, int]:
 @click.option("--allowed-local-media-path", type=click.Path(path_type=Path, file_okay=False, exists=True),
               default=None, help="Image-text engines: the directory file:// image URLs may point into "
                                  "[default: none; images come as data: URLs, http(s) URLs are never fetched].")
+@click.option("--max-body-bytes", type=click.IntRange(1024), default=DEFAULT_MAX_BODY_BYTES, show_default=True,
+              help="Larger request bodies get 413 before they are parsed (the default fits a 5-megapixel "
+                   "screenshot as a base64 data: URL).")
+@click.option("--max-client-priority", type=click.IntRange(-(2**31), 2**31), default=0, show_default=True,
+              help="The most urgent 'priority' a client may ask for (lower runs first): 0 lets clients only "
+                   "lower their own; a request asking for more gets 400.")
 def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
               max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
               prefix_caching: bool, max_pixels: int | None, max_images: int | None,
-              allowed_local_media_path: Path | None) -> None:
+              allowed_local_media_path: Path | None, max_body_bytes: int, max_client_priority: int) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require
 
@@ -157,5 +164,6 @@ def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, serve
 
     cfg = ServeConfig(served_model_name or Path(engine_dir).resolve().name, api_key or None, max_waiting,
                       request_timeout, drain_seconds, prefix_caching,
-                      ImageOptions(max_pixels, max_images, allowed_local_media_path))
+                      ImageOptions(max_pixels, max_images, allowed_local_media_path), max_body_bytes,
+                      max_client_priority)
     serve(engine_dir, host, port, cfg, threads, log=_log)

@@ -14,9 +14,9 @@ Prefill goes first, so a new request waits at most one step to start.
 
 Admission takes the blocks of a sequence's whole prompt at once (its chunks then need no
 more), so only decode growth can run out of blocks. Progress: whenever a running sequence
-needs a block that is not free, the newest running sequence is preempted (which may be
-itself) until the block is found. The oldest running
-sequence therefore always gets its blocks (a request larger than the whole pool is refused
+needs a block that is not free, the running sequence of the worst priority after aging, the
+newest among equals, is preempted (which may be itself) until the block is found. The best-ranked
+running sequence therefore always gets its blocks (a request larger than the whole pool is refused
 before it is queued), so while there is work, ``schedule`` returns a step.
 
 Priorities: a request's ``priority`` (lower runs first, 0 by default) orders admission, then
@@ -66,16 +66,20 @@ class Scheduler:
         seq.arrival = time.monotonic()
         self.waiting.append(seq)
 
+    def _aged(self, seq: Sequence, now: float) -> int:
+        """A sequence's priority after aging: one level better per ``aging_s`` since it arrived."""
+        return seq.priority - int((now - seq.arrival) / self.aging_s)
+
     def _next_waiting(self) -> Sequence:
         """The waiting sequence to admit next: best priority after aging, then the oldest."""
         now = time.monotonic()
-        return min(self.waiting,
-                   key=lambda s: (s.parked, s.priority - int((now - s.arrival) / self.aging_s), s.seq_id))
+        return min(self.waiting, key=lambda s: (s.parked, self._aged(s, now), s.seq_id))
 
-    @staticmethod
-    def _rank(seq: Sequence) -> tuple[int, int]:
-        """Who keeps blocks under pressure: smaller ranks first (a victim is the largest)."""
-        return seq.priority, seq.seq_id
+    def _rank(self, seq: Sequence) -> tuple[int, int]:
+        """Who keeps blocks under pressure: smaller ranks first (a victim is the largest), by the
+        priority after aging, as admission orders them (else a request admitted by aging would be the
+        first preempted again)."""
+        return self._aged(seq, time.monotonic()), seq.seq_id
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

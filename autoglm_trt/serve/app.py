@@ -6,27 +6,38 @@
     POST /v1/completions       OpenAI completions (``prompt``: text or token ids), SSE when ``stream``
     POST /v1/chat/completions  OpenAI chat completions through the engine's chat template
 
-With an API key, everything but ``/health`` needs ``Authorization: Bearer KEY`` (401 without).
-Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: a client's
-mistake is a 4xx that says what was wrong, never a 500.
+With an API key, everything but ``/health`` needs ``Authorization: Bearer KEY``: without it a
+401, before the body is read (``guard.Guard``, which also bounds the body: 413, and wants JSON:
+415). Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``, unknown
+routes (404) and methods (405) too: a client's mistake is a 4xx that says what was wrong, never
+a 500.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from ..errors import AutoGLMError
 from ..runtime import Engine, ImageOptions
+from .guard import DEFAULT_MAX_BODY_BYTES, Guard, error_json
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import ApiError, Serving
+
+ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+
+
+def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
+           headers: Mapping[str, str] | None = None) -> Response:
+    return Response(error_json(message, type_, code, param), status, headers=headers, media_type="application/json")
 
 
 @dataclass
@@ -38,30 +49,42 @@ class ServeConfig:
     drain_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
     prefix_caching: bool = True
     images: ImageOptions | None = None  # an image-text engine's image limits
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger body gets 413 before it is parsed
+    max_client_priority: int = 0  # the most urgent ``priority`` a client may ask for (lower runs first)
 
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="autoglm-trt", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine.stats)
-    serving = Serving(engine, cfg.served_model_name, metrics, cfg.max_waiting, cfg.request_timeout)
+    serving = Serving(engine, cfg.served_model_name, metrics, cfg.max_waiting, cfg.request_timeout,
+                      cfg.max_client_priority)
     app.state.serving = serving
+    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                       rejected=lambda status: metrics.rejected.labels(str(status)).inc())
 
     def check(request: Request, draining_ok: bool = False) -> None:
-        if cfg.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               "authentication_error", "invalid_api_key")
         if serving.draining and not draining_ok:
             raise ApiError(503, "the server is shutting down; retry on another replica", "service_unavailable")
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> Response:
         metrics.rejected.labels(str(exc.status)).inc()
-        return JSONResponse(error_body(exc.message, exc.type, exc.code, exc.param), exc.status, headers=exc.headers)
+        return _error(exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        metrics.rejected.labels(str(exc.status_code)).inc()
+        if exc.status_code == 404:
+            message, code = f"no route {request.method} {request.url.path}; this server has {ROUTES}", "not_found"
+        elif exc.status_code == 405:
+            message, code = f"{request.url.path} does not take {request.method}; this server has {ROUTES}", \
+                "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return _error(exc.status_code, message, "invalid_request_error", code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
@@ -69,12 +92,12 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
         else:
             message = f"{where or 'body'}: {first.get('msg', 'invalid value')}"
         metrics.rejected.labels("400").inc()
-        return JSONResponse(error_body(message, "invalid_request_error", "invalid_value", where or None), 400)
+        return _error(400, message, "invalid_request_error", "invalid_value", where or None)
 
     @app.exception_handler(AutoGLMError)
-    async def _engine_refused(request: Request, exc: AutoGLMError) -> JSONResponse:
+    async def _engine_refused(request: Request, exc: AutoGLMError) -> Response:
         metrics.rejected.labels("400").inc()
-        return JSONResponse(error_body(str(exc), "invalid_request_error", "invalid_value"), 400)
+        return _error(400, str(exc), "invalid_request_error", "invalid_value")
 
     @app.get("/health")
     async def health() -> Response:

@@ -21,6 +21,7 @@ from ..errors import AutoGLMError
 from ..runtime.guided import Guide
 from ..runtime.request import TokenLogprob
 from ..runtime.sampling import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
+from .guard import unencodable
 
 
 class _Strict(BaseModel):
@@ -53,6 +54,14 @@ NEUTRAL: dict[str, tuple] = {"echo": (False,), "functions": (None, []), "functio
 class _Sampling(_Strict):
     """The sampling fields of both endpoints. Every field a request carries is honoured or refused
     with a 400 that names it (``REFUSED``, or unknown); none is dropped."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        where = unencodable(data)
+        if where is not None:
+            raise ValueError(f"{where} holds text that is not valid Unicode (an unpaired surrogate escape)")
+        return data
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)

@@ -73,9 +73,10 @@ def _sse(data: dict | str) -> str:
 
 class Serving:
     def __init__(self, engine: Engine, model: str, metrics: ServerMetrics, max_waiting: int,
-                 request_timeout: float | None):
+                 request_timeout: float | None, max_client_priority: int = 0):
         self.engine, self.model, self.metrics = engine, model, metrics
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
+        self.max_client_priority = max_client_priority
         self.draining = False
         self.inflight = 0
 
@@ -83,6 +84,10 @@ class Serving:
         if body.model != self.model:
             raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{self.model}'",
                            "invalid_request_error", "model_not_found", "model")
+        if body.priority < self.max_client_priority:
+            raise ApiError(400, f"priority {body.priority} is more urgent than this server lets clients ask for "
+                                f"(lower runs first; at least {self.max_client_priority}: serve --max-client-priority)",
+                           param="priority", code="priority_not_allowed")
         if self.engine.stats()["waiting"] >= self.max_waiting:
             raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry shortly",
                            "rate_limit_error", "queue_full", headers={"Retry-After": "1"})
@@ -116,7 +121,7 @@ class Serving:
         while True:
             try:
                 item = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
+            except TimeoutError:  # asyncio.wait_for's, from Python 3.11 on (requires-python)
                 if await request.is_disconnected():
                     self._cancel(req)
                     return Response(status_code=499)
@@ -202,7 +207,8 @@ class Serving:
             self.inflight -= 1
 
     def _cancel(self, req: EngineRequest) -> None:
-        if not req.done.is_set():
+        """Cancel the request and every further sample of it still running (the first may have ended)."""
+        if not all(r.done.is_set() for r in [req, *req.children]):
             self.engine.cancel(req)
             self.metrics.finished.labels("cancelled").inc()
 

@@ -92,6 +92,26 @@ def test_pool_exhaustion_preempts_the_newest_and_recomputes_it():
     assert step.prefill and step.seqs == [b] and step.new_tokens == [[1, 2, 7, 7]]
 
 
+def test_preemption_ranks_by_the_priority_after_aging():
+    """A low-priority request that aging brought in is not the first preempted: under pressure the
+    victim is the worst priority after aging (here the newer request of priority 0, not the one of
+    priority 5 that waited 60 s, worth six levels at 10 s a level)."""
+    import time
+
+    sched = make(num_blocks=4, block_size=2)
+    old = Sequence([1, 2, 3], SamplingParams(max_new_tokens=8, priority=5))
+    new = Sequence([1, 2], SamplingParams(max_new_tokens=8, priority=0))
+    sched.add(old)
+    sched.add(new)
+    old.arrival = time.monotonic() - 60  # aged: 5 - 6 = -1, ahead of new's 0
+    step = sched.schedule()
+    assert step.seqs == [old, new]
+    advance(sched, step)
+    advance(sched, sched.schedule())  # new takes the last free block
+    step = sched.schedule()  # old needs a block: new (0) is preempted, not old (-1 after aging; 5 before)
+    assert step.seqs == [old] and list(sched.waiting) == [new] and new.preemptions == 1
+
+
 def test_cancel_frees_blocks():
     sched = make()
     a = seq(5)

@@ -1,0 +1,125 @@
+"""What every HTTP request meets before the app reads it: the API key, then the body's size and type.
+
+``Guard`` is plain ASGI middleware in front of the FastAPI app, so an unauthenticated client
+gets a 401 before a byte of its body is read or parsed (whatever the route, known or not;
+``/health`` stays open for load balancers), a body over ``max_body_bytes`` gets a 413 (from
+its Content-Length at once, else as soon as that many bytes have come), and a body that is not
+JSON by its Content-Type a 415. The body is read here, bounded, and handed to the app whole.
+Every refusal is OpenAI's error JSON. ``unencodable`` finds a string that cannot be UTF-8 (a
+lone surrogate, which JSON's ``\\ud800`` escapes can carry) in a parsed body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+OPEN_PATHS = ("/health",)
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 5-megapixel PNG screenshot is ~1-5 MB, base64 adds a third
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+def error_json(message: str, type_: str, code: str | None = None, param: str | None = None) -> bytes:
+    """OpenAI's error body, as ASCII JSON (so any text in it encodes)."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+async def reply(send: Send, status: int, body: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    def __init__(self, app: Callable, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 rejected: Callable[[int], None] = lambda status: None):
+        self.app, self.max_body_bytes, self.rejected = app, max_body_bytes, rejected
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])  # names arrive lower-cased
+        if self.expected is not None and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
+                headers.get(b"authorization", b""), self.expected):
+            await self._refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error", "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        kind = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
+        if kind not in (b"application/json", b"") and not kind.endswith(b"+json"):
+            await self._refuse(send, 415, f"the body must be JSON (Content-Type: application/json), not "
+                                          f"{kind.decode('latin-1')}", "invalid_request_error", "unsupported_media_type")
+            return
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await self._too_large(send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # nobody to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    async def _too_large(self, send: Send) -> None:
+        await self._refuse(send, 413, f"the request body is over this server's {self.max_body_bytes:,} bytes "
+                                      "(serve --max-body-bytes)", "invalid_request_error", "request_too_large")
+
+    async def _refuse(self, send: Send, status: int, message: str, type_: str, code: str,
+                      headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        self.rejected(status)
+        await reply(send, status, error_json(message, type_, code), headers)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the body read already, then what the client sends next (its disconnect)."""
+    given = False
+
+    async def again() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+def unencodable(value: Any, where: str = "") -> str | None:
+    """The path of the first string (or key) in a parsed JSON body that UTF-8 cannot encode, or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if unencodable(key) is not None:
+                return f"{where}.<key>" if where else "<key>"
+            found = unencodable(item, f"{where}.{key}" if where else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = unencodable(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,129 @@
+"""What a crafted request can do to ``serve``: the API key checked before the body is read, a bounded
+body, OpenAI's error JSON for every refusal (unknown routes and methods, wrong media type, text
+that is not Unicode), a bounded client priority, and ``n > 1`` samples cancelled with their
+request when the client goes away."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+from conftest import ROOT
+from test_serve import metrics, request, server, wait_for
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn, prometheus-client) is not installed")
+
+KEY = {"Authorization": "Bearer s3cret"}
+LIMIT = 4096
+
+
+def is_openai_error(body: dict) -> bool:
+    return set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+
+
+def raw(port: int, method: str, path: str, data: bytes, headers: dict, chunked: bool = False) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        if chunked:  # no Content-Length: the server learns the size only by reading
+            conn.request(method, path, iter([data[i:i + 1000] for i in range(0, len(data), 1000)]), headers,
+                         encode_chunked=True)
+        else:
+            conn.request(method, path, data, headers)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def guarded(chat_engine):
+    with server(chat_engine, "--api-key", "s3cret", "--max-body-bytes", str(LIMIT)) as (port, _):
+        yield port
+
+
+def test_no_key_is_401_before_the_body_is_read(guarded):
+    """Whatever the body (malformed, oversized) or route, a request without the key learns nothing
+    but that it needs one (before: a 400 with validation details, or the body parsed first)."""
+    for data in (b"{not json", b"x" * (10 * LIMIT), json.dumps({"model": "tiny-chat", "prompt": "hi"}).encode()):
+        status, body = raw(guarded, "POST", "/v1/completions", data, {"Content-Type": "application/json"})
+        assert status == 401 and is_openai_error(body) and body["error"]["code"] == "invalid_api_key"
+    status, body = raw(guarded, "GET", "/no/such/route", b"", {})
+    assert status == 401 and is_openai_error(body)
+
+
+def test_a_body_over_the_limit_is_413(guarded):
+    big = json.dumps({"model": "tiny-chat", "prompt": "x" * (2 * LIMIT), "max_tokens": 1}).encode()
+    for chunked in (False, True):
+        status, body = raw(guarded, "POST", "/v1/completions", big, {"Content-Type": "application/json", **KEY},
+                           chunked=chunked)
+        assert status == 413 and is_openai_error(body) and "max-body-bytes" in body["error"]["message"]
+    ok = json.dumps({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1}).encode()
+    assert raw(guarded, "POST", "/v1/completions", ok, {"Content-Type": "application/json", **KEY}, chunked=True)[0] == 200
+
+
+def test_every_refusal_is_openai_error_json(guarded):
+    status, body, _ = request(guarded, "GET", "/v1/nothing", headers=KEY)
+    assert status == 404 and is_openai_error(body) and "/v1/chat/completions" in body["error"]["message"]
+    status, body, _ = request(guarded, "GET", "/v1/completions", headers=KEY)
+    assert status == 405 and is_openai_error(body) and body["error"]["code"] == "method_not_allowed"
+    status, body = raw(guarded, "POST", "/v1/completions", b"prompt=hi", {"Content-Type": "text/plain", **KEY})
+    assert status == 415 and is_openai_error(body)
+    status, body = raw(guarded, "POST", "/v1/completions", b'{"model": "tiny-chat", "prompt": "\xff\xfe"}',
+                       {"Content-Type": "application/json", **KEY})
+    assert status == 400 and is_openai_error(body)
+
+
+@pytest.mark.parametrize("body", [
+    '{"model": "\\ud800", "prompt": "hi"}',  # once a 500: the error message could not be encoded
+    '{"model": "tiny-chat", "messages": [{"role": "user", "content": "a \\udfff b"}]}',
+    '{"model": "tiny-chat", "prompt": "hi", "\\ud800": 1}',
+])
+def test_text_that_is_not_unicode_is_a_400(guarded, body):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, answer = raw(guarded, "POST", path, body.encode(), {"Content-Type": "application/json", **KEY})
+    assert status == 400 and is_openai_error(answer) and "not valid Unicode" in answer["error"]["message"]
+
+
+def test_a_client_may_not_raise_its_own_priority(guarded):
+    """Before, any client could send priority -2**31 and keep everyone else waiting for centuries."""
+    body = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 1}
+    status, err, _ = request(guarded, "POST", "/v1/completions", {**body, "priority": -1}, KEY)
+    assert status == 400 and err["error"]["param"] == "priority" and "--max-client-priority" in err["error"]["message"]
+    assert request(guarded, "POST", "/v1/completions", {**body, "priority": 3}, KEY)[0] == 200
+
+
+def test_max_client_priority_lets_clients_ask_for_more(chat_engine):
+    with server(chat_engine, "--max-client-priority", "-5") as (port, _):
+        body = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 1}
+        assert request(port, "POST", "/v1/completions", {**body, "priority": -5})[0] == 200
+        assert request(port, "POST", "/v1/completions", {**body, "priority": -6})[0] == 400
+
+
+def test_a_disconnect_after_the_first_sample_cancels_the_others(slow_engine):
+    """n = 3 without streaming on an engine that runs one sequence at a time: the first sample
+    runs, then the others, one by one. A client that goes away once the first has ended (and the
+    second runs) cancels the request's samples still running or waiting (before, they decoded to
+    max_tokens)."""
+    with server(slow_engine) as (port, _):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "slow", "prompt": "go", "max_tokens": 1500, "n": 3, "temperature": 1.0, "seed": 1,
+            "ignore_eos": True}), {"Content-Type": "application/json"})
+        assert wait_for(lambda: metrics(port)["autoglm_requests_waiting"] == 2)  # the first sample runs
+        assert wait_for(lambda: metrics(port)["autoglm_requests_waiting"] == 1, 60)  # it ended; the second runs
+        conn.sock.shutdown(2)
+        conn.close()
+        assert wait_for(lambda: metrics(port)["autoglm_kv_blocks_used"] == 0, 60)
+        m = metrics(port)
+        assert m["autoglm_requests_running"] == 0 and m["autoglm_requests_waiting"] == 0
+        assert m['autoglm_requests_finished_total{finish_reason="cancelled"}'] == 1
+
+
+def test_python_version_bound_matches_what_is_tested():
+    """``asyncio.wait_for``'s timeout is TimeoutError only from Python 3.11 on, which the server's
+    disconnect watch relies on; CI runs 3.11, so the package says so."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["requires-python"] == ">=3.11"
