@@ -173,7 +173,13 @@ class TritonPythonModel:
         except (AutoGLMError, ValueError, TypeError) as exc:  # the client's mistake goes back to it
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
             return
-        self._respond(request, handle, sink, sender, stream)
+        except Exception as exc:  # noqa: BLE001 - anything else still ends the request with one final answer
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc!r}")), flags=FINAL)
+            return
+        try:
+            self._respond(request, handle, sink, sender, stream)
+        except Exception:  # noqa: BLE001 - a failed send: the request's client is gone; free its blocks
+            self.engine.cancel(handle)
 
     def _respond(self, request, handle, sink, sender, stream):
         covered = [0]

@@ -4,7 +4,9 @@
                                      ``instance_group`` of N (each instance loads its own engine),
                                      no dynamic batcher (the engine batches continuously)
     REPOSITORY/NAME/1/model.py       ``model_template.py``
-    REPOSITORY/NAME/1/engine/        a copy of the engine (its hashes are checked at load)
+    REPOSITORY/NAME/1/engine/        a copy of the engine: its manifest and the files it names, no
+                                     more (a symbolic link is refused, not followed; the copies'
+                                     hashes are checked, and again at load)
 
 The ``python_path`` parameter lists where the model imports from, first to last: a numpy 1.x
 for the Python backend's utilities when one is installed beside tritonserver (``.triton/site``),
@@ -19,7 +21,7 @@ import shutil
 import sysconfig
 from pathlib import Path
 
-from ..artifacts import Manifest
+from ..artifacts import MANIFEST, Manifest
 from ..errors import AutoGLMError
 from ..fileutil import staged_directory
 
@@ -78,7 +80,23 @@ def write_repository(engine_dir: Path, out: Path, name: str | None = None, insta
     with staged_directory(Path(out), force) as tmp:
         version = tmp / name / "1"
         version.mkdir(parents=True)
-        shutil.copytree(engine_dir, version / "engine")
+        copy_engine(manifest, version / "engine")
         shutil.copy2(TEMPLATE, version / "model.py")
         (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, instances, paths, threads, prefix_caching))
     return Path(out) / name
+
+
+def copy_engine(manifest: Manifest, dest: Path) -> None:
+    """The manifest and each file it names into ``dest``: regular files of the engine directory
+    itself, never a symbolic link (whose target may be anything outside it); the copies' hashes
+    checked against the manifest."""
+    dest.mkdir()
+    for name in (MANIFEST, *manifest.data["files"]):
+        src = manifest.dir / name
+        if Path(name).name != name or src.is_symlink() or not src.is_file():
+            raise AutoGLMError(f"engine file {name} is a symbolic link, a directory or not directly in "
+                               f"{manifest.dir}; copy the engine with its files themselves (cp -rL) or rebuild it")
+        shutil.copyfile(src, dest / name, follow_symlinks=False)
+    problems = Manifest.read(dest).verify_files()
+    if problems:
+        raise AutoGLMError(f"engine {manifest.dir} changed while it was copied: " + "; ".join(problems))

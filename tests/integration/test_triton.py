@@ -195,3 +195,43 @@ def test_repository_refuses_a_corrupt_engine(chat_engine, tmp_path):
     r = subprocess.run([sys.executable, "-m", "autoglm_trt", "triton", str(broken), "-o", str(tmp_path / "repo")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1 and "tokenizer.json is corrupt" in r.stderr and not (tmp_path / "repo").exists()
+
+
+def test_repository_holds_only_the_manifests_files_and_refuses_links(chat_engine, tmp_path):
+    """Before, the whole engine directory was copied following links: a link to a file outside
+    came in as that file's content, a linked directory's files too, and a link loop was a bare
+    RecursionError."""
+    import shutil
+
+    from autoglm_trt.errors import AutoGLMError
+    from autoglm_trt.triton.repository import write_repository
+
+    engine = tmp_path / "engine"
+    shutil.copytree(chat_engine, engine)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "id_rsa").write_text("PRIVATE")
+    (engine / "notes.txt").write_text("not the engine's")
+    (engine / "keys").symlink_to(secret, target_is_directory=True)
+    (engine / "loop").symlink_to(engine, target_is_directory=True)
+    model = write_repository(engine, tmp_path / "repo")
+    copied = sorted(p.name for p in (model / "1" / "engine").iterdir())
+    assert copied == sorted(["manifest.json", *json.loads((engine / "manifest.json").read_text())["files"]])
+    assert not any(p.is_symlink() for p in (model / "1" / "engine").iterdir())
+
+    for target in (chat_engine / "tokenizer.json", engine / "tokenizer.real"):  # same bytes, outside and inside
+        if not (engine / "tokenizer.real").exists():
+            (engine / "tokenizer.json").rename(engine / "tokenizer.real")
+        (engine / "tokenizer.json").unlink(missing_ok=True)
+        (engine / "tokenizer.json").symlink_to(target)
+        with pytest.raises(AutoGLMError, match="symbolic link"):
+            write_repository(engine, tmp_path / "repo2")
+        assert not (tmp_path / "repo2").exists()
+
+
+def test_text_that_is_not_utf8_is_an_error_and_the_model_stays_up(triton):
+    port = triton["http"]
+    status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": "a \ud800 b", "max_tokens": 3})
+    assert status >= 400
+    status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": "hi", "max_tokens": 3})
+    assert status == 200 and "text_output" in json.loads(text)
