@@ -5,7 +5,7 @@ on every kind's held-out text against the float32 checkpoint (ppl ratio, top-1 a
     python -m benchmarks.accuracy_kinds [--calib-kinds all|python-docs,...] [--set KEY=JSON] [--json out.json]
 
 Kinds (``calibration/README.md``): python-docs (``eval/heldout.txt``), prose, code, chinese,
-dialogue. ``--calib-kinds`` picks which of ``calibration/data``'s kinds the calibration sees
+dialogue. ``--calib-kinds`` picks which of ``autoglm_trt/calib/data``'s kinds the calibration sees
 (``all``: the shipped default set); several comma-separated settings run one after another.
 """
 
@@ -23,12 +23,12 @@ EVAL = {"python-docs": "heldout.txt", "prose": "prose.txt", "code": "code.txt", 
 
 
 def kind_of(data_file: Path) -> str:
-    """A file of calibration/data: ``<kind>.txt`` / ``<kind>.jsonl``, or a numbered Python-docs file."""
+    """A file of autoglm_trt/calib/data: ``<kind>.txt`` / ``<kind>.jsonl``, or a numbered Python-docs file."""
     return data_file.stem if data_file.stem in EVAL else "python-docs"
 
 
 def calibration_subset(kinds: str, into: Path) -> Path:
-    data = ROOT / "calibration" / "data"
+    data = ROOT / "autoglm_trt" / "calib" / "data"
     if kinds == "all":
         return data
     wanted = set(kinds.split("+"))

@@ -29,7 +29,7 @@ from .common import ROOT
 def texts(n_tokens: int, tok, offset: int) -> list[list[int]]:
     """Token windows cut from the calibration text (real prose and code), one per use."""
     ids: list[int] = []
-    for f in sorted((ROOT / "calibration" / "data").glob("*.txt")):
+    for f in sorted((ROOT / "autoglm_trt" / "calib" / "data").glob("*.txt")):
         ids += tok.encode(f.read_text())
     return [ids[offset + i * n_tokens: offset + (i + 1) * n_tokens] for i in range(len(ids) // n_tokens - 1)]
 

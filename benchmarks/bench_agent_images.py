@@ -45,7 +45,7 @@ def checkpoint(out: Path) -> Path:
 
 
 def trace(turns: int, system_tokens: int) -> tuple[str, list[tuple[bytes, str]]]:
-    text = "".join(f.read_text() for f in sorted((ROOT / "calibration" / "data").glob("*.txt")))
+    text = "".join(f.read_text() for f in sorted((ROOT / "autoglm_trt" / "calib" / "data").glob("*.txt")))
     system = text[:system_tokens]  # the byte-level tokenizer: one token a byte
     steps = [(ui_screenshot_png(t), f"Step {t + 1}: {text[system_tokens + 97 * t: system_tokens + 97 * t + 60]}")
              for t in range(turns)]

@@ -34,7 +34,7 @@ def child_forward(export: Path, samples: int, seq_len: int, batch: int) -> dict:
     from autoglm_trt.model.text import token_windows
 
     spec = ExportRecord.read(export).spec
-    windows = token_windows(ROOT / "calibration" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
+    windows = token_windows(ROOT / "autoglm_trt" / "calib" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
     session = make_session(export / "model.onnx")
     t = time.perf_counter()
     for b in range(0, len(windows), batch):
@@ -46,7 +46,7 @@ def child_calibrate(export: Path, samples: int, seq_len: int, batch: int, out: P
     from autoglm_trt.calib.pipeline import CalibConfig, calibrate
 
     t = time.perf_counter()
-    rec = calibrate(CalibConfig(export, ROOT / "calibration" / "data", out, num_samples=samples, seq_len=seq_len,
+    rec = calibrate(CalibConfig(export, ROOT / "autoglm_trt" / "calib" / "data", out, num_samples=samples, seq_len=seq_len,
                                 batch_size=batch, gate=False, force=True), log=lambda m: None)
     return {"collect_s": rec["timings"]["collect_s"], "search_s": rec["timings"]["search_s"],
             "total_s": time.perf_counter() - t}
@@ -64,7 +64,7 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
     from autoglm_trt.model.text import token_windows
 
     spec = ExportRecord.read(export).spec
-    windows = token_windows(ROOT / "calibration" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
+    windows = token_windows(ROOT / "autoglm_trt" / "calib" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
     inputs = quantizable_inputs(export, True, [])
     rotate = rotation_blocks(spec, list(inputs), list(KINDS), 128)
     session = collect.calibration_session(export, list(inputs.values()))

@@ -34,11 +34,11 @@ TOKENIZER = ROOT / "models" / "smollm2-135m"
 
 
 def child_calibrate(export: Path, out: Path) -> None:
-    from autoglm_trt.calib.pipeline import CalibConfig, calibrate
+    from autoglm_trt.calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
 
     t = time.perf_counter()
-    rec = calibrate(CalibConfig(export, ROOT / "calibration" / "data", out, num_samples=8, seq_len=128, batch_size=8,
-                                gate=False, force=True), log=lambda m: print(m, file=sys.stderr, flush=True))
+    rec = calibrate(CalibConfig(export, DEFAULT_DATA, out, num_samples=8, seq_len=128, batch_size=8, gate=False,
+                                force=True), log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({"seconds": round(time.perf_counter() - t, 1), "timings": rec["timings"],
                       "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2),
                       "int8_linears": len(rec["amax"])}))

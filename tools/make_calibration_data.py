@@ -43,17 +43,17 @@ def module_text(name: str) -> str:
 
 
 def main() -> None:
-    root = Path(__file__).resolve().parents[1] / "calibration"
+    repo = Path(__file__).resolve().parents[1]
+    data, held_out = repo / "autoglm_trt" / "calib" / "data", repo / "calibration" / "eval"  # shipped, and the repo's
     header = (f"# Docstrings of the Python {sys.version.split()[0]} standard library, "
               "(c) Python Software Foundation, PSF License 2.0.\n\n")
-    (root / "data").mkdir(parents=True, exist_ok=True)
-    (root / "eval").mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    held_out.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(CALIB_MODULES):
-        (root / "data" / f"{i:02d}_{name.replace('.', '_')}.txt").write_text(header + module_text(name))
-    (root / "eval" / "heldout.txt").write_text(header + "\n\n".join(module_text(n) for n in EVAL_MODULES))
-    for p in sorted(root.rglob("*.txt")):
-        print(f"{p.relative_to(root)}: {p.stat().st_size} bytes")
-
+        (data / f"{i:02d}_{name.replace('.', '_')}.txt").write_text(header + module_text(name))
+    (held_out / "heldout.txt").write_text(header + "\n\n".join(module_text(n) for n in EVAL_MODULES))
+    for p in [*sorted(data.glob("*.txt")), held_out / "heldout.txt"]:
+        print(f"{p.relative_to(repo)}: {p.stat().st_size} bytes")
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the calibration and held-out texts of kinds other than Python documentation:
 prose, code and Chinese (``tools/make_calibration_data.py`` makes the Python documentation;
-the dialogue kind, ``dialogue.jsonl`` in ``calibration/data`` and ``calibration/eval``, was
+the dialogue kind, ``dialogue.jsonl`` in ``autoglm_trt/calib/data`` and ``calibration/eval``, was
 written for this project by hand and is not generated). Calibration and held-out parts of each
 kind come from disjoint sources.
 
@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "autoglm_trt" / "calib" / "data"  # the calibration part: package data
 
 PROSE = {"data": ["Genesis37:1-45:28", "Exodus1:1-4:31", "Luke15:1-15:32"],
          "eval": ["Ruth1:1-4:22", "Jonah1:1-4:11", "Esther1:1-6:14"]}
@@ -89,11 +90,11 @@ def main() -> None:
         "code": f"# Python {sys.version.split()[0]} standard library source, (c) Python Software Foundation, "
                 "PSF License 2.0.\n\n",
         "chinese": "# manpages-zh (Chinese translations of manual pages), GFDL 1.2 or later: "
-                   "calibration/LICENSES/GFDL-1.2.txt. From Debian's manpages-zh 1.6.4.\n\n",
+                   "autoglm_trt/calib/LICENSES/GFDL-1.2.txt. From Debian's manpages-zh 1.6.4.\n\n",
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = debian_packages(["bible-kjv", "bible-kjv-text", "manpages-zh"], Path(tmp))
-        for part, folder, name in (("data", cal / "data", "{kind}.txt"), ("eval", cal / "eval", "{kind}.txt")):
+        for part, folder, name in (("data", SHIPPED, "{kind}.txt"), ("eval", cal / "eval", "{kind}.txt")):
             texts = {"prose": prose(root, PROSE[part]), "code": code(CODE[part]),
                      "chinese": chinese(root, CHINESE[part])}
             for kind, text in texts.items():

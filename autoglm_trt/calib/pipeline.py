@@ -54,7 +54,7 @@ from .thresholds import choose_amax, int8_errors
 # 6: K/V thresholds: 99.99th percentile per KV head. 7: histograms of token rows sampled by
 # window (``collect.Accumulator._rows``), the Q/DQ ones one row in ``hist_row_stride``.
 CALIB_VERSION = 7
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "calibration" / "data"
+DEFAULT_DATA = Path(__file__).with_name("data")  # the shipped set: package data, in the wheel too
 
 
 @dataclass

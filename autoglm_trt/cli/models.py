@@ -40,7 +40,8 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
 @cli.command("calibrate")
 @click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--calib", "data", type=click.Path(path_type=Path), default=None,
-              help="Directory of .txt/.jsonl calibration text [default: the set shipped in calibration/data].")
+              help="Directory of .txt/.jsonl calibration text "
+                   "[default: the set shipped with the package, autoglm_trt/calib/data].")
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(path_type=Path))
 @click.option("--method", type=click.Choice(["entropy", "max", "percentile", "auto"]), default="entropy",
               show_default=True, help="Activation threshold search (auto: per tensor, least INT8 output error).")
@@ -137,7 +138,7 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
-              help="Calibration text for int8 [default: the set shipped in calibration/data].")
+              help="Calibration text for int8 [default: the set shipped with the package, autoglm_trt/calib/data].")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None, help="Build config (YAML).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,

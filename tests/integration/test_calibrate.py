@@ -19,7 +19,7 @@ from autoglm_trt.graph.session import make_session
 from autoglm_trt.model.spec import spec_from_dict
 from autoglm_trt.model.text import CalibrationDataError, token_windows
 
-DATA = ROOT / "calibration" / "data"
+DATA = ROOT / "autoglm_trt" / "calib" / "data"
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from autoglm_trt.graph.names import KINDS
 from autoglm_trt.graph.session import make_session
 from autoglm_trt.model.text import token_windows
 
-DATA = ROOT / "calibration" / "data"
+DATA = ROOT / "autoglm_trt" / "calib" / "data"
 
 
 def both_ways(export, windows: int, seq_len: int, max_graph_bytes: int,

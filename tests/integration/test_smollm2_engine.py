@@ -120,7 +120,7 @@ def test_multi_turn_agent_trace_same_with_and_without_prefix_caching(fp32_engine
     from autoglm_trt.model.tokenizer import TextTokenizer
 
     tok = TextTokenizer(fp32_engine)
-    text = tok.encode((ROOT / "calibration" / "data" / "10_json.txt").read_text())
+    text = tok.encode((ROOT / "autoglm_trt" / "calib" / "data" / "10_json.txt").read_text())
     system, observations = text[:300], [text[300 + 40 * k: 340 + 40 * k] for k in range(9)]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     answers = {}
