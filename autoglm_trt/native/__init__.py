@@ -7,6 +7,10 @@ generic build elsewhere), or None and why not. No compiler is needed where an en
 without a library (``AUTOGLM_TRT_NATIVE=0``, an install without a C compiler, a CPU no build
 fits) the engine graph's own nodes run, which compute the same things more slowly.
 
+Nothing is compiled or looked up at run time: the library is loaded only from this package's
+directory, and only when it and that directory belong to this user or root and nobody else may
+write them (``trusted``), so another local user cannot plant code in a server.
+
 ``AUTOGLM_TRT_NATIVE_VARIANT=<name>`` picks a build by name (tests, and a user who wants to
 compare); one this CPU cannot run is refused with the reason. The C sources are in
 ``csrc/`` (``docs/native.md`` describes them).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -70,14 +75,35 @@ def library(variant: str | None = None) -> tuple[Path | None, str]:
             return None, f"the {wanted} build of the native library is not installed ({HERE})"
         if not runs_here(known[wanted], flags):
             return None, f"this CPU cannot run the {wanted} build (it lacks {', '.join(_missing(known[wanted]))})"
-        return builds[wanted], ""
+        return _if_trusted(builds[wanted])
     for name, path in builds.items():
         if runs_here(known[name], flags):
-            return path, ""
+            return _if_trusted(path)
     if not builds:
         return None, ("the native library was not built when autoglm-trt was installed (no C compiler then?); "
                       "reinstall with a C compiler on PATH for the native operators")
     return None, f"no installed build of the native library runs on this CPU ({', '.join(builds)})"
+
+
+def trusted(path: Path) -> str:
+    """Why ``path`` (a library about to be loaded) may not be trusted, or "": it and its directory
+    must belong to this user or root, and neither may be writable by others, nor by a group other
+    than this user's own (a umask of 002 with a group per user is common)."""
+    for p in (path, path.parent):
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            return f"{p} is a symbolic link"
+        if st.st_uid not in (os.geteuid(), 0):
+            return f"{p} belongs to another user (uid {st.st_uid})"
+        shared_group = st.st_mode & stat.S_IWGRP and st.st_gid != os.getegid()  # not this user's own group
+        if st.st_mode & stat.S_IWOTH or shared_group:
+            return f"{p} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
+    return ""
+
+
+def _if_trusted(path: Path) -> tuple[Path | None, str]:
+    why = trusted(path)
+    return (None, f"the native library is not loaded: {why}") if why else (path, "")
 
 
 def _missing(variant: Variant) -> list[str]:

@@ -335,3 +335,28 @@ def test_one_branch_per_step_gives_the_per_layer_branches_outputs_bit_for_bit(ti
     assert decode_nodes(model)[op] == manifest.spec.num_layers
     for r in (one, per_layer):
         r.close()
+
+
+def test_only_a_library_nobody_else_may_write_is_loaded(library, monkeypatch, tmp_path):
+    """The library is loaded from the package's directory alone (nothing is compiled into or read
+    from a cache another user could plant a file in), and not when others may write it or its
+    directory."""
+    import shutil
+
+    from autoglm_trt import native
+
+    monkeypatch.setenv("AUTOGLM_TRT_CACHE", str(tmp_path))  # where a cache once was: never read now
+    found, why = native.library()
+    assert found is not None and found.parent == native.HERE and why == ""
+    here = tmp_path / "pkg"
+    here.mkdir(mode=0o755)
+    copy = here / found.name
+    shutil.copy2(found, copy)
+    copy.chmod(0o755)
+    monkeypatch.setattr(native, "HERE", here)
+    assert native.library() == (copy, "")
+    copy.chmod(0o757)
+    assert native.library()[0] is None and "writable by its group or others" in native.library()[1]
+    copy.chmod(0o755)
+    here.chmod(0o777)
+    assert native.library()[0] is None and str(here) in native.library()[1]
