@@ -246,21 +246,24 @@ def test_sigterm_drains_then_exits_zero(slow_engine):
 
 
 def test_load_test_script_and_bench_url(chat_engine):
-    """The load test (bounded: 80 requests, 8 clients, disconnects and malformed bodies) passes its own
-    checks, and ``bench --url`` measures the server."""
-    with server(chat_engine) as (port, _):
+    """The load test (bounded: 100 requests, 8 clients; disconnects of streams and of n = 3 requests,
+    malformed and oversized bodies, wrong keys) passes its own checks, and ``bench --url`` measures
+    the server."""
+    with server(chat_engine, "--api-key", "k", "--max-body-bytes", "65536") as (port, _):
         url = f"http://127.0.0.1:{port}"
-        r = subprocess.run([sys.executable, str(ROOT / "tools" / "load_test.py"), "--url", url, "--requests", "80",
-                            "--concurrency", "8", "--gen-len", "16", "--disconnect", "0.2", "--malformed", "0.1"],
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "load_test.py"), "--url", url, "--requests", "100",
+                            "--concurrency", "8", "--gen-len", "16", "--disconnect", "0.2", "--malformed", "0.1",
+                            "--oversized", "0.05", "--bad-key", "0.05", "--api-key", "k", "--max-body-bytes", "65536"],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         report = json.loads(r.stdout.splitlines()[0])
         assert report["outcomes"]["completed"] > 30 and report["outcomes"]["cancelled"] > 0
-        assert report["outcomes"]["malformed"] > 0 and report["kv_blocks_used_after"] == 0
+        assert all(report["outcomes"][kind] > 0 for kind in ("malformed", "oversized", "bad_key"))
+        assert report["kv_blocks_used_after"] == 0 and report["requests_live_after"] == 0
         assert not any(int(s) >= 500 for s in report["statuses"])
-        b = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", url, "--concurrency", "1,4",
-                            "--prompt-len", "8", "--gen-len", "8", "--json"], capture_output=True, text=True,
-                           cwd=ROOT, timeout=300)
+        b = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", url, "--api-key", "k",
+                            "--concurrency", "1,4", "--prompt-len", "8", "--gen-len", "8", "--json"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert b.returncode == 0, b.stderr
         rows = [json.loads(line) for line in b.stdout.splitlines()]
         assert [x["concurrency"] for x in rows] == [1, 4] and all(x["tokens_per_s"] > 0 for x in rows)
