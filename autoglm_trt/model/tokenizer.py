@@ -60,12 +60,17 @@ class TextTokenizer:
                             tools: list[dict] | None = None) -> list[int]:
         """The messages rendered by the chat template (``tools``: OpenAI's tool definitions, which
         templates that describe tools to the model read as ``tools``) and tokenized."""
+        text = self.render_chat(messages, add_generation_prompt, tools)
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The messages rendered by the chat template, as text."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; pass plain text or token ids")
-        text = RenderBudget().render(self._compiled(), messages=messages, add_generation_prompt=add_generation_prompt,
+        return RenderBudget().render(self._compiled(), messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=_token_text(self.config.get("bos_token")),
                                      eos_token=_token_text(self.config.get("eos_token")), tools=tools)
-        return self.tok.encode(text, add_special_tokens=False).ids
 
     def _compiled(self):
         if self._template is None:

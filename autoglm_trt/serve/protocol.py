@@ -306,12 +306,14 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
             raise ValueError("tool_choice needs tools")
-        if names and choice in (None, "auto"):
-            raise ValueError('tool_choice "auto" (the default with tools) needs the model\'s own tool-call format, '
-                             'which this server does not parse; use "required", a named function, or "none"')
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
         return self
+
+    def auto_tools(self) -> list[str]:
+        """The tools' names when the model decides whether to call one (``tool_choice`` "auto", the
+        default with tools), else []."""
+        return [t.function.name for t in self.tools or []] if self.tool_choice in (None, "auto") else []
 
     def template_tools(self) -> list[dict] | None:
         """The tool definitions as the chat template reads them (OpenAI's shape)."""

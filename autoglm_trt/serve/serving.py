@@ -39,6 +39,7 @@ from .protocol import (
     usage,
     usage_chunk,
 )
+from .tool_parsers import ToolFormat, detect
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.25
@@ -77,6 +78,7 @@ class Serving:
         self.engine, self.model, self.metrics = engine, model, metrics
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.max_client_priority = max_client_priority
+        self.tool_format = detect(engine.tokenizer)  # the model's own tool calls, for tool_choice "auto"
         self.draining = False
         self.inflight = 0
 
@@ -94,6 +96,12 @@ class Serving:
         # tokens, and images decoded and encoded, off the event loop; RequestError -> 400
         tools = body.template_tools() if isinstance(body, ChatCompletionRequest) else None
         called = body.called_tool() if isinstance(body, ChatCompletionRequest) else None
+        auto = body.auto_tools() if isinstance(body, ChatCompletionRequest) else []
+        if auto and self.tool_format is None:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the model\'s own tool-call format, '
+                                "and this model's chat template writes none that this server parses (GLM-4's, "
+                                'GLM-4.5\'s, Hermes\'); use "required", a named function, or "none"', param="tool_choice")
+        parse = (self.tool_format, auto) if auto and self.tool_format is not None else None
         prepared = await run_in_threadpool(self.engine.prepare, prompt, None, tools)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
@@ -109,15 +117,15 @@ class Serving:
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return StreamingResponse(self._events(req, sink, rid, chat, body.include_usage, called),
+            return StreamingResponse(self._events(req, sink, rid, chat, body.include_usage, called, parse),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            return await self._whole(request, req, sink, rid, chat, called)
+            return await self._whole(request, req, sink, rid, chat, called, parse)
         finally:
             self.inflight -= 1
 
     async def _whole(self, request: Request, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
-                     called: str | None) -> Response:
+                     called: str | None, parse: tuple[ToolFormat, list[str]] | None = None) -> Response:
         while True:
             try:
                 item = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
@@ -143,8 +151,9 @@ class Serving:
                                                    for c in res.choices], use)
             for out, c in zip(body["choices"], res.choices):
                 calls = tool_calls(c.text, called) if called is not None else None
-                if calls is not None:  # the guided call: OpenAI's tool_calls in place of the content
-                    out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                content, found = (None, calls) if parse is None else (parse[0].parse(c.text, parse[1]) or (c.text, None))
+                if found is not None:  # a call (guided, or the model's own): OpenAI's tool_calls
+                    out["message"] = {"role": "assistant", "content": content, "tool_calls": found}
                     out["finish_reason"] = "tool_calls"
         else:
             body = completion_response(rid, self.model, [(c.text, c.finish_reason,
@@ -157,12 +166,16 @@ class Serving:
         tok = self.engine.tokenizer
         return tok.token_text(token) if tok is not None else str(token)
 
-    async def _events(self, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
-                      include_usage: bool, called: str | None = None) -> AsyncIterator[str]:
+    async def _events(self, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool, include_usage: bool,
+                      called: str | None = None,
+                      parse: tuple[ToolFormat, list[str]] | None = None) -> AsyncIterator[str]:
         """Server-sent events of a streamed request; a tool call goes out whole, as one
-        ``delta.tool_calls``, once its text is complete."""
+        ``delta.tool_calls``, once its text is complete. With ``parse`` (tool_choice "auto"), the
+        text is held back while it may still begin a call of the model's own, and goes out as text
+        as soon as it cannot."""
         wanted = req.seq.params.logprobs is not None
         covered, pieces, offset = 0, 0, 0
+        held: str | None = "" if parse is not None else None
 
         def chunk(text: str, finish: str | None, upto: int) -> dict:
             """A chunk of ``text`` with the log-probabilities of the tokens up to ``upto`` not yet sent."""
@@ -180,19 +193,29 @@ class Serving:
             if chat:
                 yield _sse(chat_chunk(rid, self.model, {"role": "assistant", "content": ""}, None))
             while (piece := await sink.queue.get()) is not None:
-                if called is None:
-                    yield _sse(chunk(piece, None, req.marks[pieces] if wanted else 0))
                 pieces += 1
+                if called is not None:
+                    continue
+                if held is not None and parse is not None:
+                    held += piece
+                    if parse[0].could_start(held, parse[1]):
+                        continue
+                    piece, held = held, None  # not a call: what was held goes out now
+                yield _sse(chunk(piece, None, req.marks[pieces - 1] if wanted else 0))
             try:
                 res = self._finished(req)
             except AutoGLMError as exc:
                 yield _sse(error_body(str(exc), "server_error", "generation_failed"))
             else:
                 calls = tool_calls(res.text, called) if called is not None else None
+                if held is not None and parse is not None:  # held to the end: the model's own call, or text
+                    content, calls = parse[0].parse(held, parse[1]) or (held, None)
+                    if content:
+                        yield _sse(chunk(content, None, covered if calls is not None else len(req.logprobs)))
                 if calls is not None:
-                    delta = {"tool_calls": [{"index": 0, **calls[0]}]}
-                    yield _sse(chat_chunk(rid, self.model, delta, None, chat_logprobs(req.logprobs or None, self._token)
-                                          if wanted else None))
+                    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                    yield _sse(chat_chunk(rid, self.model, delta, None, chat_logprobs(req.logprobs[covered:] or None,
+                                                                                      self._token) if wanted else None))
                     yield _sse(chat_chunk(rid, self.model, {}, "tool_calls"))
                 else:
                     if called is not None and res.text:  # a call cut short: its text, as it is

@@ -1,0 +1,82 @@
+"""tool_choice "auto": the tool-call format found in a chat template, and calls parsed out of text."""
+
+from __future__ import annotations
+
+import json
+
+import jinja2
+import pytest
+
+from autoglm_trt.serve.tool_parsers import ToolFormat, detect
+
+SYSTEM = ("{% if tools %}<|system|>\nTools: {% for t in tools %}{{ t.function.name }} {% endfor %}"
+          "Answer with <tool_call>...</tool_call> or name\\n{json}.{% endif %}")
+TURN = "{% for m in messages %}<|{{ m.role }}|>\n{% if m.tool_calls %}{% for tc in m.tool_calls %}CALL{% endfor %}" \
+       "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+CALLS = {
+    "glm4": "{{ tc.function.name }}\n{{ tc.function.arguments }}",
+    "glm45": "<tool_call>{{ tc.function.name }}\n{% for k, v in (tc.function.arguments | fromjson).items() %}"
+             "<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>\n{% endfor %}</tool_call>",
+    "hermes": '<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}\n</tool_call>',
+    None: "{{ tc.function.name }}({{ tc.function.arguments }})",  # a call in no format this parses
+}
+
+
+class Templated:
+    """What ``detect`` needs of a tokenizer: its template, rendered."""
+
+    def __init__(self, template: str):
+        env = jinja2.Environment()
+        env.filters["fromjson"] = json.loads
+        self.chat_template, self.template = template, env.from_string(template)
+
+    def render_chat(self, messages, add_generation_prompt=True, tools=None) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+
+@pytest.mark.parametrize("kind", list(CALLS))
+def test_detect_reads_the_format_from_an_assistant_turn_with_a_call(kind):
+    """The system prompt that mentions both tag styles does not mislead it: only the turn counts."""
+    found = detect(Templated(SYSTEM + TURN.replace("CALL", CALLS[kind])))
+    assert (found.name if found else None) == kind
+
+
+def test_no_template_or_one_without_calls_has_no_format():
+    assert detect(None) is None
+    assert detect(Templated("{% for m in messages %}{{ m.content }}{% endfor %}")) is None
+
+
+NAMES = ["tap", "back"]
+
+
+def test_glm4_calls_and_text():
+    f = ToolFormat("glm4")
+    [[content, [call]]] = [f.parse('tap\n{"x": 5, "y": 7}\n', NAMES)]
+    assert content is None and call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "tap", "arguments": '{"x": 5, "y": 7}'}
+    assert f.parse('swipe\n{"x": 5}', NAMES) is None  # not a tool
+    assert f.parse("tap\n[1, 2]", NAMES) is None and f.parse("The weather is fine.", NAMES) is None
+    assert f.parse('tap\n{"x": 5', NAMES) is None  # cut short
+    assert [f.could_start(t, NAMES) for t in ("", "ta", "tap", "tap\n", 'tap\n{"x', "The", "tap now", "tap\nok")] == \
+        [True, True, True, True, True, False, False, False]
+
+
+def test_glm45_calls_values_as_json_or_text():
+    f = ToolFormat("glm45")
+    text = "Let me tap.<tool_call>tap\n<arg_key>x</arg_key>\n<arg_value>5</arg_value>\n" \
+           "<arg_key>label</arg_key>\n<arg_value>OK button</arg_value>\n</tool_call>"
+    content, [call] = f.parse(text, NAMES)
+    assert content == "Let me tap." and json.loads(call["function"]["arguments"]) == {"x": 5, "label": "OK button"}
+    assert f.parse("<tool_call>swipe\n</tool_call>", NAMES) is None
+    assert [f.could_start(t, NAMES) for t in ("<tool", "<tool_call>tap", "Sure")] == [True, True, False]
+
+
+def test_hermes_several_calls():
+    f = ToolFormat("hermes")
+    text = '<tool_call>\n{"name": "tap", "arguments": {"x": 1, "y": 2}}\n</tool_call>\n' \
+           '<tool_call>{"name": "back", "arguments": {}}</tool_call>'
+    content, calls = f.parse(text, NAMES)
+    assert content is None and [c["function"]["name"] for c in calls] == ["tap", "back"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1, "y": 2}
+    assert calls[0]["id"] != calls[1]["id"]
+    assert f.parse('<tool_call>{"name": "tap"}</tool_call>', NAMES) is None  # no arguments
