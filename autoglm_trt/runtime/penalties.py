@@ -9,8 +9,8 @@ Adjustments, in vLLM's order: ``logit_bias``, then
   tokens): l - f * count - p * (count > 0).
 
 ``TokenCounts`` keeps one sequence's generated-token counts, updated per token (never
-recounted), and the prompt's distinct tokens, found once when a repetition penalty first needs
-them; ``adjust`` touches only the rows of those tokens.
+recounted), and the distinct tokens of its prompt and text, found once when a repetition penalty
+first needs them and then grown by each new one; ``adjust`` touches only the rows of those tokens.
 """
 
 from __future__ import annotations
@@ -21,25 +21,34 @@ import numpy as np
 class TokenCounts:
     def __init__(self, prompt_ids: list[int]):
         self.prompt_ids = prompt_ids
-        self._prompt: np.ndarray | None = None
         self.counts: dict[int, int] = {}
+        self.generated = 0
+        self._prompt: set[int] | None = None  # the prompt's distinct tokens, once a repetition penalty asks
+        self._new: list[int] = []  # generated tokens the prompt does not hold, each once
+        self._seen: np.ndarray | None = None  # the two together, until a new one comes
 
     def add(self, token: int) -> None:
+        first = token not in self.counts
         self.counts[token] = self.counts.get(token, 0) + 1
+        self.generated += 1
+        if first and self._prompt is not None and token not in self._prompt:
+            self._new.append(token)
+            self._seen = None
 
     def copy(self) -> TokenCounts:
         out = TokenCounts(self.prompt_ids)
-        out._prompt, out.counts = self._prompt, dict(self.counts)
+        out.counts, out.generated = dict(self.counts), self.generated
+        out._prompt, out._new, out._seen = self._prompt, list(self._new), self._seen
         return out
 
-    @property
-    def generated(self) -> int:
-        return sum(self.counts.values())
-
-    def prompt_tokens(self) -> np.ndarray:
+    def seen(self) -> np.ndarray:
+        """Every distinct token of the prompt and of the generated text (in no particular order)."""
         if self._prompt is None:
-            self._prompt = np.unique(np.asarray(self.prompt_ids, np.int64))
-        return self._prompt
+            self._prompt = set(self.prompt_ids)
+            self._new = [t for t in self.counts if t not in self._prompt]
+        if self._seen is None:
+            self._seen = np.fromiter((*self._prompt, *self._new), np.int64, len(self._prompt) + len(self._new))
+        return self._seen
 
 
 def adjust(logits: np.ndarray, params, counts: TokenCounts, end_ids: frozenset[int] | set[int]) -> np.ndarray:
@@ -53,9 +62,7 @@ def adjust(logits: np.ndarray, params, counts: TokenCounts, end_ids: frozenset[i
     if params.min_tokens and counts.generated < params.min_tokens and end_ids:
         x[np.fromiter(end_ids, np.int64, len(end_ids))] = -np.inf
     if params.repetition_penalty != 1.0:
-        seen = counts.prompt_tokens()
-        if counts.counts:
-            seen = np.union1d(seen, np.fromiter(counts.counts.keys(), np.int64, len(counts.counts)))
+        seen = counts.seen()
         r = np.float32(params.repetition_penalty)
         v = x[seen]
         x[seen] = np.where(v > 0, v / r, v * r)

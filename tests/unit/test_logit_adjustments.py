@@ -45,7 +45,11 @@ def test_counts_are_kept_not_recounted_and_copied_apart():
     twin = c.copy()
     twin.add(4)
     assert c.counts[4] == 1 and twin.counts[4] == 2
-    np.testing.assert_array_equal(c.prompt_tokens(), [1, 5])
+    assert sorted(c.seen().tolist()) == [1, 2, 4, 5]  # the prompt's and the text's distinct tokens
+    c.add(9)
+    c.add(1)
+    twin.add(7)
+    assert sorted(c.seen().tolist()) == [1, 2, 4, 5, 9] and sorted(twin.seen().tolist()) == [1, 2, 4, 5, 7]
 
 
 @pytest.mark.parametrize("fields, message", [
