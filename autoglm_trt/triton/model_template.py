@@ -94,7 +94,10 @@ def _text(request, name):
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return None
-    return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in t.as_numpy().reshape(-1)]
+    try:
+        return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in t.as_numpy().reshape(-1)]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} is not valid UTF-8 text ({exc.reason} at byte {exc.start})") from exc
 
 
 class TritonPythonModel:

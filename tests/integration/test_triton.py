@@ -230,8 +230,12 @@ def test_repository_holds_only_the_manifests_files_and_refuses_links(chat_engine
 
 
 def test_text_that_is_not_utf8_is_an_error_and_the_model_stays_up(triton):
+    """Before, the model decoded text_input outside its error handling: the request got no answer."""
     port = triton["http"]
-    status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": "a \ud800 b", "max_tokens": 3})
-    assert status >= 400
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/tiny-chat/generate",
+                                 b'{"text_input": "a \xff\xfe b", "max_tokens": 3}', {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:  # the bytes reach the model, whose answer says why
+        urllib.request.urlopen(req, timeout=120)
+    assert "text_input is not valid UTF-8" in err.value.read().decode(errors="replace")
     status, text = post(port, "/v2/models/tiny-chat/generate", {"text_input": "hi", "max_tokens": 3})
     assert status == 200 and "text_output" in json.loads(text)
