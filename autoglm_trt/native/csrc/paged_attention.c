@@ -418,21 +418,21 @@ static void run_item(void *data, size_t i) {
   if (j->slots != NULL) store(j, b, h);
 }
 
-/* the optional store inputs into ``job`` (NULL), or why they do not fit; a prefill step (T > 1)
- * stores nothing whatever they hold */
+/* the optional store inputs of a decode step (T = 1) into ``job`` (NULL), or why they do not fit */
 static const char *store_inputs(OrtKernelContext *ctx, int int8, Job *job, int64_t B) {
   const size_t at = int8 ? 10 : 8;
   size_t count = 0;
   void *slots, *k_store = (void *)job->k_new, *v_store = (void *)job->v_new;
   int64_t sd[1], kd[4], vd[4];
   const int64_t want[4] = {B, 1, job->Hkv, job->D};
-  if (failed(API(API_KERNEL_CONTEXT_GET_INPUT_COUNT, InputCountFn)(ctx, &count)) || count <= at) return NULL;
+  if (job->T != 1 || failed(API(API_KERNEL_CONTEXT_GET_INPUT_COUNT, InputCountFn)(ctx, &count)) || count <= at)
+    return NULL; /* a prefill step's new K/V are stored by the runner, whatever these inputs hold */
   if (input(ctx, at, &slots, sd, 1) || sd[0] != B) return reason("slots must be [B = %lld]", (long long)B);
   if (int8 && (count <= 12 || input(ctx, 11, &k_store, kd, 4) || input(ctx, 12, &v_store, vd, 4) ||
                memcmp(kd, want, sizeof kd) || memcmp(vd, want, sizeof vd)))
     return reason("with slots, the int8 K and V to store must be [%lld, 1, %lld, %lld]", (long long)B,
                   (long long)job->Hkv, (long long)job->D);
-  if (job->T == 1) job->slots = slots, job->k_store = k_store, job->v_store = v_store;
+  job->slots = slots, job->k_store = k_store, job->v_store = v_store;
   return NULL;
 }
 
