@@ -43,6 +43,12 @@ SECTIONS = (
     Section("attention", "Decode steps with and without the native operators",
             ("benchmarks.bench_attention", "--rounds", "3")),
     Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
+    Section("linears", "One linear, every way", ("benchmarks.bench_linears",),
+            "SmolLM2's and GLM-4-9B's linear shapes: ONNX Runtime's MatMul and MatMulNBits (8- and 4-bit "
+            "blocked weights) against the native FloatLinear and Int8Linear, 2 threads; what INT4 and "
+            "weight-only INT8 would start from. Each is timed on the same weights again and again, so weights "
+            "that fit the last-level cache (SmolLM2's, and GLM-4-9B's qkv in 8 and 4 bits) are read warm; "
+            "GLM-4-9B's gate_up (and down in 8 bits) is the memory-bound case a decode step is."),
     Section("guided", "Structured output and penalties", ("benchmarks.bench_guided", "--rounds", "3"),
             "16 concurrent requests free, under a JSON schema, and with Open-AutoGLM's frequency_penalty plus a "
             "repetition penalty."),
