@@ -444,7 +444,7 @@ static const char *check_sequences(const Job *j, int64_t B) {
     const int64_t c = j->ctx_lens[b], n = j->q_lens[b];
     if (n < 0 || n > j->T)
       return reason("query_lens[%lld] = %lld is outside [0, %lld]", (long long)b, (long long)n, (long long)j->T);
-    if (c < 0 || c / j->BS + (c % j->BS != 0) > j->MB)
+    if (c < 0 || c > INT64_MAX / 2 || c / j->BS + (c % j->BS != 0) > j->MB) /* c + n stays in range */
       return reason("context_lens[%lld] = %lld does not fit a block table of %lld blocks of %lld", (long long)b,
                     (long long)c, (long long)j->MB, (long long)j->BS);
     const int64_t sizes[3] = {n > 0 ? n : 1, G, c + n + 1}, *table = j->tables + b * j->MB;
