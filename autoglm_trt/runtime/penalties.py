@@ -24,6 +24,7 @@ class TokenCounts:
         self.counts: dict[int, int] = {}
         self.generated = 0
         self._prompt: set[int] | None = None  # the prompt's distinct tokens, once a repetition penalty asks
+        self._prompt_ids: np.ndarray | None = None  # the same, as an array
         self._new: list[int] = []  # generated tokens the prompt does not hold, each once
         self._seen: np.ndarray | None = None  # the two together, until a new one comes
 
@@ -38,16 +39,18 @@ class TokenCounts:
     def copy(self) -> TokenCounts:
         out = TokenCounts(self.prompt_ids)
         out.counts, out.generated = dict(self.counts), self.generated
-        out._prompt, out._new, out._seen = self._prompt, list(self._new), self._seen
+        out._prompt, out._prompt_ids, out._new, out._seen = self._prompt, self._prompt_ids, list(self._new), self._seen
         return out
 
     def seen(self) -> np.ndarray:
         """Every distinct token of the prompt and of the generated text (in no particular order)."""
         if self._prompt is None:
             self._prompt = set(self.prompt_ids)
+            self._prompt_ids = np.fromiter(self._prompt, np.int64, len(self._prompt))
             self._new = [t for t in self.counts if t not in self._prompt]
         if self._seen is None:
-            self._seen = np.fromiter((*self._prompt, *self._new), np.int64, len(self._prompt) + len(self._new))
+            assert self._prompt_ids is not None  # set with _prompt
+            self._seen = np.concatenate((self._prompt_ids, np.asarray(self._new, np.int64)))
         return self._seen
 
 

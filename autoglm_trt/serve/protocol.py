@@ -22,6 +22,7 @@ from ..runtime.guided import Guide
 from ..runtime.request import TokenLogprob
 from ..runtime.sampling import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
 from .guard import unencodable
+from .tool_parsers import call
 
 
 class _Strict(BaseModel):
@@ -400,8 +401,7 @@ def tool_calls(text: str, called: str) -> list[dict] | None:
     name, arguments = (called, value) if called != "*" else (value.get("name"), value.get("arguments"))
     if not isinstance(name, str) or not isinstance(arguments, dict):
         return None
-    return [{"id": new_id("call"), "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]
+    return [call(name, arguments)]
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, logprobs: dict | None = None) -> dict:

@@ -381,21 +381,15 @@ static void store(const Job *j, int64_t b, int64_t h) {
   memcpy((char *)j->pool_v + to, (const char *)j->v_store + from, (size_t)D * size);
 }
 
-/* the bytes of a work item's scratch: the scores [n G, c + n], then the query and output row
- * pointers; ``check_inputs`` has bounded them */
-static size_t scratch_bytes(int64_t n, int64_t G, int64_t c) {
-  const size_t score_bytes = ((size_t)(n * G * (c + n)) * sizeof(float) + 63) / 64 * 64;
-  return score_bytes + 2 * (size_t)(n * G) * sizeof(float *);
-}
-
 /* work item i: sequence i / Hkv, KV head i % Hkv (each with scratch of its own) */
 static void run_item(void *data, size_t i) {
   Job *j = data;
   const int64_t b = (int64_t)i / j->Hkv, h = (int64_t)i % j->Hkv, G = j->Hq / j->Hkv, T = j->T, D = j->D;
   const int64_t c = j->ctx_lens[b], n = j->q_lens[b];
   if (n > 0) { /* a sequence of no new tokens (padding) has nothing to attend */
+    /* scratch: the scores [n G, c + n] (bounded by check_sequences), then the query and output row pointers */
     const size_t score_bytes = ((size_t)(n * G * (c + n)) * sizeof(float) + 63) / 64 * 64;
-    char *scratch = thread_scratch(scratch_bytes(n, G, c));
+    char *scratch = thread_scratch(score_bytes + 2 * (size_t)(n * G) * sizeof(float *));
     if (scratch == NULL) {
       __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
       return;
