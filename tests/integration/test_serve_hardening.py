@@ -75,7 +75,7 @@ def test_every_refusal_is_openai_error_json(guarded):
 
 
 @pytest.mark.parametrize("body", [
-    '{"model": "\\ud800", "prompt": "hi"}',  # once a 500: the error message could not be encoded
+    '{"model": "\\ud800", "prompt": "hi"}',  # the model name goes into the 404's message, which must encode
     '{"model": "tiny-chat", "messages": [{"role": "user", "content": "a \\udfff b"}]}',
     '{"model": "tiny-chat", "prompt": "hi", "\\ud800": 1}',
 ])
@@ -86,7 +86,8 @@ def test_text_that_is_not_unicode_is_a_400(guarded, body):
 
 
 def test_a_client_may_not_raise_its_own_priority(guarded):
-    """Before, any client could send priority -2**31 and keep everyone else waiting for centuries."""
+    """A client sending priority -2**31 would keep everyone else waiting for centuries (aging is one level
+    per 10 s)."""
     body = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 1}
     status, err, _ = request(guarded, "POST", "/v1/completions", {**body, "priority": -1}, KEY)
     assert status == 400 and err["error"]["param"] == "priority" and "--max-client-priority" in err["error"]["message"]
@@ -103,8 +104,8 @@ def test_max_client_priority_lets_clients_ask_for_more(chat_engine):
 def test_a_disconnect_after_the_first_sample_cancels_the_others(slow_engine):
     """n = 3 without streaming on an engine that runs one sequence at a time: the first sample
     runs, then the others, one by one. A client that goes away once the first has ended (and the
-    second runs) cancels the request's samples still running or waiting (before, they decoded to
-    max_tokens)."""
+    second runs) cancels the request's samples still running or waiting, rather than leaving them to
+    decode to max_tokens."""
     with server(slow_engine) as (port, _):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/completions", json.dumps({

@@ -198,9 +198,8 @@ def test_repository_refuses_a_corrupt_engine(chat_engine, tmp_path):
 
 
 def test_repository_holds_only_the_manifests_files_and_refuses_links(chat_engine, tmp_path):
-    """Before, the whole engine directory was copied following links: a link to a file outside
-    came in as that file's content, a linked directory's files too, and a link loop was a bare
-    RecursionError."""
+    """Copying the whole engine directory following links would bring in a linked file's content
+    from outside, a linked directory's files too, and recurse forever on a link loop."""
     import shutil
 
     from autoglm_trt.errors import AutoGLMError
@@ -230,7 +229,7 @@ def test_repository_holds_only_the_manifests_files_and_refuses_links(chat_engine
 
 
 def test_text_that_is_not_utf8_is_an_error_and_the_model_stays_up(triton):
-    """Before, the model decoded text_input outside its error handling: the request got no answer."""
+    """A decoding error outside the model's error handling would leave the request without an answer."""
     port = triton["http"]
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/tiny-chat/generate",
                                  b'{"text_input": "a \xff\xfe b", "max_tokens": 3}', {"Content-Type": "application/json"})

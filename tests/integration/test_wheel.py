@@ -1,6 +1,6 @@
 """The package as a user installs it: a wheel, in a fresh virtual environment outside the
-repository, builds an INT8 engine without ``--calib`` (the shipped calibration set is package
-data; before, it was found at ``<repo>/calibration/data``, which no wheel has)."""
+repository, builds an INT8 engine without ``--calib``: the shipped calibration set must be
+package data, not a path in the repository, which no wheel has."""
 
 from __future__ import annotations
 

@@ -96,11 +96,11 @@ def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t, int8_kv):
 
 
 @pytest.mark.parametrize("nb,bs,ctx,table,why", [
-    (4, 0, [0], [[0]], "blocks of 0: each must be at least 1"),  # once a division by zero (SIGFPE)
-    (0, 4, [3], [[0]], "0 blocks of 4: each must be at least 1"),  # once a read out of the empty pool
-    (4, 4, [2**63 - 1], [[0]], r"context_lens\[0\] = 9223372036854775807 does not fit a block table"),  # overflow
+    (4, 0, [0], [[0]], "blocks of 0: each must be at least 1"),  # unchecked: a division by zero (SIGFPE)
+    (0, 4, [3], [[0]], "0 blocks of 4: each must be at least 1"),  # unchecked: a read out of the empty pool
+    (4, 4, [2**63 - 1], [[0]], r"context_lens\[0\] = 9223372036854775807 does not fit a block table"),  # overflows
     (4, 4, [-5], [[0]], r"context_lens\[0\] = -5"),
-    (4, 4, [9], [[0, 1, 4]], r"block_tables\[0\]\[2\] = 4 is outside the pool of 4 blocks"),  # once block 0
+    (4, 4, [9], [[0, 1, 4]], r"block_tables\[0\]\[2\] = 4 is outside the pool of 4 blocks"),  # unchecked: read as block 0
 ])
 def test_inputs_the_kernel_cannot_read_safely_fail_the_run_with_the_reason(library, nb, bs, ctx, table, why):
     """A crafted graph's pool geometry, lengths or block numbers: an ONNX Runtime error naming the
@@ -345,7 +345,7 @@ def test_only_a_library_nobody_else_may_write_is_loaded(library, monkeypatch, tm
 
     from autoglm_trt import native
 
-    monkeypatch.setenv("AUTOGLM_TRT_CACHE", str(tmp_path))  # where a cache once was: never read now
+    monkeypatch.setenv("AUTOGLM_TRT_CACHE", str(tmp_path))  # a shared cache directory: never read
     found, why = native.library()
     assert found is not None and found.parent == native.HERE and why == ""
     here = tmp_path / "pkg"
