@@ -37,7 +37,7 @@ from ..model.checkpoint import Checkpoint
 from .config import BuildConfig
 from .profiles import profile_shapes
 
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int8-wo")
 KV_CALIB_WINDOWS = 32  # windows of 128 tokens for the K/V ranges of an fp32/fp16 engine's INT8 KV cache
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 
@@ -169,7 +169,7 @@ def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildCon
 
 def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]) -> dict:
     """K/V amax per layer and head: from the INT8 calibration, or one statistics pass over the
-    calibration text on the float export."""
+    calibration text on the float export ``record``."""
     if req.precision == "int8":
         return CalibRecord.read(record.dir).data["kv_amax"]
     from ..calib.collect import kv_statistics
@@ -196,9 +196,15 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     backend = resolve_backend(req.backend, log)
     t0 = time.perf_counter()
     cache = _cache_dir(req)
-    model_dir = _model_dir(req, cache, log)
+    model_dir = float_dir = _model_dir(req, cache, log)
     if req.precision == "int8":
         model_dir = _calibrated(req, model_dir, cache, log)
+    elif req.precision == "int8-wo":
+        from .weight_only import weight_only_export
+
+        if req.calib is not None:
+            log("int8-wo quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
+        model_dir = weight_only_export(model_dir, cache / "int8-wo", log)
 
     record = ExportRecord.read(model_dir)
     if cfg.max_seq_len > record.max_seq_len:
@@ -211,7 +217,9 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     if backend == "onnxruntime":
         check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), AutoGLMError)
     profiles = profile_shapes(cfg, record.spec, num_blocks)
-    kv_amax = _kv_amax(req, record, log) if kv_dtype == "int8" else None
+    # K/V ranges: the calibration's (int8), else measured on the float model
+    kv_source = ExportRecord.read(float_dir) if req.precision == "int8-wo" else record
+    kv_amax = _kv_amax(req, kv_source, log) if kv_dtype == "int8" else None
 
     with staged_directory(out_dir, req.force) as tmp:
         log(f"building {backend} engine ({req.precision}) from {record.graph_file}")

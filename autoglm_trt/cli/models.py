@@ -136,7 +136,9 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 
 @cli.command("build")
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default="int8", show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo"]), default="int8", show_default=True,
+              help="int8: INT8 weights and activations (calibrated); int8-wo: INT8 weights, float activations "
+                   "(no calibration; the closest to fp32).")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="Calibration text for int8 [default: the set shipped with the package, autoglm_trt/calib/data].")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)

@@ -5,7 +5,8 @@ text file, optionally a reference (a Hugging Face checkpoint, run in transformer
 model directory). Output: a dict with ``ppl`` and, with a reference, ``ref_ppl``,
 ``ppl_ratio``, ``top1_agreement`` (teacher-forced: same argmax next token) and ``kl`` (mean
 KL(ref || model) per position, nats). The text is tokenized with the model's tokenizer and
-cut into non-overlapping chunks of ``seq_len`` tokens; every chunk is scored whole.
+cut into non-overlapping chunks of ``seq_len`` tokens; every chunk is scored whole. An ONNX
+Runtime engine is scored as its runtime runs it: its native graph where this machine runs that.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts import EXPORT_RECORD
+from ..artifacts import EXPORT_RECORD, MANIFEST, Manifest
 from ..errors import AutoGLMError
 from ..graph.metrics import next_token_scores
 from ..graph.runner import GraphRunner
@@ -31,6 +32,8 @@ def model_logits(path: Path, threads: int | None = None, step_tokens: int | None
     runner = None
     if path.is_file() and path.suffix == ".onnx" and (path.parent / EXPORT_RECORD).is_file():
         runner = GraphRunner(path.parent, onnx_file=path.name, threads=threads)
+    elif (path / MANIFEST).is_file() and Manifest.read(path).backend == "onnxruntime":
+        runner = _engine_runner(path, threads)
     elif (path / EXPORT_RECORD).is_file():
         runner = GraphRunner(path, threads=threads)
     if runner is not None:
@@ -41,6 +44,18 @@ def model_logits(path: Path, threads: int | None = None, step_tokens: int | None
         return hf_logits(path)
     raise AutoGLMError(f"{path} is neither a model directory (export.json), an ONNX file in one, nor a Hugging Face "
                        "checkpoint (config.json)")
+
+
+def _engine_runner(engine_dir: Path, threads: int | None) -> GraphRunner:
+    """An ONNX Runtime engine's graph as its runtime runs it: the native graph where this machine
+    can run it (``backends.onnxrt.runner.open_session``), else the plain one."""
+    from ..backends.onnxrt.passes.common import SLOTS
+    from ..backends.onnxrt.runner import open_session
+
+    manifest = Manifest.read(engine_dir)
+    session, _ = open_session(manifest.dir, manifest.data["onnxruntime"], threads or 0)
+    slots = SLOTS if SLOTS in {i.name for i in session.get_inputs()} else None
+    return GraphRunner(engine_dir, session=session, no_store=slots)
 
 
 def evaluate(model: Path, text: Path, reference: Path | None = None, seq_len: int = 256,

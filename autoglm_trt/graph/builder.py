@@ -142,7 +142,7 @@ class GraphBuilder:
         graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
                                   producer_name="autoglm-trt")
-        model.ir_version = 8  # readable by ONNX Runtime >= 1.14 and TensorRT 10
+        model.ir_version = 8 if opset < 21 else 10  # readable by ONNX Runtime >= 1.14 and TensorRT 10; opset 21 needs 10
         for key, value in (metadata or {}).items():
             entry = model.metadata_props.add()
             entry.key, entry.value = key, value

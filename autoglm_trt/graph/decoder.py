@@ -58,6 +58,7 @@ from .builder import GraphBuilder, row_chunks
 from .quant import QuantPlan, quantized_matmul, quantized_rows_matmul
 
 OPSET = 17
+WEIGHT_ONLY_OPSET = 21  # DequantizeLinear in blocks
 # The graph's layout as this code writes it; a cached export of another version is redone.
 # 2: rope for q and k together in four nodes, new K/V named at their producer (no Identity),
 #    pools [kv_heads, num_blocks, block_size, head_dim], past and new keys attended separately.
@@ -74,6 +75,7 @@ class GraphOptions:
     dtype: str = "float32"  # weights, GEMMs and KV cache: float32 | float16
     max_seq_len: int = 4096  # the longest sequence the graph allows (its rope tables' length)
     quant: QuantPlan | None = None
+    opset: int = OPSET  # 21 for a weight-only plan's blocked DequantizeLinear
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -133,7 +135,10 @@ class DecoderGraph:
         # SimplifiedLayerNormalization and TensorRT into one normalization kernel.
         g = self.g
         sq = g.op("Pow", [x, g.const(np.float32(2.0), "two")], f"{name}_sq")
-        var = g.op("ReduceMean", [sq], f"{name}_var", axes=[-1], keepdims=1)
+        if self.opts.opset >= 18:  # the axes an input from opset 18 on
+            var = g.op("ReduceMean", [sq, g.ints([-1], "axis_last")], f"{name}_var", keepdims=1)
+        else:
+            var = g.op("ReduceMean", [sq], f"{name}_var", axes=[-1], keepdims=1)
         std = g.op("Sqrt", [g.op("Add", [var, g.const(np.float32(self.spec.rms_norm_eps), "eps")])], f"{name}_std")
         normed = g.op("Div", [x, std], f"{name}_div")
         return g.op("Mul", [normed, g.weight(f"{name}.weight", weight.astype(np.float32))], name)
@@ -348,9 +353,10 @@ def write_int8_graph(out_dir: Path, name: str, spec: ModelSpec, weights: WeightS
                      max_seq_len: int) -> Path:
     """``out_dir/name`` (+ ``name.data``): the decoder with the plan's linears in INT8."""
     builder = GraphBuilder(out_dir / f"{name}.data")
+    opset = WEIGHT_ONLY_OPSET if plan.weight_only else OPSET
     try:
-        DecoderGraph(builder, spec, weights, GraphOptions("float32", max_seq_len, plan)).build()
-        model = builder.model(f"{spec.family}_paged_decoder_int8", OPSET)
+        DecoderGraph(builder, spec, weights, GraphOptions("float32", max_seq_len, plan, opset)).build()
+        model = builder.model(f"{spec.family}_paged_decoder_int8", opset)
     finally:
         builder.close()
     onnx.save_model(model, str(out_dir / name))

@@ -6,6 +6,11 @@ MatMul (per-tensor symmetric scale ``amax / 127``) and a DequantizeLinear on its
 (per-output-channel scales), the form TensorRT's explicit quantization and ONNX Runtime's
 integer kernels both take. A rotated linear gets ``x R`` in the graph (blocks of ``b``, one
 MatMul by a normalized Hadamard matrix) and ``R^T W`` offline.
+
+A weight-only plan (``QuantPlan.weight_only``) puts a blocked DequantizeLinear (opset 21: one
+scale per ``WEIGHT_BLOCK`` inputs of each output channel) on the weight alone and leaves the
+activation float: TensorRT's weight-only INT8 form, and the pattern ONNX Runtime's optimizer
+turns into its 8-bit ``MatMulNBits``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from . import names
 from .builder import GraphBuilder
 from .hadamard import hadamard, rotate_rows, rotate_weight
 
+WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (one per channel: 60 of 100 chat answers, README)
 ROW_CHUNK = 8192  # rows of an [out, in] weight quantized at a time by ``quantized_rows_matmul``
 
 
@@ -37,17 +43,30 @@ class QuantPlan:
     # offline (see ``hadamard``); the amax is then that of the rotated input
     rotate: dict[str, int] = field(default_factory=dict)
 
+    # the DequantizeLinear on the weights alone, the activations float; ``act_amax`` then only
+    # names the linears (its values are unused)
+    weight_only: bool = False
+
+    @classmethod
+    def weights_only(cls, linears: list[str]) -> QuantPlan:
+        return cls(dict.fromkeys(linears, 0.0), weight_only=True)
+
     @property
     def switch_order(self) -> list[str]:
         return sorted(self.act_amax)
 
     def without(self, keep_float: list[str]) -> QuantPlan:
         """The same plan with the named linears left in float."""
-        return QuantPlan({n: a for n, a in self.act_amax.items() if n not in keep_float}, self.switchable, self.rotate)
+        return QuantPlan({n: a for n, a in self.act_amax.items() if n not in keep_float}, self.switchable, self.rotate,
+                         self.weight_only)
 
 
 def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3) -> str:
-    """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias)."""
+    """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
+    in a weight-only plan."""
+    if plan.weight_only:
+        wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
+        return g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws, name)], name)
     if name in plan.rotate:
         x, w = rotate_input(g, x, plan.rotate[name], name, rank), rotate_weight(w, plan.rotate[name])
     wq, ws = quantize_weight_per_channel(w)
@@ -65,19 +84,24 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
                           n_in: int, name: str, plan: QuantPlan, rank: int = 2) -> str:
     """``quantized_matmul`` of a weight read as ``[out, in]`` rows (an LM head of a large vocabulary),
     quantized chunk by chunk: memory holds the INT8 matrix once, never the float one."""
-    b = plan.rotate.get(name)
+    b = None if plan.weight_only else plan.rotate.get(name)
     if b:
         x = rotate_input(g, x, b, name, rank)
     q = np.empty((n_out, n_in), np.int8)
-    scale = np.empty(n_out, np.float32)
+    scale = np.empty((-(-n_in // WEIGHT_BLOCK), n_out) if plan.weight_only else n_out, np.float32)
     for a in range(0, n_out, ROW_CHUNK):
         rows = np.asarray(read_rows(a, min(a + ROW_CHUNK, n_out)), np.float32)
         if b:
             rows = rotate_rows(rows, b)  # (R^T W)^T = W^T R, row by row
-        qt, scale[a : a + len(rows)] = quantize_weight_per_channel(rows.T)
+        if plan.weight_only:
+            qt, scale[:, a : a + len(rows)] = quantize_weight_blocks(rows.T, WEIGHT_BLOCK)
+        else:
+            qt, scale[a : a + len(rows)] = quantize_weight_per_channel(rows.T)
         q[a : a + len(rows)] = qt.T
     wq = g.weight_chunks(f"{name}.weight_i8", (n_in, n_out), np.dtype(np.int8),
                          (np.ascontiguousarray(q[:, h : h + 512].T) for h in range(0, n_in, 512)))
+    if plan.weight_only:
+        return g.op("MatMul", [x, _weight_dq(g, wq, scale, name)], name)
     xdq, wdq = _qdq(g, x, wq, scale, name, plan)
     return g.op("MatMul", [xdq, wdq], name)
 
@@ -88,10 +112,17 @@ def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: Quan
     zero = g.const(np.int8(0), "zero_i8")
     xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
     xdq = g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")
-    wdq = g.op("DequantizeLinear", [wq, g.weight(f"{name}.weight_scale", ws),
-                                    g.weight(f"{name}.weight_zero", np.zeros(ws.shape, np.int8))],
-               f"{name}.weight_dq", axis=1)
-    return xdq, wdq
+    return xdq, _weight_dq(g, wq, ws, name)
+
+
+def _weight_dq(g: GraphBuilder, wq: str, ws: np.ndarray, name: str) -> str:
+    """DequantizeLinear of the INT8 weight ``wq`` ``[in, out]``: per output channel (``ws`` [out]),
+    or in blocks of ``WEIGHT_BLOCK`` inputs (``ws`` [blocks, out], opset 21)."""
+    zero = g.weight(f"{name}.weight_zero", np.zeros(ws.shape, np.int8))
+    if ws.ndim == 2:
+        return g.op("DequantizeLinear", [wq, g.weight(f"{name}.weight_scale", ws), zero], f"{name}.weight_dq",
+                    axis=0, block_size=WEIGHT_BLOCK)
+    return g.op("DequantizeLinear", [wq, g.weight(f"{name}.weight_scale", ws), zero], f"{name}.weight_dq", axis=1)
 
 
 def rotate_input(g: GraphBuilder, x: str, b: int, name: str, rank: int = 3) -> str:
@@ -112,4 +143,17 @@ def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     amax = np.max(np.abs(w), axis=0).astype(np.float32)
     scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
     q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def quantize_weight_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric INT8 of a ``[in, out]`` matrix with one scale per ``block`` inputs of each output
+    (the last block may be shorter): (int8 weights ``[in, out]``, float32 scales ``[blocks, out]``)."""
+    n_in, n_out = w.shape
+    blocks = -(-n_in // block)
+    padded = np.zeros((blocks * block, n_out), np.float32)
+    padded[:n_in] = w
+    amax = np.max(np.abs(padded.reshape(blocks, block, n_out)), axis=1)
+    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(w / np.repeat(scale, block, axis=0)[:n_in]), -127, 127).astype(np.int8)
     return q, scale

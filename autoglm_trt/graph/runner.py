@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,11 +73,19 @@ def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str, all_logit
 class GraphRunner:
     """One ONNX Runtime session over a model directory's graph."""
 
-    def __init__(self, model_dir: Path, onnx_file: str | None = None, threads: int | None = None):
+    def __init__(self, model_dir: Path, onnx_file: str | None = None, threads: int | None = None,
+                 session: Any = None, no_store: str | None = None):
+        """``session``: one already open over the directory's graph (an engine's native graph);
+        ``no_store``: its input that says where each sequence's new K/V is stored, fed -1 (nowhere:
+        the K/V outputs are written back here)."""
         self.record = ExportRecord.read(model_dir)
         self.dir = self.record.dir
         self.spec: ModelSpec = self.record.spec
         self.kv_dtype = self.record.kv_dtype
+        self.no_store = no_store
+        if session is not None:
+            self.session = session
+            return
         path = inside(self.dir, onnx_file, "the ONNX file") if onnx_file else self.record.graph_file
         if not path.is_file():
             raise AutoGLMError(f"{path} is missing")
@@ -84,7 +93,11 @@ class GraphRunner:
 
     def logits(self, windows: np.ndarray) -> np.ndarray:
         """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""
-        return run(self.session, prefill_feeds(self.spec, windows, self.kv_dtype, all_logits=True))["logits"]
+        return run(self.session, self._stored_nowhere(prefill_feeds(self.spec, windows, self.kv_dtype, all_logits=True),
+                                                      len(windows)))["logits"]
+
+    def _stored_nowhere(self, feeds: dict, batch: int) -> dict:
+        return feeds if self.no_store is None else {**feeds, self.no_store: np.full(batch, -1, np.int64)}
 
     def paged_logits(self, windows: np.ndarray, step_tokens: int, block_size: int = 16) -> np.ndarray:
         """The same logits, computed ``step_tokens`` tokens per step through a paged pool, so that
@@ -100,7 +113,7 @@ class GraphRunner:
         for start in range(0, seq_len, step_tokens):
             chunk = [list(map(int, w[start : start + step_tokens])) for w in windows]
             feeds, slots = step_inputs(chunk, states, block_size, all_logits=True, **text_only(self.spec, batch))
-            res = run(self.session, {**feeds, **pools.feeds()})
+            res = run(self.session, self._stored_nowhere({**feeds, **pools.feeds()}, batch))
             pools.write(res, slots)
             out[:, start : start + len(chunk[0])] = res["logits"]
             for st in states:

@@ -80,6 +80,14 @@ def _float_linear(rng, extra: int) -> list[np.ndarray]:
     return feeds
 
 
+def _weight_linear(rng, extra: int) -> list[np.ndarray]:
+    feeds = _float_linear(rng, extra)
+    k, n16 = feeds[1].shape[1], feeds[1].shape[0]
+    feeds[1] = rng.integers(-127, 128, (n16, k, 16)).astype(I8)
+    feeds.insert(2, rng.uniform(1e-3, 1e-2, (-(-k // 32), 16 * n16)).astype(F))
+    return feeds
+
+
 def _hadamard(rng) -> list[np.ndarray]:
     blk = int(rng.choice([1, 4, 64]))
     return [rng.standard_normal((2, 3, blk * int(rng.integers(1, 4)))).astype(F), np.zeros((blk, blk), F),
@@ -115,6 +123,10 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "FloatLinearSplit": (lambda r: _float_linear(r, 0), 2, 0),
     "FloatLinearSiluMul": (lambda r: _float_linear(r, 0), 1, 0),
     "FloatLinearSkipNorm": (lambda r: _float_linear(r, 1), 2, 0),
+    "Int8WeightLinear": (lambda r: _weight_linear(r, 0), 1, 0),
+    "Int8WeightLinearSplit": (lambda r: _weight_linear(r, 0), 2, 0),
+    "Int8WeightLinearSiluMul": (lambda r: _weight_linear(r, 0), 1, 0),
+    "Int8WeightLinearSkipNorm": (lambda r: _weight_linear(r, 1), 2, 0),
     "RopeQKV": (_rope, 3, 0),
     "MaskedSoftmax": (_softmax, 2, 0),
 }

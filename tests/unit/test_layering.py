@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     **LOWER,
     "export": STAGE,
     "calib": STAGE | {"native"},  # the native library's statistics kernels
-    "evaluate": STAGE,
+    "evaluate": STAGE | {"backends"},
     "runtime": STAGE | {"backends"},
     "builder": STAGE | {"backends", "export", "calib"},
     "serve": STAGE | {"runtime"},

@@ -74,7 +74,9 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
   static const CustomOp *const ops[] = {&paged_attention, &paged_attention_int8, &hadamard_quantize, &int8_linear,
                                          &int8_linear_split, &rope_qkv, &float_linear, &float_linear_split,
                                          &int8_linear_silu_mul, &float_linear_silu_mul, &int8_linear_skip_norm,
-                                         &float_linear_skip_norm, &masked_softmax};
+                                         &float_linear_skip_norm, &masked_softmax, &int8_weight_linear,
+                                         &int8_weight_linear_split, &int8_weight_linear_silu_mul,
+                                         &int8_weight_linear_skip_norm};
   if (domain == NULL) {
     OrtStatus *status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain);
     for (size_t i = 0; status == NULL && i < sizeof ops / sizeof ops[0]; i++)

@@ -12,7 +12,8 @@ The passes, in order (one module each):
     attention          PagedAttention for decode steps; the prefill's scores by row, MaskedSoftmax
     rope_qkv           each layer's QKV split + rope as RopeQKV
     hadamard_quantize  each INT8 linear's rotation + quantization as HadamardQuantize
-    linears            Int8Linear / FloatLinear over packed weights; the Split and SiLU * up forms
+    linears            Int8Linear / FloatLinear / Int8WeightLinear over packed weights; the Split and
+                       SiLU * up forms
     skip_norm          residual add + RMSNorm as SkipSimplifiedLayerNormalization (no native code)
     linear_skip_norm   that norm into the linear before it (*LinearSkipNorm)
     step_branch        one If per step instead of one per layer
@@ -35,7 +36,8 @@ from .common import all_nodes
 
 PASSES_VERSION = 1
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
-           "Int8LinearSkipNorm")  # computed as ONNX Runtime's float nodes are only with fused multiply-add
+           "Int8LinearSkipNorm", "Int8WeightLinear", "Int8WeightLinearSplit", "Int8WeightLinearSiluMul",
+           "Int8WeightLinearSkipNorm")  # computed as ONNX Runtime's float nodes are only with fused multiply-add
 
 
 @dataclass(frozen=True)

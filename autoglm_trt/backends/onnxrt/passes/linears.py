@@ -36,11 +36,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import weights_arena
 from . import linear_epilogues
-from .common import DOMAIN, graph_inputs, use_domain
+from .common import DOMAIN, MICROSOFT, graph_inputs, use_domain
 
 OP = "Int8Linear"
 FLOAT_OP = "FloatLinear"
-LINEAR_OPS = (OP, FLOAT_OP)  # and their Split, SiluMul and SkipNorm forms
+WEIGHT_OP = "Int8WeightLinear"
+LINEAR_OPS = (OP, FLOAT_OP, WEIGHT_OP)  # and their Split, SiluMul and SkipNorm forms
+MATMUL_NBITS_ZERO = 128  # the zero point of 8-bit MatMulNBits weights when it has none
+QUANT_BLOCK = 32  # Int8WeightLinear's inputs per weight scale (csrc/float_linear.c)
 # Where the graph says the packed weights lie: the weights folder itself, which ONNX Runtime checks
 # exists but never reads, because the session is handed each array in place (``add_initializer``);
 # were it ever read, a folder is not a file, and loading fails rather than reading other bytes.
@@ -75,7 +78,7 @@ def float_tiles_shape(k: int, n: int) -> tuple[int, int, int]:
 
 
 def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx.TensorProto, bool]],
-              array) -> dict[str, np.ndarray]:
+              array, int8_tiles: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
     """Each int8 ``[K, N]`` weight packed, with its column sums, and each float weight as 16-column
     tiles (``[N / 16, K, 16]``; ``floats`` says whether the tensor holds ``W`` transposed, as a
     ``Gemm``'s ``transB``), all into one buffer of ``weights_arena`` (huge pages where the system
@@ -90,6 +93,9 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         k, n = (int(t.dims[1]), int(t.dims[0])) if transposed else (int(t.dims[0]), int(t.dims[1]))
         names.append(f"{name}.tiles")
         specs.append((float_tiles_shape(k, n), np.dtype(np.float32)))
+    for name, (q, scale) in (int8_tiles or {}).items():
+        names += [f"{name}.tiles", f"{name}.scales"]
+        specs += [(float_tiles_shape(q.shape[1], q.shape[0]), np.dtype(np.int8)), (scale.shape, np.dtype(np.float32))]
     buf = weights_arena.allocate(weights_arena.layout(specs)[1])
     out = dict(zip(names, weights_arena.views(buf, specs)))
     for name, t in weights.items():
@@ -99,6 +105,10 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         tiles = out[f"{name}.tiles"]
         tiles[...] = (w.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1) if transposed
                       else w.reshape(tiles.shape[1], tiles.shape[0], 16).transpose(1, 0, 2))
+    for name, (q, scale) in (int8_tiles or {}).items():  # q: [N, K], as the transposed float weights
+        tiles = out[f"{name}.tiles"]
+        tiles[...] = q.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1)
+        out[f"{name}.scales"][...] = scale
     weights_arena.settle(buf)
     return out
 
@@ -144,10 +154,23 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
 
     weights: dict[str, onnx.TensorProto] = {}
     float_weights: dict[str, tuple[onnx.TensorProto, bool]] = {}
+    int8_weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    added: dict[int, onnx.NodeProto] = {}  # a node to put after the one replaced
     widths: dict[str, int] = {}  # a fused linear's output: its columns
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for mm in old:
+        blocked = _nbits_int8(mm, inits, array) if fma else None
+        if blocked is not None:
+            int8_weights[mm.input[1]] = blocked
+            bias = mm.input[5] if len(mm.input) > 5 else ""
+            out = f"{mm.output[0]}.before_bias" if bias else mm.output[0]
+            widths[out] = blocked[0].shape[0]
+            replaced[id(mm)] = helper.make_node(WEIGHT_OP, [mm.input[0], f"{mm.input[1]}.tiles", f"{mm.input[1]}.scales"],
+                                                [out], name=f"{mm.name}.int8_weight_linear", domain=DOMAIN)
+            if bias:  # the bias ONNX Runtime folded into the MatMulNBits, added after it
+                added[id(mm)] = helper.make_node("Add", [out, bias], [mm.output[0]], name=f"{mm.name}.bias")
+            continue
         transposed = _float_matrix(mm, inits) if fma else None
         if transposed is not None:
             t = inits[mm.input[1]]
@@ -168,14 +191,15 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
         dropped.add(id(rot))
     if not replaced:
         return {}
-    nodes = _split_halves([replaced.get(id(n), n) for n in old if id(n) not in dropped], inits, readers, widths)
+    nodes = [m for n in old if id(n) not in dropped for m in (replaced.get(id(n), n), added.get(id(n))) if m is not None]
+    nodes = _split_halves(nodes, inits, readers, widths)
     if fma:
         nodes = linear_epilogues.silu_mul(nodes, readers)
     del graph.node[:]
     graph.node.extend(nodes)
     if not pack:
         return {}
-    arrays = _pack_all(weights, float_weights, array)
+    arrays = _pack_all(weights, float_weights, array, int8_weights)
     used = graph_inputs(graph)
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
@@ -189,6 +213,31 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
             entry.key, entry.value = key, value
     use_domain(model)
     return arrays
+
+
+def _nbits_int8(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
+                array) -> tuple[np.ndarray, np.ndarray] | None:
+    """For an 8-bit ``com.microsoft.MatMulNBits`` in blocks of ``QUANT_BLOCK`` inputs (what ONNX
+    Runtime makes of a weight-only INT8 linear's DequantizeLinear + MatMul, ``graph/quant.py``)
+    over a multiple of 16 columns, with zero points of 128 (a bias, input 5, is added after it):
+    (int8 weights ``[N, K]``, float32 scales ``[ceil(K / QUANT_BLOCK), N]``); else None."""
+    if node.op_type != "MatMulNBits" or node.domain != MICROSOFT or len(node.input) not in (3, 4, 5, 6) or \
+            any(name not in inits for name in node.input[1:] if name) or (len(node.input) > 4 and node.input[4]):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, n = attrs.get("K", 0), attrs.get("N", 0)
+    if attrs.get("bits") != 8 or attrs.get("block_size") != QUANT_BLOCK or n % 16 or k < 1:
+        return None
+    blocks = -(-k // QUANT_BLOCK)
+    b, scales = array(inits[node.input[1]]), array(inits[node.input[2]])
+    if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK) or scales.dtype != np.float32 or \
+            scales.size != n * blocks:
+        return None
+    zeros = array(inits[node.input[3]]) if len(node.input) == 4 and node.input[3] else None
+    if zeros is not None and (zeros.size != n * blocks or np.any(zeros != MATMUL_NBITS_ZERO)):
+        return None
+    q = (b.reshape(n, blocks * QUANT_BLOCK)[:, :k].astype(np.int16) - MATMUL_NBITS_ZERO).astype(np.int8)
+    return q, np.ascontiguousarray(scales.reshape(n, blocks).T)
 
 
 def _float_matrix(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool | None:
@@ -213,7 +262,7 @@ def _split_halves(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto
     equal halves (a fused gate/up projection) as one ``Int8LinearSplit`` or ``FloatLinearSplit``
     with the halves as its outputs, where each half is a whole number of 16-column tiles.
     ``widths``: each linear's columns, by its output."""
-    linears = {n.output[0]: n for n in nodes if n.op_type in (OP, FLOAT_OP) and n.domain == DOMAIN}
+    linears = {n.output[0]: n for n in nodes if n.op_type in LINEAR_OPS and n.domain == DOMAIN}
     merged: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for split in nodes:

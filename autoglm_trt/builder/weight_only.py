@@ -1,0 +1,67 @@
+"""``int8-wo``: a float32 export -> the same decoder with INT8 weights and float activations.
+
+Input: a float32 export directory. Output directory (the build's cache)::
+
+    model.int8wo.onnx, model.int8wo.onnx.data   every linear (the LM head too) as a
+                                                DequantizeLinear of its INT8 weight (symmetric,
+                                                per output channel) into a float MatMul
+    export.json                                 the export's record, pointing at that graph;
+                                                ``weight_only.source`` is the export's identity
+    tokenizer (and vision encoder) files
+
+No calibration data is read: weight scales come from the weights alone. TensorRT builds the
+graph as weight-only INT8; ONNX Runtime's optimizer turns each DequantizeLinear + MatMul into its
+``MatMulNBits`` (8-bit, blocks of 32, accuracy level 4: activations quantized per block at run
+time, the form ONNX Runtime GenAI's int8 models use).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from ..artifacts import EXPORT_RECORD, ExportRecord, copy_tokenizer_files
+from ..errors import AutoGLMError
+from ..fileutil import staged_directory, write_json
+from ..graph.decoder import write_int8_graph
+from ..graph.exported_weights import ExportedWeights
+from ..graph.quant import QuantPlan
+
+GRAPH = "model.int8wo.onnx"
+# What this code writes from the same export; a cached result of another version is redone.
+VERSION = 1
+
+
+def _reusable(out_dir: Path, source: str) -> bool:
+    if not (out_dir / EXPORT_RECORD).is_file():
+        return False
+    made = ExportRecord.read(out_dir).data.get("weight_only", {})
+    return made.get("source") == source and made.get("version") == VERSION
+
+
+def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], None] = print) -> Path:
+    """Write (or reuse) the weight-only INT8 model of ``export_dir`` in ``out_dir``; returns ``out_dir``."""
+    export = ExportRecord.read(export_dir)
+    if export.dtype != "float32" or export.precision != "fp32":
+        raise AutoGLMError(f"{export_dir} is not a float32 export; int8-wo is made from one "
+                           "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
+    source = export.identity()
+    if _reusable(out_dir, source):
+        log(f"reusing the weight-only INT8 model in {out_dir} (its export matches)")
+        return out_dir
+    import onnx
+
+    from ..calib.collect import linear_inputs
+
+    linears = sorted(linear_inputs(onnx.load(str(export.graph_file), load_external_data=False)))
+    log(f"quantizing {len(linears)} linears' weights to INT8 (per output channel) from {export_dir}")
+    with staged_directory(out_dir, True) as tmp:
+        write_int8_graph(tmp, GRAPH, export.spec, ExportedWeights(export_dir), QuantPlan.weights_only(linears),
+                         export.max_seq_len)
+        record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int8-wo")
+        record["weight_only"] = {"source": source, "version": VERSION, "linears": len(linears),
+                                 "weights": "int8, symmetric, one scale per output channel"}
+        copy_tokenizer_files(export_dir, tmp)
+        write_json(tmp / EXPORT_RECORD, json.loads(json.dumps(record)))
+    return out_dir

@@ -1,0 +1,145 @@
+"""The native Int8WeightLinear operator: what ONNX Runtime makes of a weight-only INT8 linear
+(DequantizeLinear in blocks of 32 + MatMul -> 8-bit MatMulNBits) rewritten to it, computing the
+dequantized weights' product with float activations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoglm_trt.backends.onnxrt.passes import linear_epilogues
+from autoglm_trt.backends.onnxrt.passes import linears as linear_op
+from autoglm_trt.graph.quant import WEIGHT_BLOCK, quantize_weight_blocks
+
+
+def _optimized(k: int, n: int, op: str, tmp: Path, skip_norm: bool = False):
+    """``x [1, rows, k]`` times a blocked INT8 weight (``quantize_weight_blocks`` of random floats),
+    as ONNX Runtime's optimizer leaves it (a MatMulNBits); ``op`` "MatMul", "Split" or "SiluMul"
+    as in ``test_float_linear``; with ``skip_norm`` a residual + RMSNorm after it. Returns the
+    optimized model and the weights' dequantized float64 matrix."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from autoglm_trt.graph.session import make_session
+
+    rng = np.random.default_rng(k * n)
+    q, scale = quantize_weight_blocks((rng.standard_normal((k, n)) * 0.05).astype(np.float32), WEIGHT_BLOCK)
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], name="dq", axis=0, block_size=WEIGHT_BLOCK),
+             helper.make_node("MatMul", ["x", "w"], ["y"], name="m")]
+    outputs = ["y"]
+    if op in ("Split", "SiluMul"):
+        nodes.append(helper.make_node("Split", ["y"], ["y0", "y1"], name="sp", axis=-1, num_outputs=2))
+        outputs = ["y0", "y1"]
+    if op == "SiluMul":
+        nodes += [helper.make_node("QuickGelu", ["y0"], ["a"], name="qg", domain="com.microsoft", alpha=1.0),
+                  helper.make_node("Mul", ["a", "y1"], ["out"], name="u")]
+        outputs = ["out"]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "R", k])]
+    inits = [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scale, "s"),
+             numpy_helper.from_array(np.zeros_like(q[: len(scale)]), "z")]
+    if skip_norm:
+        nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["skip", "y", "gamma"],
+                                      ["normalized", "", "", "sum"], name="norm", domain="com.microsoft", epsilon=1e-5))
+        inputs.append(helper.make_tensor_value_info("skip", TensorProto.FLOAT, [1, "R", n]))
+        inits.append(numpy_helper.from_array(np.linspace(0.5, 2.0, n, dtype=np.float32), "gamma"))
+        outputs = ["normalized", "sum"]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                   for o in outputs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    make_session(model.SerializeToString(), threads=2, save_optimized=tmp / "opt.onnx")
+    optimized = onnx.load(str(tmp / "opt.onnx"))
+    assert "MatMulNBits" in [node.op_type for node in optimized.graph.node]
+    dequantized = q.astype(np.float64) * np.repeat(scale, WEIGHT_BLOCK, axis=0)[:k]
+    return optimized, dequantized
+
+
+def _run(model, library: Path, feeds: dict) -> list[np.ndarray]:
+    from autoglm_trt.graph.session import make_session
+
+    fused = type(model).FromString(model.SerializeToString())
+    arrays = linear_op.rewrite(fused, Path("."), fma=True)
+    assert arrays, "nothing was rewritten"
+    linear_epilogues.fuse_skip_norm(fused)
+    ops = [node.op_type for node in fused.graph.node]
+    assert any(op.startswith("Int8WeightLinear") for op in ops) and "MatMulNBits" not in ops, ops
+    session = make_session(fused.SerializeToString(), threads=2, custom_ops=library, initializers=arrays)
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize("k,n,op", [
+    (576, 960, "MatMul"),  # SmolLM2's QKV: 18 blocks of 32 inputs, 3 blocks of 256 summed in turn
+    (1536, 576, "MatMul"),  # its down projection
+    (576, 3072, "Split"),  # its gate/up projection: Int8WeightLinearSplit
+    (576, 3072, "SiluMul"),  # and the activation: Int8WeightLinearSiluMul
+    (100, 16, "MatMul"),  # K not a multiple of 32 (the last block has 4 inputs), one tile
+    (40, 48, "MatMul"),  # one partial block of 256, three tiles (the last pair has one)
+])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 16, 37, 300])
+def test_it_computes_the_product_with_the_dequantized_weights(kernel_library, tmp_path, k, n, op, rows):
+    """Every row count the kernel splits differently (a decode step, groups of 4 and 8 with rows
+    left over, a prefill's work items) gives x times the dequantized weights to float32's
+    rounding: the activations are never quantized (ONNX Runtime's MatMulNBits at accuracy level 4
+    quantizes them per block of 32, and is off by far more; checked too)."""
+    from autoglm_trt.graph.session import make_session
+
+    model, w = _optimized(k, n, op, tmp_path)
+    x = np.random.default_rng(rows).standard_normal((1, rows, k)).astype(np.float32)
+    y = x.astype(np.float64) @ w
+    if op == "Split":
+        want = [y[..., : n // 2], y[..., n // 2:]]
+    elif op == "SiluMul":
+        gate = y[..., : n // 2]
+        want = [gate / (1 + np.exp(-gate)) * y[..., n // 2:]]
+    else:
+        want = [y]
+    got = _run(model, kernel_library, {"x": x})
+    bound = 2e-6 * np.sqrt(k) * (np.abs(x).astype(np.float64) @ np.abs(w)).max(initial=1.0) / np.sqrt(k)
+    for a, b in zip(want, got):
+        assert b.shape == a.shape and b.dtype == np.float32
+        assert np.abs(b - a).max(initial=0.0) <= bound, (np.abs(b - a).max(), bound)
+    if rows and op == "MatMul":  # what ONNX Runtime's own node gives, for scale
+        theirs = make_session(model.SerializeToString(), threads=2).run(None, {"x": x})[0]
+        assert np.abs(theirs - y).max() > 10 * np.abs(got[0] - y).max()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 37])
+def test_the_skip_norm_form_adds_the_residual_and_normalizes(kernel_library, tmp_path, rows):
+    """Int8WeightLinearSkipNorm: the linear's sum with the skip, and its RMSNorm (gamma from 0.5 to 2)."""
+    k, n = 1536, 576
+    model, w = _optimized(k, n, "MatMul", tmp_path, skip_norm=True)
+    rng = np.random.default_rng(rows)
+    feeds = {"x": rng.standard_normal((1, rows, k)).astype(np.float32),
+             "skip": (rng.standard_normal((1, rows, n)) * 4).astype(np.float32)}
+    normalized, total = _run(model, kernel_library, feeds)
+    assert normalized.shape == total.shape == (1, rows, n)
+    want = feeds["skip"].astype(np.float64) + feeds["x"].astype(np.float64) @ w
+    np.testing.assert_allclose(total, want, rtol=0, atol=1e-4)
+    rms = np.sqrt(np.mean(want**2, axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(normalized, want / rms * np.linspace(0.5, 2.0, n), rtol=0, atol=1e-4)
+
+
+def test_only_8_bit_blocks_of_32_with_the_default_zero_point_are_taken(tmp_path):
+    """A MatMulNBits of other zero points is left to ONNX Runtime; the weights and scales the
+    operator gets are the graph's own, in its layout."""
+    from onnx import numpy_helper
+
+    model, w = _optimized(64, 32, "MatMul", tmp_path)
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    inits = {t.name: t for t in model.graph.initializer}
+    got = linear_op._nbits_int8(node, inits, numpy_helper.to_array)
+    assert got is not None
+    q, scales = got
+    assert q.shape == (32, 64) and scales.shape == (2, 32)
+    np.testing.assert_array_equal(q.T.astype(np.float64) * np.repeat(scales, 32, axis=0), w)
+    tiles = linear_op._pack_all({}, {}, numpy_helper.to_array, {"w": got})
+    assert tiles["w.tiles"].shape == (2, 64, 16)
+    for k in (0, 31, 63):
+        for c in (0, 15, 16, 31):
+            assert tiles["w.tiles"][c // 16, k, c % 16] == q[c, k]
+    if len(node.input) == 4:
+        zeros = inits[node.input[3]]
+        zeros.CopyFrom(numpy_helper.from_array(np.full(numpy_helper.to_array(zeros).shape, 127, np.uint8), zeros.name))
+        assert linear_op._nbits_int8(node, inits, numpy_helper.to_array) is None
