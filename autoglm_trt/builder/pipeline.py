@@ -123,6 +123,20 @@ def _calibrated(req: BuildRequest, model_dir: Path, cache: Path, log: Callable[[
     return calib_dir
 
 
+def _quantized(req: BuildRequest, float_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
+    """The model the engine is built from: the float export, its INT8 calibration or its
+    weight-only INT8 model (made or reused in the cache)."""
+    if req.precision == "int8":
+        return _calibrated(req, float_dir, cache, log)
+    if req.precision == "int8-wo":
+        from .weight_only import weight_only_export
+
+        if req.calib is not None:
+            log("int8-wo quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
+        return weight_only_export(float_dir, cache / "int8-wo", log)
+    return float_dir
+
+
 def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
                    req: BuildRequest, kv_amax: dict | None) -> tuple[str, dict]:
     """Optimize (ONNX Runtime: then its plain and native graphs, ``loader.write_graphs``) or build
@@ -196,15 +210,8 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     backend = resolve_backend(req.backend, log)
     t0 = time.perf_counter()
     cache = _cache_dir(req)
-    model_dir = float_dir = _model_dir(req, cache, log)
-    if req.precision == "int8":
-        model_dir = _calibrated(req, model_dir, cache, log)
-    elif req.precision == "int8-wo":
-        from .weight_only import weight_only_export
-
-        if req.calib is not None:
-            log("int8-wo quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
-        model_dir = weight_only_export(model_dir, cache / "int8-wo", log)
+    float_dir = _model_dir(req, cache, log)
+    model_dir = _quantized(req, float_dir, cache, log)
 
     record = ExportRecord.read(model_dir)
     if cfg.max_seq_len > record.max_seq_len:

@@ -4,15 +4,16 @@ Input: a float32 export directory. Output directory (the build's cache)::
 
     model.int8wo.onnx, model.int8wo.onnx.data   every linear (the LM head too) as a
                                                 DequantizeLinear of its INT8 weight (symmetric,
-                                                per output channel) into a float MatMul
+                                                one scale per 32 inputs of each output; opset
+                                                21) into a float MatMul
     export.json                                 the export's record, pointing at that graph;
                                                 ``weight_only.source`` is the export's identity
     tokenizer (and vision encoder) files
 
-No calibration data is read: weight scales come from the weights alone. TensorRT builds the
-graph as weight-only INT8; ONNX Runtime's optimizer turns each DequantizeLinear + MatMul into its
-``MatMulNBits`` (8-bit, blocks of 32, accuracy level 4: activations quantized per block at run
-time, the form ONNX Runtime GenAI's int8 models use).
+No calibration data is read: weight scales come from the weights alone. TensorRT takes the graph as
+weight-only INT8 (its Dequantize layer documents INT8 blocks); ONNX Runtime's optimizer turns each
+DequantizeLinear + MatMul into its ``MatMulNBits`` (8-bit, blocks of 32), which the native
+``Int8WeightLinear`` replaces (``backends/onnxrt/passes/linears.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..errors import AutoGLMError
 from ..fileutil import staged_directory, write_json
 from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
-from ..graph.quant import QuantPlan
+from ..graph.quant import WEIGHT_BLOCK, QuantPlan
 
 GRAPH = "model.int8wo.onnx"
 # What this code writes from the same export; a cached result of another version is redone.
@@ -55,13 +56,13 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
     from ..calib.collect import linear_inputs
 
     linears = sorted(linear_inputs(onnx.load(str(export.graph_file), load_external_data=False)))
-    log(f"quantizing {len(linears)} linears' weights to INT8 (per output channel) from {export_dir}")
+    log(f"quantizing {len(linears)} linears' weights to INT8 (blocks of {WEIGHT_BLOCK} inputs) from {export_dir}")
     with staged_directory(out_dir, True) as tmp:
         write_int8_graph(tmp, GRAPH, export.spec, ExportedWeights(export_dir), QuantPlan.weights_only(linears),
                          export.max_seq_len)
         record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int8-wo")
         record["weight_only"] = {"source": source, "version": VERSION, "linears": len(linears),
-                                 "weights": "int8, symmetric, one scale per output channel"}
+                                 "weights": f"int8, symmetric, one scale per {WEIGHT_BLOCK} inputs of each output"}
         copy_tokenizer_files(export_dir, tmp)
         write_json(tmp / EXPORT_RECORD, json.loads(json.dumps(record)))
     return out_dir

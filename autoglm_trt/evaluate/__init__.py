@@ -1,5 +1,5 @@
 """The ``eval`` stage: perplexity and agreement with a reference (see ``perplexity``)."""
 
-from .perplexity import evaluate, gate_failures, model_logits
+from .perplexity import evaluate, gate_failures, model_logits, score
 
-__all__ = ["evaluate", "gate_failures", "model_logits"]
+__all__ = ["evaluate", "gate_failures", "model_logits", "score"]

@@ -68,6 +68,13 @@ def evaluate(model: Path, text: Path, reference: Path | None = None, seq_len: in
     chunks = text_chunks(text, model_dir, seq_len, max_chunks)
     run_model = model_logits(model, step_tokens=step_tokens)
     run_ref = model_logits(reference, step_tokens=step_tokens) if reference is not None else None
+    return {**score(run_model, chunks, run_ref, batch, log), "seq_len": seq_len, "step_tokens": step_tokens}
+
+
+def score(run_model: Logits, chunks: np.ndarray, run_ref: Logits | None = None, batch: int = 4,
+          log: Callable[[str], None] | None = None) -> dict:
+    """Perplexity of ``run_model``'s logits on the token windows ``chunks`` and, with ``run_ref``,
+    its agreement with the reference's (the fields ``evaluate`` returns but the lengths)."""
     nll, ref_nll, agree, kl = [], [], [], []
     for start in range(0, len(chunks), batch):
         w = chunks[start : start + batch]
@@ -80,9 +87,7 @@ def evaluate(model: Path, text: Path, reference: Path | None = None, seq_len: in
             kl.append((np.exp(rlp) * (rlp - lp)).sum(-1))
         if log:
             log(f"  eval: {min(start + batch, len(chunks))}/{len(chunks)} chunks")
-    out: dict = {"tokens": int(sum(x.size for x in nll)), "chunks": int(len(chunks)), "seq_len": seq_len,
-                 "step_tokens": step_tokens,
-                 "ppl": float(np.exp(_mean(nll)))}
+    out: dict = {"tokens": int(sum(x.size for x in nll)), "chunks": int(len(chunks)), "ppl": float(np.exp(_mean(nll)))}
     if run_ref is not None:
         out["ref_ppl"] = float(np.exp(_mean(ref_nll)))
         out["ppl_ratio"] = out["ppl"] / out["ref_ppl"]

@@ -260,3 +260,23 @@ def test_an_int8_build_calibrates_with_images_and_answers_them(tiny_dir, tmp_pat
         [res] = engine.generate([image_message("what is on the screen? ", random_image(120, 200, 3))],
                                 SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert len(res.token_ids) == 6 and res.prompt_tokens > 20
+
+
+def test_an_int8_wo_build_keeps_the_float_encoder_and_answers_image_prompts(tiny_dir, tmp_path):
+    """``build --precision int8-wo`` on GLM-4.1V: the decoder's weights INT8, the vision encoder as
+    exported, and an image prompt's greedy answer (the image changes it) with the fp32 engine's first
+    token (the tiny random model's top two logits are far apart there)."""
+    from conftest import build_tiny_engine
+
+    wo = build_tiny_engine(tiny_dir, tmp_path / "wo", family="glm4v", precision="int8-wo", max_seq_len=256,
+                           kv_num_blocks=64)
+    fp32 = build_tiny_engine(tiny_dir, tmp_path / "fp32", family="glm4v", max_seq_len=256, kv_num_blocks=64)
+    assert (wo / "vision.onnx").is_file() and not (wo / "calib.json").exists()
+    prompts = [image_message("what is on the screen? ", random_image(120, 200, seed)) for seed in (3, 4)]
+    answers = {}
+    for name, path in (("wo", wo), ("fp32", fp32)):
+        with Engine.load(path) as engine:
+            answers[name] = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(len(r.token_ids) == 6 and r.prompt_tokens > 20 for r in answers["wo"])
+    assert answers["wo"][0].token_ids[0] == answers["fp32"][0].token_ids[0]
+    assert answers["fp32"][0].token_ids != answers["fp32"][1].token_ids  # the answers read the image

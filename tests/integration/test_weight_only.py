@@ -12,20 +12,32 @@ from conftest import build_tiny_engine
 from autoglm_trt.graph.quant import WEIGHT_BLOCK, quantize_weight_blocks
 
 
-def test_blocks_take_one_symmetric_scale_per_32_inputs_of_each_column():
-    w = np.zeros((70, 2), np.float32)  # three blocks: 32, 32 and 6 inputs
-    w[:32, 0] = np.linspace(-1.0, 0.5, 32)
+def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
+    from autoglm_trt.graph.quant import CLIPS
+
+    rng = np.random.default_rng(3)
+    w = np.zeros((70, 3), np.float32)  # three blocks: 32, 32 and 6 inputs
+    w[:, 0] = rng.standard_normal(70) * 0.05
     w[32:64, 0] = 0.0  # an all-zero block keeps scale 1 and quantizes to zeros
-    w[64:, 0] = [0.254, -0.127, 0.0, 0.001, 0.002, 0.003]
-    w[:, 1] = 2.0
+    w[:, 1] = np.arange(-35, 35) * np.float32(0.01)  # on a grid whose max is 127 steps in no block
+    w[:, 2] = 2.0
     q, scale = quantize_weight_blocks(w, WEIGHT_BLOCK)
-    assert q.dtype == np.int8 and q.shape == (70, 2) and scale.shape == (3, 2) and scale.dtype == np.float32
-    np.testing.assert_array_equal(scale[:, 0], np.float32([1.0 / 127, 1.0, 0.254 / 127]))
-    np.testing.assert_array_equal(scale[:, 1], np.float32([2.0 / 127] * 3))
-    assert q[0, 0] == -127 and q[31, 0] == 64  # 0.5 * 127 = 63.5 rounds to even
-    np.testing.assert_array_equal(q[32:64, 0], 0)
-    np.testing.assert_array_equal(q[64:, 0], [127, -64, 0, 0, 1, 2])  # 0.5 and 1.5 round to even
-    np.testing.assert_array_equal(q[:, 1], 127)
+    assert q.dtype == np.int8 and q.shape == (70, 3) and scale.shape == (3, 3) and scale.dtype == np.float32
+    assert scale[1, 0] == 1.0 and not q[32:64, 0].any()
+    np.testing.assert_array_equal(scale[:, 2], np.float32([2.0 / 127] * 3))  # exact: any clip < 1 adds error
+    np.testing.assert_array_equal(q[:, 2], 127)
+    for b, (lo, hi) in enumerate(((0, 32), (32, 64), (64, 70))):
+        for c in range(2):
+            x = w[lo:hi, c]
+            amax = np.abs(x).max()
+            if amax == 0:
+                continue
+            errors = {clip: float(np.sum((np.clip(np.rint(x / (np.float32(clip) * amax / 127)), -127, 127)
+                                          * (np.float32(clip) * amax / 127) - x) ** 2)) for clip in CLIPS}
+            best = min(errors.values())
+            assert any(np.float32(clip) * amax / np.float32(127) == scale[b, c] for clip in CLIPS)
+            got = float(np.sum((q[lo:hi, c] * scale[b, c] - x) ** 2))
+            assert got <= best * (1 + 1e-5), (b, c, got, errors)
 
 
 @pytest.fixture(scope="module")
