@@ -78,6 +78,12 @@ SECTIONS = (
     Section("accuracy_kinds", "Accuracy by kind of text", ("benchmarks.accuracy_kinds",)),
     Section("runtime_accuracy", "Accuracy as requests see it", ("benchmarks.runtime_accuracy",)),
     Section("chat_agreement", "Greedy answers, INT8 against fp32", ("benchmarks.chat_agreement",)),
+    Section("peers", "Accuracy beside the peers", ("benchmarks.peer_accuracy",),
+            "SmolLM2-135M in each precision of this toolkit and as llama.cpp's Q8_0 / Q4_K_M and ONNX Runtime "
+            "GenAI's int8 / int4 of the same checkpoint: held-out text of four kinds against the float32 checkpoint "
+            "in transformers, and 100 chat prompts' 16 greedy tokens against the fp32 engine."),
+    Section("precisions", "Speed of each precision", ("benchmarks.bench_precisions", "--rounds", "3"),
+            "Batch-1 and batch-8 decode and a 1,000-token prefill of the fp32, int8 and int8-wo engines."),
 )
 
 BEGIN, END = "<!-- section:{} -->", "<!-- /section:{} -->"

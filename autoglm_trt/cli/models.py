@@ -279,6 +279,10 @@ def _native_report(manifest) -> list[str]:
         f"graph: {name}" + (f" (the plain graph: {why})" if why else " (native operators)"),
         "decode attention: " + (f"native PagedAttention operator ({library})" if attention
                                 else f"the graph's own nodes, slower ({why or graphs['attention_why']})"),
+        *([] if manifest.precision != "int8-wo" else [
+            "INT8 weights: " + ("native Int8WeightLinear operator (dequantized weights, float32 sums)"
+                                if any(op.startswith("Int8WeightLinear") for op in ops)
+                                else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
         *([] if manifest.precision != "int8" else [
             "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)" if library is not None and
                                 any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat")]),
