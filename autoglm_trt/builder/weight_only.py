@@ -18,7 +18,6 @@ DequantizeLinear + MatMul into its ``MatMulNBits`` (8-bit, blocks of 32), which 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,5 +63,5 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
         record["weight_only"] = {"source": source, "version": VERSION, "linears": len(linears),
                                  "weights": f"int8, symmetric, one scale per {WEIGHT_BLOCK} inputs of each output"}
         copy_tokenizer_files(export_dir, tmp)
-        write_json(tmp / EXPORT_RECORD, json.loads(json.dumps(record)))
+        write_json(tmp / EXPORT_RECORD, record)
     return out_dir

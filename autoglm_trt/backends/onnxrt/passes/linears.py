@@ -233,7 +233,7 @@ def _nbits_int8(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
     if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK) or scales.dtype != np.float32 or \
             scales.size != n * blocks:
         return None
-    zeros = array(inits[node.input[3]]) if len(node.input) == 4 and node.input[3] else None
+    zeros = array(inits[node.input[3]]) if len(node.input) > 3 and node.input[3] else None
     if zeros is not None and (zeros.size != n * blocks or np.any(zeros != MATMUL_NBITS_ZERO)):
         return None
     q = (b.reshape(n, blocks * QUANT_BLOCK)[:, :k].astype(np.int16) - MATMUL_NBITS_ZERO).astype(np.int8)
