@@ -24,7 +24,7 @@ from . import names
 from .builder import GraphBuilder
 from .hadamard import hadamard, rotate_rows, rotate_weight
 
-WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (one per channel: 60 of 100 chat answers, README)
+WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
 # clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
 # answers 71 of 100 chat prompts as fp32 does against 68 with the max alone (docs/native.md)
 CLIPS = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.91, 0.90)
