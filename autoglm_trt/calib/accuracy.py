@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +40,11 @@ def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: Weig
                      log: Callable[[str], None]) -> tuple[list[str], dict]:
     """Linears to keep in float and the gate's report; leaves ``model.int8.onnx`` of that plan in ``tmp``."""
     t0 = time.perf_counter()
-    switch_plan = QuantPlan(plan.act_amax, True, plan.rotate)
+    switch_plan = replace(plan, switchable=True)
     switch_path = write_int8_graph(tmp, "switch.onnx", spec, weights, switch_plan, max_seq_len)
     search = SensitivitySearch(make_session(switch_path, threads=gs.threads), spec, switch_plan.switch_order,
-                               windows, gs.target_ppl_ratio, gs.target_top1)
+                               windows, gs.target_ppl_ratio, gs.target_top1, sorted(plan.bias_correction))
+    plan = plan.corrected(search.choose_corrections(log))
     keep = search.run(errors, log)
     if keep is None:
         raise AutoGLMError("no INT8 plan meets the accuracy gate even with every linear in float; check the export")

@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +45,7 @@ from .histogram import METHODS, entropy_amax
 from .image_windows import calibration_images, image_windows
 from .record import float_fraction, float_reasons, versions, weight_bytes
 from .statistics import Statistics, gather, quantizable_inputs, rotation_blocks
-from .thresholds import choose_amax, int8_errors
+from .thresholds import bias_corrections, choose_amax, int8_errors
 
 # What this code computes from the same settings; a cached calibration of another version is redone.
 # 2: Hadamard-rotated linear inputs, LM head in the sensitivity search.
@@ -78,6 +78,9 @@ class CalibConfig:
     hist_row_stride: int = 2
     keep_float: list[str] = field(default_factory=list)
     gate: bool = True
+    # offer each linear's mean INT8 output error as a bias correction; the gate keeps those of a
+    # kind of linear where they improve its metric (none without the gate)
+    bias_correction: bool = True
     # a margin under the acceptance gate (1.02 / 0.90 on held-out text): the search measures
     # on calibration text, the acceptance on other text
     target_ppl_ratio: float = 1.015
@@ -240,6 +243,8 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
                                                    precision="int8"))
     copy_tokenizer_files(cfg.export_dir, tmp)
     plan = QuantPlan({n: a for n, a in amax.items() if n not in cfg.keep_float}, False, st.rotate)
+    if cfg.gate and cfg.bias_correction:
+        plan = replace(plan, bias_correction=bias_corrections(st, plan.act_amax))
     keep: list[str] = []
     gate_report: dict = {"enabled": False}
     if cfg.gate:
@@ -262,6 +267,8 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         "float_weight_fraction": float_fraction(spec, keep + cfg.keep_float),
         "weight_bytes_per_token": weight_bytes(spec, set(quantized)),
         "int8_output_error": errors,
+        "bias_correction": sorted(n for n in gate_report.get("sensitivity", {}).get("bias_correction", {}).get("kept", [])
+                                  if n not in keep),
         "smoothquant": {"alpha": cfg.smoothquant_alpha, "linears": sorted(st.stats.smooth)},
         # amax of these is that of the rotated input (x / s) R, R block-diagonal Hadamard
         "hadamard_block": {n: b for n, b in st.rotate.items() if n in quantized},
@@ -303,8 +310,8 @@ def _data_info(cfg: CalibConfig, windows: TokenWindows) -> dict:
 
 _KEY_ORDER = ("format", "method", "model_sha256", "data_sha256", "settings", "data", "amax", "amax_method",
               "activation_tensors", "float_linears", "float_weight_fraction", "weight_bytes_per_token",
-              "int8_output_error", "smoothquant", "hadamard_block", "kv_amax", "timings", "gate", "tensorrt_cache",
-              "versions")
+              "int8_output_error", "bias_correction", "smoothquant", "hadamard_block", "kv_amax", "timings", "gate",
+              "tensorrt_cache", "versions")
 
 
 def _ordered(record: dict) -> dict:

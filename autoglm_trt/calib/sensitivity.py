@@ -12,6 +12,13 @@ Q/DQ on or off, so trying a plan is one forward pass, not a graph rebuild.
 * Search: keep the top k in float with k = 0, 1, 2, 4, ... until the gate (perplexity ratio
   and top-1 agreement against the float graph on held-back calibration windows) holds, then
   bisect between the last failing and the first passing k.
+* Stability: an INT8 graph turns a rounding difference in x (another BLAS, another instruction
+  set) into a different integer wherever x / s lies near a rounding boundary, and the search
+  stops where the gate only just holds. So every plan is judged under two roundings (the
+  activation scales as planned, and nudged by ``NUDGE``) and passes only if it passes under both;
+  the ranking's ties break by name.
+* Bias correction: each linear's mean INT8 output error on the sampled rows, added to its
+  output, kept for a kind of linear only where it improves the gate's metrics.
 
 """
 
@@ -28,6 +35,10 @@ from ..graph.runner import prefill_feeds
 from ..model.spec import ModelSpec
 
 RANK_WINDOWS = 2
+# the search's second rounding: every activation scale this much larger moves each quotient x / s
+# by 4e-6 of itself, so those that near a rounding boundary cross it, as another BLAS's or
+# instruction set's rounding of x would
+NUDGE = 1.0 + 2.0**-18
 RANK_SEQ_LEN = 128
 
 
@@ -48,6 +59,15 @@ def output_error_norms(x: np.ndarray, w: np.ndarray, amax: float) -> tuple[float
     wq, ws = quantize_weight_per_channel(w)
     yq = fake_quant_act(x, amax) @ (wq.astype(np.float32) * ws)
     return float(np.linalg.norm(y - yq)), float(np.linalg.norm(y))
+
+
+def mean_output_error(x: np.ndarray, w: np.ndarray, amax: float) -> np.ndarray:
+    """Bias correction of an INT8 linear: the mean over the rows of x of ``x w - INT8(x) INT8(w)``
+    ``[out]`` (means first: the product is linear in the rows)."""
+    wq, ws = quantize_weight_per_channel(w)
+    ref = x.astype(np.float64).mean(0) @ w.astype(np.float64)
+    quant = fake_quant_act(x, amax).astype(np.float64).mean(0) @ (wq.astype(np.float64) * ws)
+    return (ref - quant).astype(np.float32)
 
 
 def fewest_float(ranked: list[str], passes: Callable[[list[str]], bool], log: Callable[[str], None]) -> list[str] | None:
@@ -102,24 +122,74 @@ class Gate:
         return self.check(self.logits)
 
 
+def _metrics(result: dict) -> dict:
+    return {k: result[k] for k in ("ppl_ratio", "top1_agreement")}
+
+
 class SensitivitySearch:
     """Ranking and search over one switchable INT8 session (see the module docstring)."""
 
     def __init__(self, session, spec: ModelSpec, order: list[str], gate_windows: np.ndarray,
-                 max_ratio: float, min_top1: float):
+                 max_ratio: float, min_top1: float, corrected: list[str] | None = None):
+        """``corrected``: the linears the graph has a bias correction for (its ``bias_mask`` input)."""
         self.session, self.spec, self.order = session, spec, order
+        self.corrected = list(corrected or [])
+        self.bias_on = np.zeros(len(order), np.float32)  # the corrections in use (``choose_corrections``)
         self.report: dict = {}
 
-        def run(mask: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        def run(mask: np.ndarray, nudge: float = 1.0) -> Callable[[np.ndarray], np.ndarray]:
             def fn(w: np.ndarray) -> np.ndarray:
                 feeds = prefill_feeds(spec, w, "float32", all_logits=True)
-                feeds["quant_mask"] = mask
+                feeds["quant_mask"], feeds["scale_nudge"] = mask, np.array(nudge, np.float32)
+                if self.corrected:
+                    feeds["bias_mask"] = self.bias_on
                 return session.run(["logits"], feeds)[0]
             return fn
 
         self._run = run
         self.gate = Gate(run(self.mask([])), gate_windows, max_ratio, min_top1, run(np.zeros(len(order), np.float32)))
         self.rank_windows = gate_windows[:RANK_WINDOWS, :RANK_SEQ_LEN]
+
+    def check(self, keep: list[str]) -> dict:
+        """The gate on the plan that keeps ``keep`` in float, passed only where it passes under two
+        roundings (the activation scales as planned, and all of them ``NUDGE`` times larger; the
+        second is run only when the first passes): then the worse of each metric, and ``spread``,
+        how far each moved between them."""
+        a = self.gate.check(self._run(self.mask(keep)))
+        if not a["passed"]:
+            return a
+        b = self.gate.check(self._run(self.mask(keep), NUDGE))
+        return {**a, "ppl": max(a["ppl"], b["ppl"]), "ppl_ratio": max(a["ppl_ratio"], b["ppl_ratio"]),
+                "top1_agreement": min(a["top1_agreement"], b["top1_agreement"]), "passed": b["passed"],
+                "spread": {"ppl_ratio": abs(a["ppl_ratio"] - b["ppl_ratio"]),
+                           "top1_agreement": abs(a["top1_agreement"] - b["top1_agreement"])}}
+
+    def choose_corrections(self, log: Callable[[str], None]) -> list[str]:
+        """The bias corrections to keep, kind by kind: each kind's are kept when, with every linear
+        INT8, they lower the gate's perplexity ratio without lowering its top-1 agreement."""
+        if not self.corrected:
+            return []
+        best = off = self.gate.check(self._run(self.mask([])))
+        tried = {}
+        for kind in sorted({kind_of(n) for n in self.corrected}):
+            kept = self.bias_on.copy()
+            self.bias_on = kept + self.mask_of([n for n in self.corrected if kind_of(n) == kind])
+            r = tried[kind] = self.gate.check(self._run(self.mask([])))
+            better = r["ppl_ratio"] < best["ppl_ratio"] and r["top1_agreement"] >= best["top1_agreement"]
+            log(f"  bias correction of {kind}: ppl ratio {best['ppl_ratio']:.4f} -> {r['ppl_ratio']:.4f}, top-1 "
+                f"{best['top1_agreement']:.3f} -> {r['top1_agreement']:.3f} ({'kept' if better else 'dropped'})")
+            if better:
+                best = r
+            else:
+                self.bias_on = kept
+        chosen = [n for n in self.order if self.bias_on[self.order.index(n)] > 0]
+        self.report["bias_correction"] = {"off": _metrics(off), "on": _metrics(best),
+                                          "by_kind": {k: _metrics(r) for k, r in tried.items()}, "kept": chosen}
+        return chosen
+
+    def mask_of(self, names: list[str]) -> np.ndarray:
+        """1 at each named linear, 0 elsewhere."""
+        return 1.0 - self.mask(names)
 
     def mask(self, keep_float: list[str]) -> np.ndarray:
         m = np.ones(len(self.order), np.float32)
@@ -141,7 +211,8 @@ class SensitivitySearch:
         kinds.sort(key=lambda k: -gains[k])
         log("  sensitivity by kind (KL gain with all of a kind in float): "
             + ", ".join(f"{k} {gains[k]:.4f}" for k in kinds))
-        ranked = [n for k in kinds for n in sorted((n for n in self.order if kind_of(n) == k), key=lambda n: -errors[n])]
+        ranked = [n for k in kinds for n in sorted((n for n in self.order if kind_of(n) == k),
+                                                   key=lambda n: (-float(f"{errors[n]:.4g}"), n))]
         self.report.update({"kl_all_int8": base, "kl_gain_by_kind": gains, "ranked": ranked})
         return ranked
 
@@ -150,7 +221,7 @@ class SensitivitySearch:
         return self.report.get("ranked") or self.rank(errors, log)
 
     def run(self, errors: dict[str, float], log: Callable[[str], None]) -> list[str] | None:
-        first = self.gate.check(self._run(self.mask([])))
+        first = self.check([])
         trials = [{"float_linears": 0, **first}]
         log(f"  gate with every linear INT8: ppl ratio {first['ppl_ratio']:.4f}, top-1 {first['top1_agreement']:.3f}")
         if first["passed"]:
@@ -161,7 +232,7 @@ class SensitivitySearch:
         def passes(keep: list[str]) -> bool:
             if not keep:
                 return False
-            r = self.gate.check(self._run(self.mask(keep)))
+            r = self.check(keep)
             trials.append({"float_linears": len(keep), **r})
             log(f"  gate with {len(keep)} linears in float: ppl ratio {r['ppl_ratio']:.4f}, "
                 f"top-1 {r['top1_agreement']:.3f} -> {'pass' if r['passed'] else 'fail'}")

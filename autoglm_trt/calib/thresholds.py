@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph.decoder import LM_HEAD_STREAM_BYTES
-from ..graph.hadamard import rotate_rows, rotate_weight
+from ..graph.hadamard import rotate_weight, rotate_weight_rows
 from ..graph.quant import ROW_CHUNK
 from .histogram import METHODS, percentile_amax
-from .sensitivity import output_error, output_error_norms
+from .sensitivity import mean_output_error, output_error, output_error_norms
 from .smooth import SmoothedWeights
 from .statistics import Statistics
 
@@ -63,6 +63,12 @@ def int8_errors(st: Statistics, amax: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def bias_corrections(st: Statistics, amax: dict[str, float]) -> dict[str, np.ndarray]:
+    """``mean_output_error`` of each linear but the LM head on its sampled rows."""
+    return {n: mean_output_error(st.stats.sample[n], linear_matrix(st.weights, n, st.rotate), amax[n])
+            for n in amax if n != "lm_head"}
+
+
 def _large_head(weights: SmoothedWeights) -> bool:
     return weights.spec.vocab_size * weights.spec.hidden_size * 4 > LM_HEAD_STREAM_BYTES
 
@@ -75,6 +81,6 @@ def head_error(weights: SmoothedWeights, x: np.ndarray, amax: float, block: int 
     diff2 = ref2 = 0.0
     for a in range(0, vocab, ROW_CHUNK):
         rows = np.asarray(weights.rows(src, a, min(a + ROW_CHUNK, vocab)), np.float32)
-        diff, ref = output_error_norms(x, (rotate_rows(rows, block) if block else rows).T, amax)  # (R^T W) columns
+        diff, ref = output_error_norms(x, (rotate_weight_rows(rows, block) if block else rows).T, amax)
         diff2, ref2 = diff2 + diff**2, ref2 + ref**2
     return float(np.sqrt(diff2) / max(np.sqrt(ref2), 1e-30))

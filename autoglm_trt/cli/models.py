@@ -61,6 +61,8 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
 @click.option("--keep-float", multiple=True, help="Linear to keep in float, e.g. layers.3.down (repeatable).")
 @click.option("--gate/--no-gate", default=True, show_default=True,
               help="Check accuracy against the float graph and keep the fewest linears in float until it holds.")
+@click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
+              help="Offer each INT8 linear's mean output error as a bias; the gate keeps a kind's where it helps.")
 @click.option("--target-ppl-ratio", type=float, default=1.015, show_default=True)
 @click.option("--target-top1", type=float, default=0.91, show_default=True)
 @click.option("--graph-memory", "graph_gb", type=click.FloatRange(min=0.001), default=1.0, show_default=True,
@@ -71,8 +73,8 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
 @click.option("--force", is_flag=True, help="Replace an output made from another model or data.")
 def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: str, num_samples: int, seq_len: int,
                   batch_size: int, percentile: float, hist_row_stride: int, alpha: float, quantize_lm_head: bool,
-                  rotate: str, keep_float: tuple[str, ...], gate: bool, target_ppl_ratio: float, target_top1: float,
-                  graph_gb: float, device: str, force: bool) -> None:
+                  rotate: str, keep_float: tuple[str, ...], gate: bool, bias_correction: bool, target_ppl_ratio: float,
+                  target_top1: float, graph_gb: float, device: str, force: bool) -> None:
     """INT8-calibrate a float32 EXPORT_DIR: Q/DQ ONNX, TensorRT calibration cache, calib.json."""
     from ..calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
 
@@ -84,7 +86,8 @@ def calibrate_cmd(export_dir: Path, data: Path | None, out_dir: Path, method: st
                           hist_row_stride=hist_row_stride,
                           smoothquant_alpha=alpha or None, quantize_lm_head=quantize_lm_head,
                           rotate=_rotate_kinds(rotate),
-                          keep_float=list(keep_float), gate=gate, target_ppl_ratio=target_ppl_ratio,
+                          keep_float=list(keep_float), gate=gate, bias_correction=bias_correction,
+                          target_ppl_ratio=target_ppl_ratio,
                           target_top1=target_top1, max_graph_bytes=int(graph_gb * 1024**3), device=device,
                           force=force), log=_log)
     click.echo(f"calibrated model written to {out_dir}")
@@ -264,7 +267,7 @@ def _native_report(manifest) -> list[str]:
     from ..backends.onnxrt import passes
     from ..backends.onnxrt.passes.common import all_nodes
     from ..backends.onnxrt.runner import native_graph_here
-    from ..native import float_kernel, int8_kernel, variant_of
+    from ..native import float_kernel, int8_kernel, int8_pairs_saturate, variant_of
 
     graphs, target = manifest.ort_graphs, passes.Target.here()
     library, why = target.library, native_graph_here(manifest.ort_graphs, target)
@@ -285,7 +288,10 @@ def _native_report(manifest) -> list[str]:
                                 else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
         *([] if manifest.precision != "int8" else [
             "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)" if library is not None and
-                                any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat")]),
+                                any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat"
+                                + ("; this CPU has no VNNI, where its 16-bit pair sums saturate and the answers drift "
+                                   "from the calibrated plan's: install a C compiler and reinstall autoglm-trt for the "
+                                   "native operators" if int8_pairs_saturate() else ""))]),
         "float linears: " + (f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)" if float_native
                              else "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)"
                                                              if kernel == "portable C" else "")),

@@ -55,7 +55,7 @@ from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
 from . import names
 from .builder import GraphBuilder, row_chunks
-from .quant import QuantPlan, quantized_matmul, quantized_rows_matmul
+from .quant import QuantPlan, add_bias, quantized_matmul, quantized_rows_matmul
 
 OPSET = 17
 WEIGHT_ONLY_OPSET = 21  # DequantizeLinear in blocks
@@ -121,10 +121,7 @@ class DecoderGraph:
         g = self.g
         quant = self.opts.quant
         if quant is not None and name in quant.act_amax:
-            y = quantized_matmul(g, x, w, name, quant, rank)
-            if b is not None:
-                y = g.op("Add", [y, g.weight(f"{name}.bias", b.astype(np.float32))], f"{name}_bias")
-            return y
+            return add_bias(g, quantized_matmul(g, x, w, name, quant, rank), b, name, quant)
         y = g.op("MatMul", [self.to_compute(x), g.weight(f"{name}.weight", w.astype(self.wdt))], name)
         if b is not None:
             y = g.op("Add", [y, g.weight(f"{name}.bias", b.astype(self.wdt))], f"{name}_bias")
@@ -165,6 +162,9 @@ class DecoderGraph:
             g.input(names.IMAGE_INDEX, TensorProto.INT64, ["batch", "new_tokens"])
         if o.quant is not None and o.quant.switchable:
             g.input("quant_mask", TensorProto.FLOAT, [len(o.quant.switch_order)])
+            g.input("scale_nudge", TensorProto.FLOAT, [])
+            if o.quant.bias_correction:
+                g.input("bias_mask", TensorProto.FLOAT, [len(o.quant.switch_order)])
         pool_dims: list[int | str] = [s.num_kv_heads, "num_blocks", "block_size", s.head_dim]  # kvcache.layout.POOL_LAYOUT
         for i in range(s.num_layers):
             g.input(names.past_key(i), kvdt, pool_dims)

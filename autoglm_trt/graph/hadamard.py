@@ -54,8 +54,18 @@ def rotate_rows(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndar
     return out
 
 
+def rotate_weight_rows(rows: np.ndarray, b: int) -> np.ndarray:
+    """``rotate_rows`` of weight rows ``[out, in]`` (``(R^T W)^T = W^T R``), summed in float64 as
+    ``rotate_weight`` is."""
+    n = rows.shape[-1]
+    return (np.asarray(rows, np.float64).reshape(-1, n // b, b) @ hadamard(b).astype(np.float64)).reshape(
+        rows.shape).astype(np.float32)
+
+
 def rotate_weight(w: np.ndarray, b: int) -> np.ndarray:
-    """``R^T W`` for W ``[in, out]``: each block of b input rows multiplied by H (= H^T)."""
+    """``R^T W`` for W ``[in, out]``: each block of b input rows multiplied by H (= H^T), summed
+    in float64 and rounded once to float32, so the weights' bits do not depend on the BLAS's
+    order of summation (an INT8 graph turns one ulp into another accuracy-gate verdict)."""
     n, m = w.shape
-    blocks = np.asarray(w, np.float32).reshape(n // b, b, m)
-    return np.einsum("ij,kjm->kim", hadamard(b), blocks).reshape(n, m)
+    blocks = np.asarray(w, np.float64).reshape(n // b, b, m)
+    return np.matmul(hadamard(b).astype(np.float64), blocks).reshape(n, m).astype(np.float32)

@@ -16,13 +16,13 @@ turns into its 8-bit ``MatMulNBits``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from . import names
 from .builder import GraphBuilder
-from .hadamard import hadamard, rotate_rows, rotate_weight
+from .hadamard import hadamard, rotate_weight, rotate_weight_rows
 
 WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
 # clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
@@ -37,7 +37,8 @@ class QuantPlan:
 
     With ``switchable`` (calibration's sensitivity search only), each planned linear computes
     both paths and a graph input ``quant_mask`` (float [len(switch_order)], 1 = INT8) picks
-    one per linear, so many plans can be tried with one session.
+    one per linear, so many plans can be tried with one session; a scalar input ``scale_nudge``
+    multiplies every activation scale (1: the plan's own).
     """
 
     act_amax: dict[str, float]
@@ -49,6 +50,10 @@ class QuantPlan:
     # the DequantizeLinear on the weights alone, the activations float; ``act_amax`` then only
     # names the linears (its values are unused)
     weight_only: bool = False
+    # linear name -> [out] float32 added to its output: the mean INT8 output error on calibration
+    # rows (``calib.thresholds.bias_corrections``); in a switchable graph each is scaled by its
+    # linear's ``quant_mask`` and ``bias_mask`` entries
+    bias_correction: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def weights_only(cls, linears: list[str]) -> QuantPlan:
@@ -61,7 +66,11 @@ class QuantPlan:
     def without(self, keep_float: list[str]) -> QuantPlan:
         """The same plan with the named linears left in float."""
         return QuantPlan({n: a for n, a in self.act_amax.items() if n not in keep_float}, self.switchable, self.rotate,
-                         self.weight_only)
+                         self.weight_only, {n: c for n, c in self.bias_correction.items() if n not in keep_float})
+
+    def corrected(self, linears: list[str]) -> QuantPlan:
+        """The same plan with the bias corrections of the named linears only."""
+        return replace(self, bias_correction={n: c for n, c in self.bias_correction.items() if n in linears})
 
 
 def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3) -> str:
@@ -83,6 +92,22 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     return g.op("MatMul", [xdq, wdq], name)
 
 
+def add_bias(g: GraphBuilder, y: str, b: np.ndarray | None, name: str, plan: QuantPlan) -> str:
+    """``y + b`` (no bias: ``b`` None) of a planned linear, with its bias correction: folded into
+    ``b``, or in a switchable graph added apart, times its ``quant_mask`` and ``bias_mask`` entries."""
+    c = plan.bias_correction.get(name)
+    if c is not None and not plan.switchable:
+        b = c if b is None else b + c
+    if b is not None:
+        y = g.op("Add", [y, g.weight(f"{name}.bias", b.astype(np.float32))], f"{name}_bias")
+    if c is not None and plan.switchable:
+        idx = g.const(np.int64(plan.switch_order.index(name)), f"{name}.switch_idx")
+        on = g.op("Mul", [g.op("Gather", ["quant_mask", idx]), g.op("Gather", ["bias_mask", idx])], f"{name}.bias_on")
+        y = g.op("Add", [y, g.op("Mul", [on, g.weight(f"{name}.bias_correction", c.astype(np.float32))])],
+                 f"{name}_corrected")
+    return y
+
+
 def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int], np.ndarray], n_out: int,
                           n_in: int, name: str, plan: QuantPlan, rank: int = 2) -> str:
     """``quantized_matmul`` of a weight read as ``[out, in]`` rows (an LM head of a large vocabulary),
@@ -95,7 +120,7 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
     for a in range(0, n_out, ROW_CHUNK):
         rows = np.asarray(read_rows(a, min(a + ROW_CHUNK, n_out)), np.float32)
         if b:
-            rows = rotate_rows(rows, b)  # (R^T W)^T = W^T R, row by row
+            rows = rotate_weight_rows(rows, b)
         if plan.weight_only:
             qt, scale[:, a : a + len(rows)] = quantize_weight_blocks(rows.T, WEIGHT_BLOCK)
         else:
@@ -112,6 +137,8 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
 def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: QuantPlan) -> tuple[str, str]:
     """Q/DQ of the activation x (per tensor) and DQ of the INT8 weight ``wq`` (per output channel)."""
     x_scale = g.const(np.float32(act_scale(plan.act_amax[name])), f"{name}.act_scale")
+    if plan.switchable:  # times the graph input ``scale_nudge``: the search's second rounding
+        x_scale = g.op("Mul", [x_scale, "scale_nudge"], f"{name}.act_scale_nudged")
     zero = g.const(np.int8(0), "zero_i8")
     xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
     xdq = g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")

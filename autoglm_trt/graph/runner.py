@@ -89,7 +89,8 @@ class GraphRunner:
         path = inside(self.dir, onnx_file, "the ONNX file") if onnx_file else self.record.graph_file
         if not path.is_file():
             raise AutoGLMError(f"{path} is missing")
-        self.session = make_session(path, threads=threads)
+        # an INT8 Q/DQ graph as the engines compute it (exact integer products), on any CPU
+        self.session = make_session(path, threads=threads, float_qdq=self.record.precision == "int8")
 
     def logits(self, windows: np.ndarray) -> np.ndarray:
         """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""

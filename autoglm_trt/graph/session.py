@@ -16,13 +16,17 @@ MAX_THREADS = 256
 
 def session_options(threads: int | None = None, optimize: bool = True, external_data_dir: Path | None = None,
                     save_optimized: Path | None = None, custom_ops: Path | None = None,
-                    initializers: dict | None = None):
+                    initializers: dict | None = None, float_qdq: bool = False):
     """``SessionOptions``: threads (0 or None: ONNX Runtime's default, one per core), all graph
     optimizations or none, where external weights lie (for a model passed as bytes), where
     to save the optimized model (its weights in ``<name>.data``), a custom operator library, and
     initializers (``OrtValue``s by name) that the session reads in place, without a copy
     (``add_initializer``: they replace the graph's initializers of those names, which the graph
-    declares as external data of their type and shape; the caller keeps the arrays alive)."""
+    declares as external data of their type and shape; the caller keeps the arrays alive).
+    ``float_qdq``: Q/DQ pairs run as written, in float, instead of fused into ONNX Runtime's
+    integer kernels, which on a CPU without VNNI saturate 16-bit pair sums (u8 x s8 through
+    ``vpmaddubsw``): the float form equals an exact integer product to float rounding on
+    every instruction set."""
     import onnxruntime as ort
 
     from ..errors import AutoGLMError
@@ -47,6 +51,8 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
         so.register_custom_ops_library(str(custom_ops))
     for name, value in (initializers or {}).items():
         so.add_initializer(name, value)
+    if float_qdq:
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
     return so
 
 
@@ -55,7 +61,8 @@ DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 def make_session(model: Path | bytes, threads: int | None = None, optimize: bool = True,
                  external_data_dir: Path | None = None, save_optimized: Path | None = None, device: str = "cpu",
-                 custom_ops: Path | None = None, initializers: dict[str, np.ndarray] | None = None):
+                 custom_ops: Path | None = None, initializers: dict[str, np.ndarray] | None = None,
+                 float_qdq: bool = False):
     """An ``InferenceSession`` over a model file or serialized model bytes, on the CPU or (``device``
     "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider.
     ``initializers``: arrays by name, see ``session_options``; the session holds them
@@ -72,7 +79,7 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
                            f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}); "
                            "install onnxruntime-gpu for CUDA, or use the CPU")
     values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in (initializers or {}).items()}
-    so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops, values)
+    so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops, values, float_qdq)
     source = model if isinstance(model, bytes) else str(model)
     session = ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
     session.in_place_initializers = dict(initializers or {})  # the session reads their memory: they live

@@ -43,6 +43,13 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
+def int8_pairs_saturate(flags: set[str] | None = None) -> bool:
+    """Whether ONNX Runtime's integer GEMM saturates here: on an x86 CPU without VNNI it multiplies
+    u8 by s8 through ``vpmaddubsw``, whose 16-bit pair sums clip (the native Int8Linear does not)."""
+    flags = cpu_flags() if flags is None else flags
+    return flags is not None and "avx2" in flags and not {"avx512_vnni", "avx_vnni"} & flags
+
+
 def runs_here(variant: Variant, flags: set[str] | None = None) -> bool:
     """Whether this CPU has what ``variant`` was compiled for (a variant that requires nothing
     runs anywhere; one that does, only where the flags can be read)."""

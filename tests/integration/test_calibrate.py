@@ -148,9 +148,10 @@ def test_calibration_of_another_model_is_refused(calibrated, tiny_dir, tmp_path)
 
 
 def test_sensitivity_pass_keeps_linears_in_float(tiny_export, tmp_path):
-    """An impossible gate (bit-exact perplexity) forces the search; its answer must pass on the real graph."""
+    """A gate no all-INT8 plan meets forces the search (all in float meets it: SmoothQuant's folding
+    alone moves the perplexity by under 1e-4); its answer must pass on the real graph."""
     rec = calibrate(CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64, gate_windows=2,
-                                gate_seq_len=64, target_ppl_ratio=1.0 + 1e-9, target_top1=1.0), log=lambda m: None)
+                                gate_seq_len=64, target_ppl_ratio=1.001, target_top1=0.99), log=lambda m: None)
     kept = rec["float_linears"]
     assert kept and all("sensitivity rank" in k["reason"] for k in kept)
     assert rec["gate"]["result"]["passed"]
@@ -275,6 +276,7 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     def logits(mask: float) -> np.ndarray:
         feeds = prefill_feeds(spec, windows, "float32", all_logits=True)
         feeds["quant_mask"] = np.full(len(plan.switch_order), mask, np.float32)
+        feeds["scale_nudge"] = np.array(1.0, np.float32)
         return session.run(["logits"], feeds)[0]
 
     ref = GraphRunner(export).logits(windows)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from autoglm_trt.backends.onnxrt.passes.linears import pack_weights, rewrite
-from autoglm_trt.native import float_kernel, int8_kernel
+from autoglm_trt.native import float_kernel, int8_kernel, int8_pairs_saturate
 from autoglm_trt.native import library as native_library
 
 
@@ -252,6 +252,13 @@ def test_doctor_says_which_int8_kernel_runs(tiny_int8_engine, monkeypatch):
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
     r = run_cli("doctor", str(tiny_int8_engine))
     assert r.returncode == 0 and "INT8 linears: ONNX Runtime's MatMulIntegerToFloat" in r.stdout
+    assert ("this CPU has no VNNI" in r.stdout) == int8_pairs_saturate()
+
+
+@pytest.mark.parametrize(("flags", "saturates"), [({"avx2"}, True), ({"avx2", "avx512_vnni"}, False),
+                                                  ({"avx2", "avx_vnni"}, False), ({"asimd"}, False), (set(), False)])
+def test_onnx_runtime_int8_saturates_on_x86_without_vnni(flags, saturates):
+    assert int8_pairs_saturate(flags) is saturates
 
 
 def test_inspect_prints_the_decode_step_as_onnx_runtime_runs_it(tiny_int8_engine, monkeypatch):

@@ -223,3 +223,17 @@ def test_abs_max_equals_the_max_of_the_absolute_values():
     for axis in (0, 1):
         np.testing.assert_array_equal(abs_max(x, axis), np.abs(x).max(axis=axis))
     assert abs_max(x, 0)[7] == 40.0
+
+
+def test_bias_correction_is_the_mean_int8_output_error():
+    """Clipped activations (amax 1.27: scale 0.01) and a weight that rounds (0.5 -> 64/127) leave a
+    mean error of 2.75 - (1.27 + 0.135 * 64 / 127); values on the grids (scale 1/64) leave none."""
+    from autoglm_trt.calib.sensitivity import mean_output_error
+
+    x = np.array([[2.0, 2.0], [3.0, -1.0]], np.float32)
+    w = np.array([[1.0], [0.5]], np.float32)
+    got = mean_output_error(x, w, 1.27)
+    assert got.shape == (1,) and got.dtype == np.float32
+    assert got[0] == pytest.approx(2.75 - (1.27 + 0.135 * 64 / 127), abs=1e-6)
+    on_grid = np.array([[0.5, -0.25], [1.0, 0.75]], np.float32)
+    assert np.array_equal(mean_output_error(on_grid, np.array([[127 / 64], [-0.5]], np.float32), 127 / 64), [0.0])
