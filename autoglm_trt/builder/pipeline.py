@@ -37,7 +37,7 @@ from ..model.checkpoint import Checkpoint
 from .config import BuildConfig
 from .profiles import profile_shapes
 
-PRECISIONS = ("fp32", "fp16", "int8", "int8-wo")
+PRECISIONS = ("fp32", "fp16", "int8", "int8-wo", "int4-awq")
 KV_CALIB_WINDOWS = 32  # windows of 128 tokens for the K/V ranges of an fp32/fp16 engine's INT8 KV cache
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 
@@ -52,6 +52,7 @@ class BuildRequest:
     config: BuildConfig | None = None
     cache_dir: Path | None = None  # default: <out_dir parent>/.cache
     force: bool = False
+    int4_block: int = 32  # int4-awq: inputs per weight scale
 
 
 def resolve_backend(requested: str, log: Callable[[str], None]) -> str:
@@ -123,9 +124,9 @@ def _calibrated(req: BuildRequest, model_dir: Path, cache: Path, log: Callable[[
     return calib_dir
 
 
-def _quantized(req: BuildRequest, float_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
-    """The model the engine is built from: the float export, its INT8 calibration or its
-    weight-only INT8 model (made or reused in the cache)."""
+def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
+    """The model the engine is built from: the float export, its INT8 calibration, its
+    weight-only INT8 model or its INT4 model (made or reused in the cache)."""
     if req.precision == "int8":
         return _calibrated(req, float_dir, cache, log)
     if req.precision == "int8-wo":
@@ -134,6 +135,15 @@ def _quantized(req: BuildRequest, float_dir: Path, cache: Path, log: Callable[[s
         if req.calib is not None:
             log("int8-wo quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
         return weight_only_export(float_dir, cache / "int8-wo", log)
+    if req.precision == "int4-awq":
+        from ..calib.pipeline import DEFAULT_DATA
+        from .int4_awq import Int4Settings, int4_export
+
+        if req.calib is None:
+            log(f"no --calib given: AWQ searches its scales on the default set {DEFAULT_DATA}")
+        # TensorRT's block-quantized INT4 takes no zero points: symmetric there
+        settings = Int4Settings(block=req.int4_block, symmetric=backend == "tensorrt")
+        return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
 
 
@@ -211,7 +221,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     t0 = time.perf_counter()
     cache = _cache_dir(req)
     float_dir = _model_dir(req, cache, log)
-    model_dir = _quantized(req, float_dir, cache, log)
+    model_dir = _quantized(req, backend, float_dir, cache, log)
 
     record = ExportRecord.read(model_dir)
     if cfg.max_seq_len > record.max_seq_len:
@@ -225,7 +235,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), AutoGLMError)
     profiles = profile_shapes(cfg, record.spec, num_blocks)
     # K/V ranges: the calibration's (int8), else measured on the float model
-    kv_source = ExportRecord.read(float_dir) if req.precision == "int8-wo" else record
+    kv_source = ExportRecord.read(float_dir) if req.precision in ("int8-wo", "int4-awq") else record
     kv_amax = _kv_amax(req, kv_source, log) if kv_dtype == "int8" else None
 
     with staged_directory(out_dir, req.force) as tmp:

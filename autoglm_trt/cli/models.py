@@ -139,11 +139,13 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 
 @cli.command("build")
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo"]), default="int8", show_default=True,
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo", "int4-awq"]), default="int8",
+              show_default=True,
               help="int8: INT8 weights and activations (calibrated); int8-wo: INT8 weights, float activations "
-                   "(no calibration; the closest to fp32).")
+                   "(no calibration; the closest to fp32); int4-awq: INT4 weights (AWQ scales), float activations.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
-              help="Calibration text for int8 [default: the set shipped with the package, autoglm_trt/calib/data].")
+              help="Calibration text for int8 and int4-awq [default: the set shipped with the package, "
+                   "autoglm_trt/calib/data].")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None, help="Build config (YAML).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
@@ -164,10 +166,12 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
               help="Image-text models: the most pixels an image is resized to [default: the checkpoint's "
                    "preprocessor_config.json; Open-AutoGLM serves with 5000000].")
 @click.option("--max-images", type=int, default=None, help="Image-text models: images per prompt [default: 10].")
+@click.option("--int4-block", type=int, default=32, show_default=True,
+              help="int4-awq: inputs per weight scale (a power of two, at least 16).")
 @click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
-              out_dir: Path | None, print_config: bool, force: bool, **overrides) -> None:
+              out_dir: Path | None, int4_block: int, print_config: bool, force: bool, **overrides) -> None:
     """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""
     from ..builder.config import dump_config, load_config
     from ..builder.pipeline import BuildRequest, build_engine
@@ -178,7 +182,7 @@ def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, co
         return
     out = out_dir or Path("engines") / f"{source.name}-{precision}"
     build_engine(BuildRequest(source=source, out_dir=out, precision=precision, calib=calib, backend=backend,
-                              config=cfg, force=force), log=_log)
+                              config=cfg, force=force, int4_block=int4_block), log=_log)
     click.echo(f"engine: {out}")
 
 

@@ -66,11 +66,7 @@ class GraphBuilder:
     def weight_chunks(self, name: str, shape: Sequence[int], dtype: np.dtype, chunks: Iterator[np.ndarray]) -> str:
         """Like ``weight`` but from row chunks, so a large tensor is never whole in memory."""
         dtype = np.dtype(dtype)
-        pad = (-self._offset) % ALIGN
-        if pad:
-            self._file.write(b"\0" * pad)
-            self._offset += pad
-        start = self._offset
+        start = self._aligned()
         for chunk in chunks:
             chunk = np.ascontiguousarray(chunk, dtype=dtype)
             self._file.write(chunk.data)
@@ -78,9 +74,27 @@ class GraphBuilder:
         length = self._offset - start
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         assert length == expected, f"{name}: wrote {length} bytes, expected {expected}"
+        return self._external(name, shape, NP_TO_ONNX[dtype], start, length)
+
+    def packed_weight(self, name: str, shape: Sequence[int], data_type: int, packed: np.ndarray) -> str:
+        """A weight of a sub-byte ONNX type (INT4, UINT4) from its packed bytes."""
+        start = self._aligned()
+        self._file.write(np.ascontiguousarray(packed, np.uint8).data)
+        self._offset += packed.nbytes
+        return self._external(name, shape, data_type, start, packed.nbytes)
+
+    def _aligned(self) -> int:
+        """Pad the data file to ``ALIGN``; the offset the next weight starts at."""
+        pad = (-self._offset) % ALIGN
+        if pad:
+            self._file.write(b"\0" * pad)
+            self._offset += pad
+        return self._offset
+
+    def _external(self, name: str, shape: Sequence[int], data_type: int, start: int, length: int) -> str:
         tensor = TensorProto()
         tensor.name = name
-        tensor.data_type = NP_TO_ONNX[dtype]
+        tensor.data_type = data_type
         tensor.dims.extend(int(d) for d in shape)
         tensor.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.location), ("offset", str(start)), ("length", str(length))):

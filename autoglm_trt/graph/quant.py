@@ -23,6 +23,7 @@ import numpy as np
 from . import names
 from .builder import GraphBuilder
 from .hadamard import hadamard, rotate_weight, rotate_weight_rows
+from .int4 import int4_weight_dq, quantize_int4_blocks
 
 WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
 # clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
@@ -54,10 +55,17 @@ class QuantPlan:
     # rows (``calib.thresholds.bias_corrections``); in a switchable graph each is scaled by its
     # linear's ``quant_mask`` and ``bias_mask`` entries
     bias_correction: dict[str, np.ndarray] = field(default_factory=dict)
+    # a weight-only plan's linears but the LM head: 8 (blocks of ``WEIGHT_BLOCK``) or 4 bits
+    # (``int4``: blocks of ``weight_block``, symmetric or with zero points); the head stays 8-bit
+    weight_bits: int = 8
+    weight_block: int = WEIGHT_BLOCK
+    weight_symmetric: bool = True
 
     @classmethod
-    def weights_only(cls, linears: list[str]) -> QuantPlan:
-        return cls(dict.fromkeys(linears, 0.0), weight_only=True)
+    def weights_only(cls, linears: list[str], bits: int = 8, block: int = WEIGHT_BLOCK,
+                     symmetric: bool = True) -> QuantPlan:
+        return cls(dict.fromkeys(linears, 0.0), weight_only=True, weight_bits=bits, weight_block=block,
+                   weight_symmetric=symmetric)
 
     @property
     def switch_order(self) -> list[str]:
@@ -65,8 +73,8 @@ class QuantPlan:
 
     def without(self, keep_float: list[str]) -> QuantPlan:
         """The same plan with the named linears left in float."""
-        return QuantPlan({n: a for n, a in self.act_amax.items() if n not in keep_float}, self.switchable, self.rotate,
-                         self.weight_only, {n: c for n, c in self.bias_correction.items() if n not in keep_float})
+        return replace(self, act_amax={n: a for n, a in self.act_amax.items() if n not in keep_float},
+                       bias_correction={n: c for n, c in self.bias_correction.items() if n not in keep_float})
 
     def corrected(self, linears: list[str]) -> QuantPlan:
         """The same plan with the bias corrections of the named linears only."""
@@ -76,6 +84,9 @@ class QuantPlan:
 def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3) -> str:
     """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
     in a weight-only plan."""
+    if plan.weight_only and plan.weight_bits == 4 and name != "lm_head":
+        qw = quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric)
+        return g.op("MatMul", [x, int4_weight_dq(g, name, qw)], name)
     if plan.weight_only:
         wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
         return g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws, name)], name)

@@ -15,6 +15,7 @@ per operator (cases run and refused), and exits 1 when an error does not name it
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 from collections.abc import Callable
 
@@ -204,6 +205,9 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=100, help="cases per operator")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    # whether MaskedSoftmax runs at all in this build (it needs AVX-512F), asked in this process,
+    # where a sanitizer build's runtime is loaded first
+    print(f"RESULT softmax exact: {int(ctypes.CDLL(args.library).AutoglmSoftmaxExact())}", flush=True)
     rng = np.random.default_rng(args.seed)
     wrong = 0
     for op, (make, outputs, optional) in OPS.items():

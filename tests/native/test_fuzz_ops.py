@@ -32,7 +32,11 @@ def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None
         + "\n".join(problems[:40]))
     results = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"RESULT (\w+): (\d+) ran, (\d+) refused", done.stdout)}
     assert len(results) == 17, results
+    exact_softmax = "RESULT softmax exact: 1" in done.stdout
     for op, (ran, refused) in results.items():  # the cases reach the kernels, and the checks
+        if op == "MaskedSoftmax" and not exact_softmax:  # a build without AVX-512F has none: refused by name
+            assert ran == 0 and refused == cases, (op, ran, refused)
+            continue
         assert ran >= cases // 4 and refused >= cases // 10, (op, ran, refused)
     return results
 

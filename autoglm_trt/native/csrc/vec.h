@@ -109,9 +109,24 @@ static inline void mlas_softmax(float *row, int64_t len) {
  * float; ``tests/test_float_linear.py`` compares it with ONNX Runtime on this machine. The
  * coefficients are MLAS's (``MlasLogisticConstants``, which credits Eigen's). Without hardware
  * fused multiply-add MLAS rounds each product first, so the rewrite uses this only where the
- * library has it (``native.float_kernel``).
+ * library has it (``native.float_kernel``). MLAS's AVX-512F kernel clamps the result to [0, 1];
+ * its FMA3 kernel, which an x86 CPU without AVX-512F runs, clamps it below only, so just above
+ * 17.8 it returns 1 + 2^-23 where the other returns 1 (``clamp_one``).
  */
-static inline float mlas_logistic(float x) {
+static inline int mlas_logistic_clamps_one(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  static int known = -1; /* the CPU cannot change: asked once */
+  if (known < 0) {
+    __builtin_cpu_init();
+    known = __builtin_cpu_supports("avx512f") != 0;
+  }
+  return known;
+#else
+  return 1;
+#endif
+}
+
+static inline float mlas_logistic(float x, int clamp_one) {
   x = -18.0f > x ? -18.0f : x; /* max, then min, keeping a NaN as MLAS's vmaxps/vminps do */
   x = 18.0f < x ? 18.0f : x;
   const float x2 = x * x;
@@ -126,12 +141,13 @@ static inline float mlas_logistic(float x) {
   q = fmaf(x2, q, 9.93151921023180e-01f);
   const float r = x * p / q + 0.5f;
   const float low = 0.0f > r ? 0.0f : r;
-  return 1.0f < low ? 1.0f : low;
+  return clamp_one && 1.0f < low ? 1.0f : low;
 }
 
 /* y[i] = (gate[i] * logistic(gate[i])) * up[i] */
 static inline void silu_mul(const float *gate, const float *up, float *y, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] = gate[i] * mlas_logistic(gate[i]) * up[i];
+  const int clamp_one = mlas_logistic_clamps_one();
+  for (int64_t i = 0; i < n; i++) y[i] = gate[i] * mlas_logistic(gate[i], clamp_one) * up[i];
 }
 
 /* in-place fast Walsh-Hadamard transform of v[0:b] (Sylvester order), unnormalized: at each

@@ -1,0 +1,124 @@
+"""``int4-awq``: a float32 export -> the same decoder with INT4 weights (AWQ-scaled), float activations.
+
+Input: a float32 export directory and calibration text. Output directory (the build's cache)::
+
+    model.int4.onnx, model.int4.onnx.data   every decoder linear as a DequantizeLinear of INT4
+                                            weights in blocks along the input (opset 21), its
+                                            AWQ scales folded into the norms and linears before
+                                            it; the LM head INT8 in blocks of 32, as int8-wo's
+    export.json                             the export's record, pointing at that graph;
+                                            ``int4`` says how it was made
+    tokenizer (and vision encoder) files
+
+One batch of calibration windows runs through the float graph for each linear's input rows
+(``calib.statistics.gather``); ``calib.awq`` picks each linear's scales on them. ONNX Runtime's
+optimizer turns each DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..artifacts import EXPORT_RECORD, ExportRecord, copy_tokenizer_files
+from ..errors import AutoGLMError
+from ..fileutil import staged_directory, write_json
+from ..graph.decoder import write_int8_graph
+from ..graph.int4 import quantize_int4_blocks
+from ..graph.quant import QuantPlan
+from ..model.spec import ModelSpec
+from ..model.text import token_windows
+
+GRAPH = "model.int4.onnx"
+# What this code writes from the same export and settings; a cached result of another version is redone.
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Int4Settings:
+    block: int = 32  # inputs per scale (and zero point)
+    symmetric: bool = False  # False: uint4 with a zero point per block; True: int4 in [-7, 7]
+    awq: bool = True  # False: plain rounding to nearest (the ablation)
+    windows: int = 8  # calibration windows of ``seq_len`` tokens run for the linears' input rows
+    seq_len: int = 128
+
+    def check(self) -> None:
+        if self.block < 16 or self.block & (self.block - 1):
+            raise AutoGLMError(f"the INT4 block size must be a power of two of at least 16, got {self.block}")
+
+
+def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Settings = Int4Settings(),
+                log: Callable[[str], None] = print, threads: int | None = None) -> Path:
+    """Write (or reuse) the INT4 model of ``export_dir`` in ``out_dir``; returns ``out_dir``."""
+    settings.check()
+    export = ExportRecord.read(export_dir)
+    if export.dtype != "float32" or export.precision != "fp32":
+        raise AutoGLMError(f"{export_dir} is not a float32 export; int4-awq is made from one "
+                           "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
+    spec = export.spec
+    separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
+    windows = token_windows(data, export_dir, settings.windows, settings.seq_len, separator)
+    made = {"source": export.identity(), "version": VERSION, "settings": asdict(settings),
+            "data_sha256": hashlib.sha256(windows.sha256.encode()).hexdigest()}
+    if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).data.get("int4", {}), made):
+        log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
+        return out_dir
+    from ..calib.statistics import gather, quantizable_inputs
+
+    t0 = time.perf_counter()
+    inputs = quantizable_inputs(export_dir, False, [])
+    st = gather(export_dir, spec, windows.windows, inputs, {}, None, len(windows.windows), threads, 1024**3)
+    log(f"linear inputs of {len(windows.windows)} windows gathered in {time.perf_counter() - t0:.1f} s")
+    scales, report = awq_scales(spec, st, settings, log) if settings.awq else ({}, {})
+    from ..calib.smooth import SmoothedWeights
+
+    weights = SmoothedWeights(st.weights.base, spec, scales)
+    plan = QuantPlan.weights_only(sorted([*inputs, "lm_head"]), bits=4, block=settings.block,
+                                  symmetric=settings.symmetric)
+    with staged_directory(out_dir, True) as tmp:
+        write_int8_graph(tmp, GRAPH, spec, weights, plan, export.max_seq_len)
+        record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq")
+        record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
+                          "weights": f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, "
+                                     f"one scale per {settings.block} inputs of each output; LM head int8 per 32",
+                          "awq": report}
+        copy_tokenizer_files(export_dir, tmp)
+        write_json(tmp / EXPORT_RECORD, record)
+    return out_dir
+
+
+def _same(have: dict, made: dict) -> bool:
+    return json.dumps({k: have.get(k) for k in made}, sort_keys=True) == json.dumps(made, sort_keys=True)
+
+
+def awq_scales(spec: ModelSpec, st, settings: Int4Settings, log: Callable[[str], None]) -> tuple[dict, dict]:
+    """Every decoder linear's AWQ scales on its sampled input rows, and what the search found."""
+    from ..calib.awq import awq_scale
+    from ..calib.smooth import expand_groups, group_shared
+    from ..calib.thresholds import linear_matrix
+
+    def dequantized(w: np.ndarray) -> np.ndarray:
+        return quantize_int4_blocks(w, settings.block, settings.symmetric).dequantized()
+
+    def kv_shared(m: np.ndarray) -> np.ndarray:
+        return expand_groups(group_shared(m, spec), spec)
+
+    scales, alphas, gains = {}, {}, []
+    t0 = time.perf_counter()
+    names = sorted(n for n in st.stats.sample if n != "lm_head")
+    for k, name in enumerate(names):
+        choice = awq_scale(st.stats.sample[name], linear_matrix(st.weights, name, {}), dequantized,
+                           kv_shared if name.endswith(".o_proj") else None)
+        scales[name], alphas[name] = choice.scale, choice.alpha
+        gains.append(choice.rtn_error / max(choice.error, 1e-30))
+        if (k + 1) % max(1, len(names) // 10) == 0 or k + 1 == len(names):
+            log(f"  AWQ search: {k + 1}/{len(names)} linears ({time.perf_counter() - t0:.1f} s)")
+    log(f"AWQ: output error of plain rounding / with the scales, median {np.median(gains):.2f}x over "
+        f"{len(names)} linears")
+    return scales, {"alpha": alphas, "median_error_ratio": float(np.median(gains))}

@@ -1,0 +1,96 @@
+"""INT4 weights in blocks along the input: quantization, ONNX's packing, the DequantizeLinear.
+
+A ``[in, out]`` weight gets one scale (and, asymmetric, one 4-bit zero point) per ``block``
+inputs of each output; ``w ≈ (q - zero) * scale``. Symmetric: q in [-7, 7] as ``int4``, no zero
+point (TensorRT's block-quantized INT4 takes no other). Asymmetric: q in [0, 15] as ``uint4``
+with a zero point per block. Each block's range is clipped by the factor of ``CLIPS`` with the
+least squared error. ONNX stores 4-bit tensors two to a byte, the first element in the low
+nibble; ONNX Runtime turns the DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from .builder import GraphBuilder
+
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """A quantized ``[in, out]`` weight: ``q`` int8 values ``[in, out]`` (-7..7, or 0..15 with
+    zero points), ``scale`` float32 ``[blocks, out]``, ``zero`` uint8 ``[blocks, out]`` or None."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None
+    block: int
+
+    def dequantized(self) -> np.ndarray:
+        """``(q - zero) * scale`` as float32 ``[in, out]``."""
+        n_in = self.q.shape[0]
+        zero = 0 if self.zero is None else np.repeat(self.zero.astype(np.float32), self.block, axis=0)[:n_in]
+        return ((self.q.astype(np.float32) - zero) * np.repeat(self.scale, self.block, axis=0)[:n_in]).astype(np.float32)
+
+
+def quantize_int4_blocks(w: np.ndarray, block: int, symmetric: bool) -> Int4Blocks:
+    """``w`` ``[in, out]`` to INT4 in blocks of ``block`` inputs (the last block may be shorter)."""
+    n_in, n_out = w.shape
+    blocks = -(-n_in // block)
+    padded = np.zeros((blocks * block, n_out), np.float32)
+    padded[:n_in] = w
+    grouped = padded.reshape(blocks, block, n_out)
+    if n_in % block:  # padding rows repeat a real row of the last block, so they widen no range
+        grouped[-1, n_in % block:] = grouped[-1, :1]
+    lo, hi = grouped.min(axis=1), grouped.max(axis=1)
+    best: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    for clip in CLIPS:
+        scale, zero = _scale_zero(np.float32(clip) * lo, np.float32(clip) * hi, symmetric)
+        q = _round(grouped, scale, zero, symmetric)
+        err = np.sum(np.square((q - zero[:, None]) * scale[:, None] - grouped, dtype=np.float32), axis=1)
+        if best is None:
+            best = (scale, zero, err)
+        else:
+            better = err < best[2]
+            best = (np.where(better, scale, best[0]), np.where(better, zero, best[1]), np.where(better, err, best[2]))
+    assert best is not None
+    scale, zero = best[0].astype(np.float32), best[1]
+    q = _round(grouped, scale, zero, symmetric).astype(np.int8).reshape(-1, n_out)[:n_in]
+    return Int4Blocks(q, scale, None if symmetric else zero.astype(np.uint8), block)
+
+
+def _scale_zero(lo: np.ndarray, hi: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    if symmetric:
+        amax = np.maximum(np.abs(lo), np.abs(hi))
+        return np.where(amax > 0, amax / np.float32(7.0), np.float32(1.0)).astype(np.float32), np.zeros_like(lo)
+    lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)  # the range holds 0, so zero is a level
+    scale = np.where(hi > lo, (hi - lo) / np.float32(15.0), np.float32(1.0)).astype(np.float32)
+    return scale, np.clip(np.rint(-lo / scale), 0, 15).astype(np.float32)
+
+
+def _round(grouped: np.ndarray, scale: np.ndarray, zero: np.ndarray, symmetric: bool) -> np.ndarray:
+    q = np.rint(grouped / scale[:, None]) + zero[:, None]
+    return np.clip(q, -7, 7) if symmetric else np.clip(q, 0, 15)
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """ONNX's 4-bit layout of ``values`` (int8 -8..7 or 0..15, any shape, row-major): two to a
+    byte, the first in the low nibble, an odd count padded with a zero nibble."""
+    flat = (values.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
+
+
+def int4_weight_dq(g: GraphBuilder, name: str, qw: Int4Blocks) -> str:
+    """DequantizeLinear (opset 21, axis 0, ``block_size``) of ``qw`` to float32 ``[in, out]``."""
+    kind = TensorProto.INT4 if qw.zero is None else TensorProto.UINT4
+    inputs = [g.packed_weight(f"{name}.weight_i4", qw.q.shape, kind, pack_nibbles(qw.q)),
+              g.weight(f"{name}.weight_scale", qw.scale)]
+    if qw.zero is not None:
+        inputs.append(g.packed_weight(f"{name}.weight_zero", qw.zero.shape, kind, pack_nibbles(qw.zero)))
+    return g.op("DequantizeLinear", inputs, f"{name}.weight_dq", axis=0, block_size=qw.block)

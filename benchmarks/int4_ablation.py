@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""INT4 weights of SmolLM2-135M, one run: AWQ against plain rounding, blocks of 32 and 128 inputs,
+zero points or symmetric.
+
+    python -m benchmarks.int4_ablation [--max-chunks 12] [--json OUT]
+
+Each variant is ``builder.int4_awq.int4_export`` of the float32 export (the default calibration
+set for AWQ's rows), its graph run by ONNX Runtime as the engine's plain graph computes it (each
+DequantizeLinear + MatMul fused into a 4-bit ``MatMulNBits``, accuracy level 4). Scores: perplexity
+ratio and top-1 agreement against the float32 checkpoint in transformers on each kind of held-out
+text (``calibration/eval``, windows of 256 tokens), as ``autoglm-trt eval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from .common import ROOT, machine
+from .peer_accuracy import KINDS
+
+VARIANTS = {"RTN, blocks of 128, zero points": {"block": 128, "awq": False},
+            "AWQ, blocks of 128, zero points": {"block": 128},
+            "RTN, blocks of 32, zero points": {"block": 32, "awq": False},
+            "AWQ, blocks of 32, symmetric": {"block": 32, "symmetric": True},
+            "AWQ, blocks of 32, zero points (int4-awq's default)": {"block": 32}}
+
+
+def main() -> None:
+    from autoglm_trt.builder.int4_awq import Int4Settings, int4_export
+    from autoglm_trt.calib.pipeline import DEFAULT_DATA
+    from autoglm_trt.evaluate import score
+    from autoglm_trt.evaluate.perplexity import model_logits
+    from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
+    from autoglm_trt.fileutil import library_versions
+    from autoglm_trt.graph.runner import GraphRunner
+    from autoglm_trt.model.text import text_chunks
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-chunks", type=int, default=12)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    smol = ROOT / "models" / "smollm2-135m"
+    work = ROOT / "engines" / ".cache" / "int4-ablation"
+    export = work / "export"
+    if not (export / "export.json").is_file():
+        export_checkpoint(ExportConfig(smol, export, force=True), log=lambda m: None)
+    chunks = {k: text_chunks(ROOT / "calibration" / "eval" / f, export, 256, args.max_chunks) for k, f in KINDS.items()}
+    reference = model_logits(smol)
+    ref_logits = {k: [reference(c[i : i + 4]) for i in range(0, len(c), 4)] for k, c in chunks.items()}
+
+    def replay(kind: str):
+        batches = iter(ref_logits[kind])
+        return lambda w: next(batches)
+
+    rows = []
+    for name, settings in VARIANTS.items():
+        t0 = time.perf_counter()
+        out = int4_export(export, work / name.split(" (")[0].replace(", ", "-").replace(" ", "_"), DEFAULT_DATA,
+                          Int4Settings(**settings), log=lambda m: None)
+        seconds = time.perf_counter() - t0
+        runner = GraphRunner(out)
+        kinds = {k: score(runner.logits, c, replay(k)) for k, c in chunks.items()}
+        row = {"variant": name, "build_s": round(seconds, 1),
+               **{k: {"ppl_ratio": round(v["ppl_ratio"], 4), "top1": round(v["top1_agreement"], 4)}
+                  for k, v in kinds.items()}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| variant | " + " | ".join(f"{k} ppl ratio / top-1" for k in KINDS) + " | made in |")
+    print("|---|" + "---|" * len(KINDS) + "---|")
+    for row in rows:
+        print(f"| {row['variant']} | " + " | ".join(f"{row[k]['ppl_ratio']:.4f} / {row[k]['top1']:.4f}" for k in KINDS)
+              + f" | {row['build_s']:.0f} s |")
+    print("\n" + ", ".join(f"{k} {v}" for k, v in library_versions("onnxruntime", "transformers", "torch").items()))
+    print(machine())
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""``build --precision int4-awq``: INT4 weights (AWQ scales folded in), the LM head INT8, float activations."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import ROOT, build_tiny_engine, run_cli
+
+DATA = ROOT / "autoglm_trt" / "calib" / "data"
+
+
+@pytest.fixture(scope="module")
+def int4_engines(tiny_dir, tmp_path_factory):
+    """The tiny GLM (QKV with a bias) as fp32 and int4-awq engines, from one build cache."""
+    root = tmp_path_factory.mktemp("int4")
+    return (build_tiny_engine(tiny_dir, root / "fp32", "glm"),
+            build_tiny_engine(tiny_dir, root / "int4-awq", "glm", precision="int4-awq"))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_the_dequantize_linear_onnx_runtime_runs_is_the_numpy_one(tmp_path, symmetric):
+    """An INT4 weight of 80 inputs (blocks of 32, the last short) written as ONNX's packed int4 /
+    uint4 DequantizeLinear: ONNX Runtime's product, unoptimized and fused into MatMulNBits,
+    is x times the numpy dequantization."""
+    from onnx import TensorProto
+
+    from autoglm_trt.graph.builder import GraphBuilder
+    from autoglm_trt.graph.int4 import int4_weight_dq, quantize_int4_blocks
+    from autoglm_trt.graph.session import make_session
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((80, 48)).astype(np.float32)
+    qw = quantize_int4_blocks(w, 32, symmetric)
+    g = GraphBuilder(tmp_path / "m.onnx.data")
+    g.input("x", TensorProto.FLOAT, [4, 80])
+    y = g.op("MatMul", ["x", int4_weight_dq(g, "lin", qw)])
+    g.rename_output(y, "y")
+    g.output("y", TensorProto.FLOAT, [4, 48])
+    onnx.save_model(g.model("int4", 21), str(tmp_path / "m.onnx"))
+    g.close()
+    x = rng.standard_normal((4, 80)).astype(np.float32)
+    want = x @ qw.dequantized()
+    plain = make_session(tmp_path / "m.onnx", optimize=False).run(None, {"x": x})[0]
+    np.testing.assert_allclose(plain, want, rtol=1e-5, atol=1e-5)
+    fused = make_session(tmp_path / "m.onnx", save_optimized=tmp_path / "opt.onnx")
+    assert "MatMulNBits" in {n.op_type for n in onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph.node}
+    # accuracy level 4: ONNX Runtime quantizes the activations to INT8 per block of 32
+    np.testing.assert_allclose(fused.run(None, {"x": x})[0], want, atol=0.02 * np.abs(want).max())
+
+
+def test_the_engine_has_int4_linears_an_int8_head_and_answers(int4_engines):
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.evaluate.perplexity import model_logits
+
+    fp32, int4 = int4_engines
+    manifest = Manifest.read(int4)
+    assert manifest.precision == "int4-awq"
+    record = json.loads((int4 / "export.json").read_text())
+    assert record["graph"]["precision"] == "int4-awq" and record["int4"]["settings"]["block"] == 32
+    assert len(record["int4"]["awq"]["alpha"]) == record["int4"]["linears"] == 4 * manifest.spec.num_layers
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits")
+            for n in onnx.load(str(int4 / "model.opt.onnx"), load_external_data=False).graph.node
+            if n.op_type == "MatMulNBits"}
+    assert bits.pop("lm_head_node") == 8 and len(bits) == 4 * manifest.spec.num_layers
+    assert set(bits.values()) == {4}
+    windows = np.random.default_rng(0).integers(3, manifest.spec.vocab_size, (2, 24))
+    got, ref = model_logits(int4)(windows), model_logits(fp32)(windows)
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert np.abs(got - ref).max() > 1e-4 * np.abs(ref).max()  # quantized, not the float graph
+    gen = run_cli("generate", str(int4), "hello", "--max-new-tokens", "4")
+    assert gen.returncode == 0, gen.stderr
+
+
+def test_awq_scales_leave_the_float_model_unchanged(int4_engines):
+    """The AWQ scales folded into norms and linears, with every weight float: the export's logits."""
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.builder.int4_awq import Int4Settings, awq_scales
+    from autoglm_trt.calib.smooth import SmoothedWeights
+    from autoglm_trt.calib.statistics import gather, quantizable_inputs
+    from autoglm_trt.graph.decoder import write_int8_graph
+    from autoglm_trt.graph.quant import QuantPlan
+    from autoglm_trt.graph.runner import GraphRunner
+    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.model.text import token_windows
+
+    _, int4 = int4_engines
+    export = next((int4.parent / ".cache").glob("*/export-float32"))
+    spec = Manifest.read(int4).spec
+    windows = token_windows(DATA, export, 4, 32, None).windows
+    st = gather(export, spec, windows, quantizable_inputs(export, False, []), {}, None, 4, None)
+    scales, _ = awq_scales(spec, st, Int4Settings(), lambda m: None)
+    assert any(np.abs(s - 1).max() > 0.05 for s in scales.values())
+    out = int4.parent / "awq-float"
+    out.mkdir()
+    path = write_int8_graph(out, "m.onnx", spec, SmoothedWeights(st.weights.base, spec, scales), QuantPlan({}),
+                            GraphRunner(export).record.max_seq_len)
+    folded = GraphRunner(export, session=make_session(path))
+    np.testing.assert_allclose(folded.logits(windows), GraphRunner(export).logits(windows), rtol=1e-3, atol=1e-3)
+
+
+def test_a_second_build_reuses_the_int4_model_and_a_bad_block_is_refused(tiny_dir, int4_engines):
+    _, int4 = int4_engines
+    args = ["--backend", "onnxruntime", "--max-seq-len", "96", "--max-input-len", "48", "--kv-num-blocks", "64",
+            "--kv-block-size", "8"]
+    done = run_cli("build", str(tiny_dir("glm")), "--precision", "int4-awq", *args, "-o", str(int4.parent / "again"))
+    assert done.returncode == 0, done.stderr
+    assert "reusing the INT4 model" in done.stderr
+    bad = run_cli("build", str(tiny_dir("glm")), "--precision", "int4-awq", "--int4-block", "48", *args,
+                  "-o", str(int4.parent / "bad"))
+    assert bad.returncode == 1 and "power of two of at least 16, got 48" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (int4.parent / "bad").exists()

@@ -1,0 +1,71 @@
+"""INT4 weights: block quantization and ONNX's packing to exact values; AWQ's search."""
+
+import numpy as np
+import pytest
+
+from autoglm_trt.calib.awq import awq_scale
+from autoglm_trt.graph.int4 import pack_nibbles, quantize_int4_blocks
+
+
+def test_a_block_on_the_asymmetric_grid_is_exact():
+    """0, 0.25, ..., 3.75: scale 0.25, zero point 0, q = 0..15; a block of -1.5 .. 2.25 in steps
+    of 0.25 has its zero at level 6."""
+    w = np.stack([np.arange(16) * 0.25, np.arange(16) * 0.25 - 1.5], axis=1).astype(np.float32)
+    qw = quantize_int4_blocks(w, 16, symmetric=False)
+    assert qw.scale.tolist() == [[0.25, 0.25]] and qw.zero.tolist() == [[0, 6]]
+    assert qw.q[:, 0].tolist() == list(range(16)) and qw.q[:, 1].tolist() == list(range(16))
+    assert np.array_equal(qw.dequantized(), w)
+
+
+def test_a_block_on_the_symmetric_grid_is_exact():
+    w = (np.arange(-7, 9) * 0.5).astype(np.float32).reshape(16, 1)
+    w[-1] = 0.0  # 8 * 0.5 is out of [-7, 7]: only up to 3.5
+    qw = quantize_int4_blocks(w, 16, symmetric=True)
+    assert qw.zero is None and qw.scale.tolist() == [[0.5]]
+    assert qw.q[:, 0].tolist() == [*range(-7, 8), 0]
+    assert np.array_equal(qw.dequantized(), w)
+
+
+def test_blocks_run_along_the_input_and_the_last_may_be_short():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 3)).astype(np.float32)
+    qw = quantize_int4_blocks(w, 16, symmetric=False)
+    assert qw.q.shape == (40, 3) and qw.scale.shape == (3, 3) and qw.zero.shape == (3, 3)
+    assert qw.q.min() >= 0 and qw.q.max() <= 15
+    step = np.repeat(qw.scale, 16, axis=0)[:40]
+    levels = qw.dequantized() / step + np.repeat(qw.zero, 16, axis=0)[:40]
+    assert np.allclose(levels, qw.q, atol=1e-4)  # each value on its block's grid
+    assert np.linalg.norm(qw.dequantized() - w) < 0.15 * np.linalg.norm(w)
+
+
+def test_an_outlier_is_clipped_when_that_lowers_the_blocks_error():
+    w = np.concatenate([np.linspace(-1, 1, 31), [4.0]]).astype(np.float32).reshape(32, 1)
+    qw = quantize_int4_blocks(w, 32, symmetric=True)
+    full = np.clip(np.rint(w / (4 / 7)), -7, 7) * (4 / 7)
+    assert qw.scale[0, 0] < 4 / 7
+    assert np.sum((qw.dequantized() - w) ** 2) < np.sum((full - w) ** 2)
+
+
+@pytest.mark.parametrize(("values", "packed"), [([1, 2, 3], [0x21, 0x03]), ([-1, 7], [0x7F]),
+                                                ([15, 0, 8, 9], [0x0F, 0x98]), ([-8], [0x08])])
+def test_nibbles_pack_low_first(values, packed):
+    assert pack_nibbles(np.array(values, np.int8)).tolist() == packed
+
+
+def test_awq_prefers_no_scaling_when_rounding_loses_nothing():
+    x = np.ones((4, 16), np.float32)
+    w = (np.arange(16 * 2).reshape(16, 2) % 16 * 0.25).astype(np.float32)
+    choice = awq_scale(x, w, lambda m: quantize_int4_blocks(m, 16, False).dequantized())
+    assert choice.alpha == 0.0 and choice.error == choice.rtn_error == 0.0
+    assert np.array_equal(choice.scale, np.ones(16, np.float32))
+
+
+def test_awq_shields_the_weights_of_a_large_activation():
+    """One input channel 50 times the others: scaling it up lowers the output error."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    x[:, 5] *= 50
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    choice = awq_scale(x, w, lambda m: quantize_int4_blocks(m, 32, False).dequantized())
+    assert choice.alpha > 0 and choice.error < 0.8 * choice.rtn_error
+    assert choice.scale[5] == choice.scale.max()
