@@ -290,6 +290,10 @@ def _native_report(manifest) -> list[str]:
             "INT8 weights: " + ("native Int8WeightLinear operator (dequantized weights, float32 sums)"
                                 if any(op.startswith("Int8WeightLinear") for op in ops)
                                 else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
+        *([] if manifest.precision != "int4-awq" else [
+            "INT4 weights: ONNX Runtime's 4-bit MatMulNBits (activations quantized per block at run time); "
+            "the LM head's INT8: " + ("native Int8WeightLinear operator" if any(op.startswith("Int8WeightLinear")
+                                                                              for op in ops) else "MatMulNBits")]),
         *([] if manifest.precision != "int8" else [
             "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)" if library is not None and
                                 any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat"

@@ -72,6 +72,8 @@ def test_the_engine_has_int4_linears_an_int8_head_and_answers(int4_engines):
     assert np.abs(got - ref).max() > 1e-4 * np.abs(ref).max()  # quantized, not the float graph
     gen = run_cli("generate", str(int4), "hello", "--max-new-tokens", "4")
     assert gen.returncode == 0, gen.stderr
+    doctor = run_cli("doctor", str(int4))
+    assert doctor.returncode == 0 and "INT4 weights: ONNX Runtime's 4-bit MatMulNBits" in doctor.stdout
 
 
 def test_awq_scales_leave_the_float_model_unchanged(int4_engines):
