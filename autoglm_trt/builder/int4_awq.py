@@ -17,7 +17,6 @@ optimizer turns each DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -65,7 +64,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(data, export_dir, settings.windows, settings.seq_len, separator)
     made = {"source": export.identity(), "version": VERSION, "settings": asdict(settings),
-            "data_sha256": hashlib.sha256(windows.sha256.encode()).hexdigest()}
+            "data_sha256": windows.sha256}
     if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).data.get("int4", {}), made):
         log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
         return out_dir

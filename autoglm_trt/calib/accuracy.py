@@ -64,7 +64,8 @@ def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: Weig
             f"or top-1 {result['top1_agreement']:.3f} < {gs.target_top1}) with {len(keep)} linears in float; keep "
             "more in float (--keep-float) or lower the targets")
     report = {"enabled": True, "target_ppl_ratio": gs.target_ppl_ratio, "target_top1": gs.target_top1,
-              "sensitivity": search.report, "result": result, "seconds": round(time.perf_counter() - t0, 1)}
+              "sensitivity": search.report, "result": result, "seconds": round(time.perf_counter() - t0, 1),
+              "bias_correction": sorted(plan.without(keep).bias_correction)}
     del search  # its session reads the switchable graph's weights
     switch_path.unlink()
     (tmp / "switch.onnx.data").unlink()

@@ -53,7 +53,9 @@ from .thresholds import bias_corrections, choose_amax, int8_errors
 # 4: K/V amax per layer and KV head (INT8 KV cache). 5: V's amax as the smoothed graph stores it.
 # 6: K/V thresholds: 99.99th percentile per KV head. 7: histograms of token rows sampled by
 # window (``collect.Accumulator._rows``), the Q/DQ ones one row in ``hist_row_stride``.
-CALIB_VERSION = 7
+# 8: plans pass under two roundings, the final check in float Q/DQ, bias corrections, rotated
+# weights summed in float64.
+CALIB_VERSION = 8
 DEFAULT_DATA = Path(__file__).with_name("data")  # the shipped set: package data, in the wheel too
 
 
@@ -267,8 +269,7 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         "float_weight_fraction": float_fraction(spec, keep + cfg.keep_float),
         "weight_bytes_per_token": weight_bytes(spec, set(quantized)),
         "int8_output_error": errors,
-        "bias_correction": sorted(n for n in gate_report.get("sensitivity", {}).get("bias_correction", {}).get("kept", [])
-                                  if n not in keep),
+        "bias_correction": gate_report.get("bias_correction", []),
         "smoothquant": {"alpha": cfg.smoothquant_alpha, "linears": sorted(st.stats.smooth)},
         # amax of these is that of the rotated input (x / s) R, R block-diagonal Hadamard
         "hadamard_block": {n: b for n, b in st.rotate.items() if n in quantized},

@@ -348,3 +348,28 @@ def test_a_gate_the_memory_cannot_hold_is_refused_before_the_statistics(tiny_exp
     with pytest.raises(AutoGLMError, match="hist_row_stride must be an integer >= 1"):
         calibrate(CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64, gate=False,
                               hist_row_stride=0), log=lambda m: None)
+
+
+def test_bias_corrections_reach_the_engine(tiny_dir, tmp_path, monkeypatch):
+    """A tiny Llama (no biases of its own) with the bias correction of every INT8 linear kept: the
+    INT8 graph adds them, and the engine (native operators where this machine has them) gives that
+    graph's logits."""
+    from conftest import build_tiny_engine
+
+    from autoglm_trt.calib.sensitivity import SensitivitySearch
+    from autoglm_trt.evaluate.perplexity import model_logits
+
+    monkeypatch.setattr(SensitivitySearch, "choose_corrections", lambda self, log: list(self.corrected))
+    data = tmp_path / "calib"
+    data.mkdir()
+    (data / "a.txt").write_text("The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 300)
+    engine = build_tiny_engine(tiny_dir, tmp_path / "int8", precision="int8", calib=data)
+    calib_dir = next((tmp_path / ".cache").glob("*/calib-int8"))
+    record = json.loads((calib_dir / "calib.json").read_text())
+    assert record["bias_correction"] and set(record["bias_correction"]) <= set(record["amax"])
+    model = onnx.load(str(calib_dir / "model.int8.onnx"), load_external_data=False)
+    biases = {t.name for t in model.graph.initializer if t.name.endswith(".bias")}
+    assert biases == {f"{n}.bias" for n in record["bias_correction"]}
+    windows = np.random.default_rng(0).integers(3, 200, (2, 24))
+    want = GraphRunner(calib_dir).logits(windows)
+    np.testing.assert_allclose(model_logits(engine)(windows), want, atol=1e-3 * np.abs(want).max(), rtol=0)
