@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from .common import ROOT, machine
-from .peer_accuracy import KINDS
+from .peer_accuracy import KIND_COLUMNS, KINDS, kind_cells, kind_scores
 
 VARIANTS = {"RTN, blocks of 128, zero points": {"block": 128, "awq": False},
             "AWQ, blocks of 128, zero points": {"block": 128},
@@ -60,16 +60,13 @@ def main() -> None:
                           Int4Settings(**settings), log=lambda m: None)
         runner = GraphRunner(out)
         kinds = {k: score(runner.logits, c, replay(k)) for k, c in chunks.items()}
-        row = {"variant": name,
-               **{k: {"ppl_ratio": round(v["ppl_ratio"], 4), "top1": round(v["top1_agreement"], 4)}
-                  for k, v in kinds.items()}}
+        row = {"variant": name, **kind_scores(kinds)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| variant | " + " | ".join(f"{k} ppl ratio / top-1" for k in KINDS) + " |")
+    print(f"\n| variant | {KIND_COLUMNS} |")
     print("|---|" + "---|" * len(KINDS))
     for row in rows:
-        print(f"| {row['variant']} | " + " | ".join(f"{row[k]['ppl_ratio']:.4f} / {row[k]['top1']:.4f}" for k in KINDS)
-              + " |")
+        print(f"| {row['variant']} | {kind_cells(row)} |")
     print("\n" + ", ".join(f"{k} {v}" for k, v in library_versions("onnxruntime", "transformers", "torch").items()))
     print(machine())
     if args.json:

@@ -34,6 +34,19 @@ from .common import ROOT, machine
 LLAMACPP_DIR = ROOT / ".llamacpp"
 LLAMACPP = ["llama-cpp-python==0.3.36", "diskcache==5.6.3"]  # its one dependency this venv lacks
 KINDS = {"python-docs": "heldout.txt", "prose": "prose.txt", "code": "code.txt", "chinese": "chinese.txt"}
+# the table's columns of scores by kind of text, in peer_accuracy and int4_ablation
+KIND_COLUMNS = " | ".join(f"{k} ppl ratio / top-1" for k in KINDS)
+
+
+def kind_scores(kinds: dict[str, dict]) -> dict[str, dict]:
+    """``evaluate.score`` results by kind, rounded for a row."""
+    return {k: {"ppl_ratio": round(v["ppl_ratio"], 4), "top1": round(v["top1_agreement"], 4)} for k, v in kinds.items()}
+
+
+def kind_cells(row: dict) -> str:
+    return " | ".join(f"{row[k]['ppl_ratio']:.4f} / {row[k]['top1']:.4f}" for k in KINDS)
+
+
 # llama.cpp's file types (llama.h: LLAMA_FTYPE_*)
 FTYPES = {"Q8_0": 7, "Q4_K_M": 15}
 
@@ -194,16 +207,13 @@ def main() -> None:
             answers = engine_answers(engines[name.split()[-1]])
         else:
             answers = [runner.greedy(p, args.tokens, eos) for p in prompts]
-        row = {"candidate": name, "chat": agreement(answers, fp32_answers, args.tokens),
-               **{k: {"ppl_ratio": round(v["ppl_ratio"], 4), "top1": round(v["top1_agreement"], 4)}
-                  for k, v in kinds.items()}}
+        row = {"candidate": name, "chat": agreement(answers, fp32_answers, args.tokens), **kind_scores(kinds)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| candidate | same 16 tokens (of 100) | " + " | ".join(f"{k} ppl ratio / top-1" for k in KINDS) + " |")
+    print(f"\n| candidate | same 16 tokens (of 100) | {KIND_COLUMNS} |")
     print("|---|---|" + "---|" * len(KINDS))
     for row in rows:
-        print(f"| {row['candidate']} | {round(100 * row['chat']['same_first_tokens'])} | "
-              + " | ".join(f"{row[k]['ppl_ratio']:.4f} / {row[k]['top1']:.4f}" for k in KINDS) + " |")
+        print(f"| {row['candidate']} | {round(100 * row['chat']['same_first_tokens'])} | {kind_cells(row)} |")
     print(f"\nllama-cpp-python {llama_cpp.__version__}, onnxruntime-genai {onnxruntime_genai.__version__}, "
           + ", ".join(f"{k} {v}" for k, v in library_versions("onnxruntime", "transformers", "torch").items()))
     print(machine())
