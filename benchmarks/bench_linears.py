@@ -10,8 +10,10 @@ session per method, weights as constant initializers, 2 intra-op threads: ONNX R
 activations); ONNX Runtime's ``MatMulNBits`` with 8-bit and 4-bit blocked weights (block 32 and
 128; ``accuracy_level`` 4 quantizes activations per block to INT8 at run time and uses integer dot
 products, 0 dequantizes to float; 8-bit weights only at 4: at 0 they took 100-270x
-Int8Linear's time on SmolLM2's shapes). Prints, per shape and row count, the median microseconds of
-each and its time relative to ``Int8Linear``; for one row also the weight bytes read per second.
+Int8Linear's time on SmolLM2's shapes); our ``Int4WeightLinear`` (4-bit blocks of 32 with
+zero points, activations per block to INT8, as MatMulNBits at level 4). Prints, per shape and
+row count, the median microseconds of each and its time relative to ``Int8Linear``; for one row
+also the weight bytes read per second.
 Weights are random (timing does not depend on their values).
 """
 
@@ -79,6 +81,14 @@ def sessions(k: int, n: int, library) -> dict[str, tuple[object, int]]:
                      np.float32), "ws")]
         node = helper.make_node("Int8Linear", ["x", "h", "s", "z", "wp", "cs", "ws"], ["y"], domain="autoglm.trt")
         out["int8_linear"] = (_session([node], inits, k, library), packed8.nbytes)
+        kb = -(-k // 32)
+        parts = [rng.integers(0, 256, (n // 16, kb, 8, 32), dtype=np.uint8),
+                 rng.uniform(1e-3, 1e-2, (n // 16, kb, 16)).astype(np.float32),
+                 rng.integers(0, 16, (n // 16, kb, 16), dtype=np.uint8)]
+        node = helper.make_node("Int4WeightLinear", ["x", "t4", "s4", "z4"], ["y"], domain="autoglm.trt")
+        out["int4_weight_linear"] = (_session([node], [numpy_helper.from_array(a, name) for a, name in
+                                                       zip(parts, ("t4", "s4", "z4"))], k, library),
+                                     sum(a.nbytes for a in parts))
     return out
 
 

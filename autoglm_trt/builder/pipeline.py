@@ -37,7 +37,8 @@ from ..model.checkpoint import Checkpoint
 from .config import BuildConfig
 from .profiles import profile_shapes
 
-PRECISIONS = ("fp32", "fp16", "int8", "int8-wo", "int4-awq")
+PRECISIONS = ("fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq")
+WEIGHT_ONLY = ("int8-wo", "int8-dyn")  # one model: INT8 weights in blocks; int8-dyn quantizes activations at run time
 KV_CALIB_WINDOWS = 32  # windows of 128 tokens for the K/V ranges of an fp32/fp16 engine's INT8 KV cache
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 
@@ -68,6 +69,21 @@ def resolve_backend(requested: str, log: Callable[[str], None]) -> str:
     ok, reason = tensorrt_available()
     log(f"backend auto: {'tensorrt' if ok else 'onnxruntime'} ({reason})")
     return "tensorrt" if ok else "onnxruntime"
+
+
+def _backend_for(req: BuildRequest, log: Callable[[str], None]) -> str:
+    """The backend that builds ``req``: ONNX Runtime for int8-dyn, which TensorRT cannot run."""
+    if req.precision != "int8-dyn":
+        return resolve_backend(req.backend, log)
+    if req.backend not in BACKENDS:
+        raise AutoGLMError(f"backend '{req.backend}' is not one of {', '.join(BACKENDS)}")
+    if req.backend == "tensorrt":
+        raise AutoGLMError("int8-dyn (activations quantized per block of 32 at run time) runs on ONNX Runtime's "
+                           "engine only; for TensorRT build int8-wo (the same INT8 weights, float activations) "
+                           "or int8, or pass --backend onnxruntime")
+    if req.backend == "auto":
+        log("backend auto: onnxruntime (int8-dyn runs on ONNX Runtime's engine only)")
+    return "onnxruntime"
 
 
 def _checkpoint_export(source: Path, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
@@ -129,11 +145,11 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
     weight-only INT8 model or its INT4 model (made or reused in the cache)."""
     if req.precision == "int8":
         return _calibrated(req, float_dir, cache, log)
-    if req.precision == "int8-wo":
+    if req.precision in WEIGHT_ONLY:
         from .weight_only import weight_only_export
 
         if req.calib is not None:
-            log("int8-wo quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
+            log(f"{req.precision} quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
         return weight_only_export(float_dir, cache / "int8-wo", log)
     if req.precision == "int4-awq":
         from ..calib.pipeline import DEFAULT_DATA
@@ -217,7 +233,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     out_dir = Path(req.out_dir)
     if out_dir.exists() and not req.force:
         raise AutoGLMError(f"engine directory {out_dir} already exists; pass --force to rebuild it")
-    backend = resolve_backend(req.backend, log)
+    backend = _backend_for(req, log)
     t0 = time.perf_counter()
     cache = _cache_dir(req)
     float_dir = _model_dir(req, cache, log)
@@ -235,7 +251,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), AutoGLMError)
     profiles = profile_shapes(cfg, record.spec, num_blocks)
     # K/V ranges: the calibration's (int8), else measured on the float model
-    kv_source = ExportRecord.read(float_dir) if req.precision in ("int8-wo", "int4-awq") else record
+    kv_source = ExportRecord.read(float_dir) if req.precision in (*WEIGHT_ONLY, "int4-awq") else record
     kv_amax = _kv_amax(req, kv_source, log) if kv_dtype == "int8" else None
 
     with staged_directory(out_dir, req.force) as tmp:
@@ -243,7 +259,8 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
         if backend == "tensorrt" and record.vision() is not None:
             report["vision"] = _vision_plan(model_dir, record, tmp, cfg, req, log)
-        graphs = _ort_graphs(tmp, record, kv_dtype, log) if backend == "onnxruntime" else None
+        graphs = _ort_graphs(tmp, record, kv_dtype, req.precision == "int8-dyn", log) if backend == "onnxruntime" \
+            else None
         copy_tokenizer_files(model_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))
         write_json(tmp / "fusion_report.json", report)
@@ -265,11 +282,12 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     return manifest
 
 
-def _ort_graphs(tmp: Path, record: ExportRecord, kv_dtype: str, log: Callable[[str], None]) -> dict:
+def _ort_graphs(tmp: Path, record: ExportRecord, kv_dtype: str, dynamic_int8: bool,
+                log: Callable[[str], None]) -> dict:
     """The ONNX Runtime engine's plain and native graphs (``loader.write_graphs``), and what they say."""
     from ..backends.onnxrt.loader import write_graphs
 
-    graphs = write_graphs(tmp, record.spec, kv_dtype)
+    graphs = write_graphs(tmp, record.spec, kv_dtype, dynamic_int8=dynamic_int8)
     done = [f"{p['name']} x{p['applied']}" for p in graphs["passes"] if p["applied"]]
     log("native graph: " + (", ".join(done) if graphs["native_graph"] else f"none ({graphs['why']})"))
     return graphs

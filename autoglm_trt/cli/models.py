@@ -139,10 +139,12 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 
 @cli.command("build")
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo", "int4-awq"]), default="int8",
-              show_default=True,
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq"]),
+              default="int8", show_default=True,
               help="int8: INT8 weights and activations (calibrated); int8-wo: INT8 weights, float activations "
-                   "(no calibration; the closest to fp32); int4-awq: INT4 weights (AWQ scales), float activations.")
+                   "(no calibration; the closest to fp32); int8-dyn: int8-wo's weights, activations quantized per "
+                   "block of 32 at run time (ONNX Runtime only); int4-awq: INT4 weights (AWQ scales), activations "
+                   "quantized per block at run time.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="Calibration text for int8 and int4-awq [default: the set shipped with the package, "
                    "autoglm_trt/calib/data].")
@@ -271,7 +273,7 @@ def _native_report(manifest) -> list[str]:
     from ..backends.onnxrt import passes
     from ..backends.onnxrt.passes.common import all_nodes
     from ..backends.onnxrt.runner import native_graph_here
-    from ..native import float_kernel, int8_kernel, int8_pairs_saturate, variant_of
+    from ..native import block_kernel, float_kernel, int8_kernel, int8_pairs_saturate, variant_of
 
     graphs, target = manifest.ort_graphs, passes.Target.here()
     library, why = target.library, native_graph_here(manifest.ort_graphs, target)
@@ -290,10 +292,18 @@ def _native_report(manifest) -> list[str]:
             "INT8 weights: " + ("native Int8WeightLinear operator (dequantized weights, float32 sums)"
                                 if any(op.startswith("Int8WeightLinear") for op in ops)
                                 else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
+        *([] if manifest.precision != "int8-dyn" else [
+            "INT8 weights and activations: " + (
+                f"native Int8BlockLinear operator ({block_kernel(library)} kernel; activations quantized per block "
+                "of 32 at run time)" if library is not None and any(op.startswith("Int8BlockLinear") for op in ops)
+                else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
         *([] if manifest.precision != "int4-awq" else [
-            "INT4 weights: ONNX Runtime's 4-bit MatMulNBits (activations quantized per block at run time); "
-            "the LM head's INT8: " + ("native Int8WeightLinear operator" if any(op.startswith("Int8WeightLinear")
-                                                                              for op in ops) else "MatMulNBits")]),
+            "INT4 weights: " + (f"native Int4WeightLinear operator ({block_kernel(library)} kernel; activations "
+                                "quantized per block of 32 at run time)" if library is not None and
+                                any(op.startswith("Int4WeightLinear") for op in ops)
+                                else "ONNX Runtime's 4-bit MatMulNBits (activations quantized per block at run time)")
+            + "; the LM head's INT8: " + ("native Int8BlockLinear operator" if any(op.startswith("Int8BlockLinear")
+                                                                             for op in ops) else "MatMulNBits")]),
         *([] if manifest.precision != "int8" else [
             "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)" if library is not None and
                                 any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat"

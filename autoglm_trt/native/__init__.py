@@ -130,6 +130,12 @@ def int8_kernel(path: Path) -> str:
     return _string(path, "AutoglmInt8Kernel")
 
 
+def block_kernel(path: Path) -> str:
+    """Which instructions the library's ``Int4WeightLinear`` and ``Int8BlockLinear`` dot products use
+    ("avx2" or "portable C")."""
+    return _string(path, "AutoglmBlockKernel")
+
+
 def float_kernel(path: Path) -> str:
     """Which instructions the library's float GEMM (``FloatLinear``) uses: "avx512", "avx2-fma" or
     "portable C"."""

@@ -73,7 +73,30 @@ def test_the_engine_has_int4_linears_an_int8_head_and_answers(int4_engines):
     gen = run_cli("generate", str(int4), "hello", "--max-new-tokens", "4")
     assert gen.returncode == 0, gen.stderr
     doctor = run_cli("doctor", str(int4))
-    assert doctor.returncode == 0 and "INT4 weights: ONNX Runtime's 4-bit MatMulNBits" in doctor.stdout
+    assert doctor.returncode == 0 and "INT4 weights: native Int4WeightLinear operator" in doctor.stdout
+    assert "the LM head's INT8: native Int8BlockLinear operator" in doctor.stdout  # its activations quantized too
+    from autoglm_trt.backends.onnxrt.passes.common import all_nodes
+
+    nodes = list(all_nodes(onnx.load(str(int4 / "model.native.onnx"), load_external_data=False).graph))
+    assert any(n.op_type.startswith("Int4WeightLinear") for n in nodes)
+    assert not [n.name for n in nodes if n.op_type == "MatMulNBits" and any(a.i == 4 for a in n.attribute
+                                                                          if a.name == "bits")]
+
+
+def test_the_native_int4_graph_gives_the_plain_graphs_answers(int4_engines, monkeypatch):
+    """Int4WeightLinear against ONNX Runtime's MatMulNBits over the same engine: the same
+    quantization of weights and activations, other orders of float sums, so logits agree to a
+    small fraction of their range and greedy tokens agree."""
+    from autoglm_trt.evaluate.perplexity import model_logits
+
+    _, int4 = int4_engines
+    windows = np.random.default_rng(1).integers(3, 200, (2, 24))
+    native = model_logits(int4)(windows)
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    plain = model_logits(int4)(windows)
+    assert np.abs(native - plain).max() > 0  # two graphs ran
+    assert np.abs(native - plain).max() <= 0.02 * np.abs(plain).max(), np.abs(native - plain).max()
+    assert (native.argmax(-1) == plain.argmax(-1)).mean() >= 0.95
 
 
 def test_awq_scales_leave_the_float_model_unchanged(int4_engines):

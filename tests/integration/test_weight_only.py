@@ -99,3 +99,39 @@ def test_a_second_build_reuses_the_weights_and_an_int8_kv_cache_builds(tiny_dir,
     assert manifest["precision"] == "int8-wo" and manifest["kv_cache"]["dtype"] == "int8"
     gen = run_cli("generate", str(out), "hello", "--max-new-tokens", "4")
     assert gen.returncode == 0, gen.stderr
+
+
+def test_int8_dyn_runs_the_same_weights_with_activations_quantized_per_block(tiny_dir, wo_engines):
+    """``int8-dyn``: int8-wo's weights (its cached model reused), every linear an Int8BlockLinear
+    in the native graph, whose activations are quantized per block as the plain graph's
+    MatMulNBits does: the two graphs agree closely, and both differ from int8-wo's float
+    activations by more than from each other; TensorRT is refused with what to build instead."""
+    from conftest import run_cli
+
+    from autoglm_trt.backends.onnxrt.passes.common import all_nodes
+    from autoglm_trt.builder.pipeline import BuildRequest, build_engine
+    from autoglm_trt.errors import AutoGLMError
+    from autoglm_trt.evaluate.perplexity import model_logits
+
+    _, wo = wo_engines
+    dyn = build_tiny_engine(tiny_dir, wo.parent / "int8-dyn", "glm", precision="int8-dyn")
+    manifest = json.loads((dyn / "manifest.json").read_text())
+    assert manifest["precision"] == "int8-dyn"
+    ops = {n.op_type for n in all_nodes(onnx.load(str(dyn / "model.native.onnx"), load_external_data=False).graph)}
+    assert any(op.startswith("Int8BlockLinear") for op in ops) and not any(op.startswith("Int8WeightLinear")
+                                                                           for op in ops), ops
+    windows = np.random.default_rng(2).integers(3, 200, (2, 24))
+    native, float_acts = model_logits(dyn)(windows), model_logits(wo)(windows)
+    import os
+
+    os.environ["AUTOGLM_TRT_NATIVE"] = "0"
+    try:
+        plain = model_logits(dyn)(windows)
+    finally:
+        del os.environ["AUTOGLM_TRT_NATIVE"]
+    assert np.abs(native - plain).max() < 0.5 * np.abs(native - float_acts).max()
+    doctor = run_cli("doctor", str(dyn))
+    assert "INT8 weights and activations: native Int8BlockLinear operator" in doctor.stdout, doctor.stdout
+    with pytest.raises(AutoGLMError, match="int8-dyn .* ONNX Runtime's engine only"):
+        build_engine(BuildRequest(tiny_dir("glm"), wo.parent / "int8-dyn-trt", precision="int8-dyn",
+                                  backend="tensorrt"), log=lambda m: None)

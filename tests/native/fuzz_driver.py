@@ -89,6 +89,22 @@ def _weight_linear(rng, extra: int) -> list[np.ndarray]:
     return feeds
 
 
+def _int4_linear(rng, extra: int) -> list[np.ndarray]:
+    feeds = _float_linear(rng, extra)
+    k, n16 = feeds[1].shape[1], feeds[1].shape[0]
+    kb = -(-k // 32)
+    feeds[1:2] = [rng.integers(0, 256, (n16, kb, 8, 32)).astype(U8), rng.uniform(1e-3, 1e-2, (n16, kb, 16)).astype(F),
+                  rng.integers(0, 16, (n16, kb, 16)).astype(U8)]
+    return feeds
+
+
+def _block_linear(rng, extra: int) -> list[np.ndarray]:
+    feeds = _int4_linear(rng, extra)
+    n16, kb = feeds[1].shape[:2]
+    feeds[1:4] = [rng.integers(-128, 128, (n16, kb, 16, 32)).astype(I8), feeds[2]]
+    return feeds
+
+
 def _hadamard(rng) -> list[np.ndarray]:
     blk = int(rng.choice([1, 4, 64]))
     return [rng.standard_normal((2, 3, blk * int(rng.integers(1, 4)))).astype(F), np.zeros((blk, blk), F),
@@ -128,6 +144,14 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "Int8WeightLinearSplit": (lambda r: _weight_linear(r, 0), 2, 0),
     "Int8WeightLinearSiluMul": (lambda r: _weight_linear(r, 0), 1, 0),
     "Int8WeightLinearSkipNorm": (lambda r: _weight_linear(r, 1), 2, 0),
+    "Int4WeightLinear": (lambda r: _int4_linear(r, 0), 1, 0),
+    "Int4WeightLinearSplit": (lambda r: _int4_linear(r, 0), 2, 0),
+    "Int4WeightLinearSiluMul": (lambda r: _int4_linear(r, 0), 1, 0),
+    "Int4WeightLinearSkipNorm": (lambda r: _int4_linear(r, 1), 2, 0),
+    "Int8BlockLinear": (lambda r: _block_linear(r, 0), 1, 0),
+    "Int8BlockLinearSplit": (lambda r: _block_linear(r, 0), 2, 0),
+    "Int8BlockLinearSiluMul": (lambda r: _block_linear(r, 0), 1, 0),
+    "Int8BlockLinearSkipNorm": (lambda r: _block_linear(r, 1), 2, 0),
     "RopeQKV": (_rope, 3, 0),
     "MaskedSoftmax": (_softmax, 2, 0),
 }

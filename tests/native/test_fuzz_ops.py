@@ -18,7 +18,7 @@ ROOT = HERE.parents[1]
 SANITIZERS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
 # the tests of the operators' arithmetic, run again against the sanitizer build
 OPERATOR_TESTS = ("test_native_attention.py", "test_int8_linear.py", "test_float_linear.py", "test_rope_op.py",
-                  "test_masked_softmax.py", "test_constant_inputs.py", "test_int8_weight_linear.py")
+                  "test_masked_softmax.py", "test_constant_inputs.py", "test_int8_weight_linear.py", "test_block_linear.py")
 
 
 def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None) -> dict[str, tuple[int, int]]:
@@ -31,7 +31,7 @@ def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None
         f"exit {done.returncode}; last case: {next((x for x in reversed(lines) if ' case ' in x), '-')}\n"
         + "\n".join(problems[:40]))
     results = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"RESULT (\w+): (\d+) ran, (\d+) refused", done.stdout)}
-    assert len(results) == 17, results
+    assert len(results) == 25, results
     exact_softmax = "RESULT softmax exact: 1" in done.stdout
     for op, (ran, refused) in results.items():  # the cases reach the kernels, and the checks
         if op == "MaskedSoftmax" and not exact_softmax:  # a build without AVX-512F has none: refused by name

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_rewritten
 
-from autoglm_trt.backends.onnxrt.passes import linear_epilogues
 from autoglm_trt.backends.onnxrt.passes import linears as linear_op
+from autoglm_trt.backends.onnxrt.passes import nbits
 from autoglm_trt.graph.quant import WEIGHT_BLOCK, quantize_weight_blocks
 
 
@@ -57,16 +58,7 @@ def _optimized(k: int, n: int, op: str, tmp: Path, skip_norm: bool = False):
 
 
 def _run(model, library: Path, feeds: dict) -> list[np.ndarray]:
-    from autoglm_trt.graph.session import make_session
-
-    fused = type(model).FromString(model.SerializeToString())
-    arrays = linear_op.rewrite(fused, Path("."), fma=True)
-    assert arrays, "nothing was rewritten"
-    linear_epilogues.fuse_skip_norm(fused)
-    ops = [node.op_type for node in fused.graph.node]
-    assert any(op.startswith("Int8WeightLinear") for op in ops) and "MatMulNBits" not in ops, ops
-    session = make_session(fused.SerializeToString(), threads=2, custom_ops=library, initializers=arrays)
-    return session.run(None, feeds)
+    return run_rewritten(model, library, feeds, "Int8WeightLinear")
 
 
 @pytest.mark.parametrize("k,n,op", [
@@ -129,7 +121,7 @@ def test_only_8_bit_blocks_of_32_with_the_default_zero_point_are_taken(tmp_path)
     model, w = _optimized(64, 32, "MatMul", tmp_path)
     node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
     inits = {t.name: t for t in model.graph.initializer}
-    got = linear_op._nbits_int8(node, inits, numpy_helper.to_array)
+    got = nbits.int8_blocks(node, inits, numpy_helper.to_array)
     assert got is not None
     q, scales = got
     assert q.shape == (32, 64) and scales.shape == (2, 32)
@@ -142,4 +134,4 @@ def test_only_8_bit_blocks_of_32_with_the_default_zero_point_are_taken(tmp_path)
     if len(node.input) == 4:
         zeros = inits[node.input[3]]
         zeros.CopyFrom(numpy_helper.from_array(np.full(numpy_helper.to_array(zeros).shape, 127, np.uint8), zeros.name))
-        assert linear_op._nbits_int8(node, inits, numpy_helper.to_array) is None
+        assert nbits.int8_blocks(node, inits, numpy_helper.to_array) is None

@@ -7,7 +7,7 @@
  * mostly made of), ONNX Runtime's quantization + MatMulIntegerToFloat read them at about half
  * the rate this operator does on this project's machines (16-20 against 31-42 GB/s). The
  * packed layout lets one 64-byte load feed 16 outputs x 4 inputs; each thread takes runs of
- * adjacent tiles (``RUNS_PER_CPU`` below). A batch (a decode step of
+ * adjacent tiles (``tile_runs.h``). A batch (a decode step of
  * several sequences, a prefill) goes 8 rows at a time, 8 chains of accumulation over each tile,
  * the last group of rows prefetching the next tile: the SmolLM2 INT8 engine's linears chained in
  * one graph ran 1.64x faster at 8 rows and 1.31x at 16 than with 4 rows at a time and no
@@ -37,16 +37,15 @@
  * them (``skip_norm.h``).
  */
 #define _POSIX_C_SOURCE 200809L /* sysconf, under -std=c11 */
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "chunks.h"
 #include "linear.h"
 #include "ort_api.h"
 #include "parallel.h"
 #include "rotate.h"
+#include "tile_runs.h"
 #include "vec.h"
 
 
@@ -195,7 +194,8 @@ static const int8_t *next_tile(const Job *j, int64_t r, int64_t r1, int64_t t, i
 }
 
 /* rows [r0, r1)'s 16 outputs of column tile t */
-static void column_tile(const Job *j, int64_t t, int64_t r0, int64_t r1) {
+static void column_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
+  const Job *j = job;
   const int8_t *w = j->w + (int64_t)t * (j->kp * 16);
   int32_t sums[ROWS * 16];
   const int64_t first = (int64_t)t * 16, count = j->n - first < 16 ? j->n - first : 16;
@@ -212,7 +212,8 @@ static void column_tile(const Job *j, int64_t t, int64_t r0, int64_t r1) {
 
 /* Int8LinearSiluMul: rows [r0, r1)'s 16 outputs of gate tile t and of the up tile n / 32 tiles
  * on, as SiLU(gate) * up */
-static void gated_tile(const Job *j, int64_t t, int64_t r0, int64_t r1) {
+static void gated_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
+  const Job *j = job;
   const int64_t half = j->n / 2, first = t * 16;
   int32_t sums[ROWS * 16];
   float gate[ROWS * 16], up[ROWS * 16];
@@ -226,43 +227,6 @@ static void gated_tile(const Job *j, int64_t t, int64_t r0, int64_t r1) {
     dequantize(j, sums, rows, half + first, 16, up, 16);
     for (int i = 0; i < rows; i++) silu_mul(gate + 16 * i, up + 16 * i, j->y + (r + i) * half + first, 16);
   }
-}
-
-/* A batch-1 step's work items: runs of adjacent tiles (column_tile's, or gated_tile's gate
- * tiles with their up tiles), RUNS_PER_CPU runs per processor, so that each thread reads the
- * weights in long runs front to back, which the processor's prefetchers follow, rather than
- * every other tile as the threads claim them one at a time (a tile of SmolLM2's K = 576 is
- * 9 KiB). On this project's 2-processor machines (runs of 1/16) the INT8 engine's batch-1
- * decode step ran 1.09x and 1.13x faster (1.05x with runs of 1/32, 1.08x with 1/12, 1.03x with
- * 1/6; no change at batch 4 and 16, nor for the float linears' tile pairs at batch 1, which are
- * 8 times longer; ad hoc, each the median of 40-60 pairs of steps alternating in one process).
- * Per processor, so that a machine with many keeps them all busy (the processors online: in a
- * container allowed fewer of them, runs are shorter than they need be). */
-#define RUNS_PER_CPU 8
-
-static size_t runs_wanted(void) {
-  static atomic_long cpus; /* the processors online, asked once */
-  long n = atomic_load_explicit(&cpus, memory_order_relaxed);
-  if (n <= 0) {
-    n = sysconf(_SC_NPROCESSORS_ONLN);
-    n = n > 2 ? n : 2;
-    atomic_store_explicit(&cpus, n, memory_order_relaxed);
-  }
-  return (size_t)(RUNS_PER_CPU * n);
-}
-
-typedef struct {
-  const Job *job;
-  void (*tile)(const Job *, int64_t, int64_t, int64_t);
-  int64_t tiles, per, runs, chunk; /* tiles in all, in a run, runs a chunk of ``chunk`` rows (``chunks.h``) */
-} Runs;
-
-static void tile_run(void *data, size_t i) {
-  const Runs *r = data;
-  int64_t r0, r1;
-  const int64_t run = chunk_item(i, r->runs, r->chunk, r->job->rows, &r0, &r1);
-  const int64_t end = (run + 1) * r->per < r->tiles ? (run + 1) * r->per : r->tiles;
-  for (int64_t t = run * r->per; t < end; t++) r->tile(r->job, t, r0, r1);
 }
 
 static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
@@ -297,12 +261,8 @@ static const char *run_linear(OrtKernelContext *ctx, const Constants *constants,
   Job job = {call.x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
              w, col_sums, w_scale, s, n, call.y, call.y2};
   parallel_for(ctx, quantize_row, (size_t)rows, 4, &job);
-  const size_t tiles = mode == GATED ? (size_t)wd[0] / 2 : (size_t)wd[0]; /* gated: the gate tiles */
-  const size_t want = runs_wanted(), per = rows == 1 && tiles > want ? (tiles + want - 1) / want : 1;
-  const int64_t chunk = chunk_rows(rows);
-  const int64_t runs_each = ((int64_t)tiles + (int64_t)per - 1) / (int64_t)per; /* runs of tiles a chunk */
-  Runs runs = {&job, mode == GATED ? gated_tile : column_tile, (int64_t)tiles, (int64_t)per, runs_each, chunk};
-  parallel_for(ctx, tile_run, (size_t)(runs_each * ((rows + chunk - 1) / chunk)), 2, &runs);
+  /* gated: the gate tiles */
+  run_tiles(ctx, &job, mode == GATED ? gated_tile : column_tile, mode == GATED ? wd[0] / 2 : wd[0], rows);
   linear_end(ctx, &call, 4);
   free(xq);
   return NULL;

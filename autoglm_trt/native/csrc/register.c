@@ -76,7 +76,10 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
                                          &int8_linear_silu_mul, &float_linear_silu_mul, &int8_linear_skip_norm,
                                          &float_linear_skip_norm, &masked_softmax, &int8_weight_linear,
                                          &int8_weight_linear_split, &int8_weight_linear_silu_mul,
-                                         &int8_weight_linear_skip_norm};
+                                         &int8_weight_linear_skip_norm, &int4_weight_linear,
+                                         &int4_weight_linear_split, &int4_weight_linear_silu_mul,
+                                         &int4_weight_linear_skip_norm, &int8_block_linear, &int8_block_linear_split,
+                                         &int8_block_linear_silu_mul, &int8_block_linear_skip_norm};
   if (domain == NULL) {
     OrtStatus *status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain);
     for (size_t i = 0; status == NULL && i < sizeof ops / sizeof ops[0]; i++)
@@ -88,6 +91,9 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
 
 /* which instructions the INT8 GEMM was built for ("avx512-vnni", "avx2" or "portable C"), for doctor */
 __attribute__((visibility("default"))) const char *AutoglmInt8Kernel(void) { return int8_linear_kernel; }
+
+/* which instructions Int4WeightLinear's and Int8BlockLinear's dot products use ("avx2" or "portable C") */
+__attribute__((visibility("default"))) const char *AutoglmBlockKernel(void) { return block_linear_kernel; }
 
 /* which instructions FloatLinear's multiply-adds use ("avx512", "avx2-fma" or "portable C") */
 __attribute__((visibility("default"))) const char *AutoglmFloatKernel(void) { return float_linear_kernel; }

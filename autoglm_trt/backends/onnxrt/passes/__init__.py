@@ -12,8 +12,8 @@ The passes, in order (one module each):
     attention          PagedAttention for decode steps; the prefill's scores by row, MaskedSoftmax
     rope_qkv           each layer's QKV split + rope as RopeQKV
     hadamard_quantize  each INT8 linear's rotation + quantization as HadamardQuantize
-    linears            Int8Linear / FloatLinear / Int8WeightLinear over packed weights; the Split and
-                       SiLU * up forms
+    linears            Int8Linear / FloatLinear / Int8WeightLinear / Int4WeightLinear / Int8BlockLinear
+                       over packed weights; the Split and SiLU * up forms
     skip_norm          residual add + RMSNorm as SkipSimplifiedLayerNormalization (no native code)
     linear_skip_norm   that norm into the linear before it (*LinearSkipNorm)
     step_branch        one If per step instead of one per layer
@@ -34,10 +34,12 @@ import numpy as np
 from ....model.spec import ModelSpec
 from .common import all_nodes
 
-PASSES_VERSION = 1
+PASSES_VERSION = 2
+# computed as ONNX Runtime's float nodes are only with fused multiply-add
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
            "Int8LinearSkipNorm", "Int8WeightLinear", "Int8WeightLinearSplit", "Int8WeightLinearSiluMul",
-           "Int8WeightLinearSkipNorm")  # computed as ONNX Runtime's float nodes are only with fused multiply-add
+           "Int8WeightLinearSkipNorm", "Int4WeightLinearSiluMul", "Int4WeightLinearSkipNorm",
+           "Int8BlockLinearSiluMul", "Int8BlockLinearSkipNorm")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Context:
     weights_dir: Path
     target: Target
     pack: bool = True
+    dynamic_int8: bool = False  # blocked INT8 weights with activations quantized per block (int8-dyn)
     packed: dict[str, np.ndarray] = field(default_factory=dict)
     done: dict[str, int] = field(default_factory=dict)  # applied count by pass name
     attention_why: str = ""  # why decode steps keep the graph's attention ("" when they do not)
@@ -163,7 +166,7 @@ def _linears(ctx: Context) -> tuple[int, str]:
 
     if not ctx.done.get("hadamard_quantize") and not ctx.target.fma:
         return 0, "no INT8 linear, and the library has no fused multiply-add for the float ones"
-    ctx.packed = linears.rewrite(ctx.model, ctx.weights_dir, ctx.pack, ctx.target.fma)
+    ctx.packed = linears.rewrite(ctx.model, ctx.weights_dir, ctx.pack, ctx.target.fma, ctx.dynamic_int8)
     n = sum(1 for node in ctx.model.graph.node if node.op_type.startswith(linears.LINEAR_OPS))
     return n, "" if n else "no linear the operators take"
 
@@ -205,14 +208,15 @@ PLAIN = ("skip_norm",)  # the passes of the plain graph
 
 
 def rewrite(model_path: Path, spec: ModelSpec, kv_dtype: str | np.dtype, target: Target, pack: bool = True,
-            only: Iterable[str] | None = None, skip: Iterable[str] = ()) -> Rewritten:
+            only: Iterable[str] | None = None, skip: Iterable[str] = (), dynamic_int8: bool = False) -> Rewritten:
     """The engine graph at ``model_path`` (loaded without its weights) through the passes, in order:
     ``only`` these, and not those in ``skip``. ``pack`` False: the nodes only, no weight read or
-    packed (the graph is then not loadable; for counting nodes)."""
+    packed (the graph is then not loadable; for counting nodes). ``dynamic_int8``: blocked INT8
+    weights become ``Int8BlockLinear`` (activations quantized per block) even without INT4 ones."""
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
-    ctx = Context(model, spec, np.dtype(kv_dtype), Path(model_path).parent, target, pack)
+    ctx = Context(model, spec, np.dtype(kv_dtype), Path(model_path).parent, target, pack, dynamic_int8)
     wanted, skipped = (set(only) if only is not None else None), set(skip)
     results = []
     for name, run in PASSES:

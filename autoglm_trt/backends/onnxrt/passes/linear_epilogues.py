@@ -24,7 +24,7 @@ from onnx import helper, numpy_helper
 
 from .common import DOMAIN, MICROSOFT
 
-LINEARS = ("Int8Linear", "FloatLinear", "Int8WeightLinear")
+LINEARS = ("Int8Linear", "FloatLinear", "Int8WeightLinear", "Int4WeightLinear", "Int8BlockLinear")
 
 
 def silu_mul(nodes: list[onnx.NodeProto], readers: dict[str, int]) -> list[onnx.NodeProto]:

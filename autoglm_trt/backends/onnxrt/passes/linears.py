@@ -35,15 +35,15 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import weights_arena
-from . import linear_epilogues
-from .common import DOMAIN, MICROSOFT, graph_inputs, use_domain
+from . import linear_epilogues, nbits
+from .common import DOMAIN, graph_inputs, use_domain
 
 OP = "Int8Linear"
 FLOAT_OP = "FloatLinear"
 WEIGHT_OP = "Int8WeightLinear"
-LINEAR_OPS = (OP, FLOAT_OP, WEIGHT_OP)  # and their Split, SiluMul and SkipNorm forms
-MATMUL_NBITS_ZERO = 128  # the zero point of 8-bit MatMulNBits weights when it has none
-QUANT_BLOCK = 32  # Int8WeightLinear's inputs per weight scale (csrc/float_linear.c)
+INT4_OP = "Int4WeightLinear"
+BLOCK_OP = "Int8BlockLinear"
+LINEAR_OPS = (OP, FLOAT_OP, WEIGHT_OP, INT4_OP, BLOCK_OP)  # and their Split, SiluMul and SkipNorm forms
 # Where the graph says the packed weights lie: the weights folder itself, which ONNX Runtime checks
 # exists but never reads, because the session is handed each array in place (``add_initializer``);
 # were it ever read, a folder is not a file, and loading fails rather than reading other bytes.
@@ -78,11 +78,13 @@ def float_tiles_shape(k: int, n: int) -> tuple[int, int, int]:
 
 
 def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx.TensorProto, bool]],
-              array, int8_tiles: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
-    """Each int8 ``[K, N]`` weight packed, with its column sums, and each float weight as 16-column
+              array, int8_tiles: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+              block_parts: dict[str, dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+    """Each int8 ``[K, N]`` weight packed, with its column sums, each float weight as 16-column
     tiles (``[N / 16, K, 16]``; ``floats`` says whether the tensor holds ``W`` transposed, as a
-    ``Gemm``'s ``transB``), all into one buffer of ``weights_arena`` (huge pages where the system
-    has them); by initializer name."""
+    ``Gemm``'s ``transB``), each blocked INT8 weight's tiles and scales, and the inputs of each
+    ``Int4WeightLinear`` and ``Int8BlockLinear`` (``nbits``), all into one buffer of
+    ``weights_arena`` (huge pages where the system has them); by initializer name."""
     names: list[str] = []
     specs: list[tuple[tuple[int, ...], np.dtype]] = []
     for name, t in weights.items():
@@ -93,9 +95,13 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         k, n = (int(t.dims[1]), int(t.dims[0])) if transposed else (int(t.dims[0]), int(t.dims[1]))
         names.append(f"{name}.tiles")
         specs.append((float_tiles_shape(k, n), np.dtype(np.float32)))
-    for name, (q, scale) in (int8_tiles or {}).items():
+    int8_tiles, block_parts = int8_tiles or {}, block_parts or {}
+    for name, (q, scale) in int8_tiles.items():
         names += [f"{name}.tiles", f"{name}.scales"]
         specs += [(float_tiles_shape(q.shape[1], q.shape[0]), np.dtype(np.int8)), (scale.shape, np.dtype(np.float32))]
+    for name, parts in block_parts.items():
+        names += [f"{name}.{part}" for part in parts]
+        specs += [(arr.shape, arr.dtype) for arr in parts.values()]
     buf = weights_arena.allocate(weights_arena.layout(specs)[1])
     out = dict(zip(names, weights_arena.views(buf, specs)))
     for name, t in weights.items():
@@ -105,16 +111,19 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         tiles = out[f"{name}.tiles"]
         tiles[...] = (w.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1) if transposed
                       else w.reshape(tiles.shape[1], tiles.shape[0], 16).transpose(1, 0, 2))
-    for name, (q, scale) in (int8_tiles or {}).items():  # q: [N, K], as the transposed float weights
+    for name, (q, scale) in int8_tiles.items():  # q: [N, K], as the transposed float weights
         tiles = out[f"{name}.tiles"]
         tiles[...] = q.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1)
         out[f"{name}.scales"][...] = scale
+    for name, parts in block_parts.items():
+        for part, arr in parts.items():
+            out[f"{name}.{part}"][...] = arr
     weights_arena.settle(buf)
     return out
 
 
 def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
-            fma: bool = False) -> dict[str, np.ndarray]:
+            fma: bool = False, dynamic_int8: bool = False) -> dict[str, np.ndarray]:
     """Fuse in place, reading the int8 weights (external data under ``weights_dir``, or inline);
     the packed weights and column sums by initializer name (empty: nothing fused). ``fma``: the
     native library was built with fused multiply-add (``native.float_kernel``;
@@ -122,7 +131,9 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     too (``MatMul`` or ``Gemm`` over a constant float32 matrix of a multiple of 16 columns:
     ``FloatLinear``) and for SiLU(gate) * up after a gate/up projection (``*SiluMul``). With
     ``pack`` False (``inspect``, which only counts nodes) no weight is read or packed and the
-    graph is left unloadable."""
+    graph is left unloadable. An 8-bit ``MatMulNBits`` becomes ``Int8BlockLinear`` (activations
+    quantized per block, as the node itself does) with ``dynamic_int8`` or beside INT4 linears
+    (an int4-awq engine's LM head), else ``Int8WeightLinear`` (float activations)."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     old = list(graph.node)  # holds the nodes' wrappers, so the id()s below stay theirs
@@ -155,21 +166,29 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     weights: dict[str, onnx.TensorProto] = {}
     float_weights: dict[str, tuple[onnx.TensorProto, bool]] = {}
     int8_weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    block_weights: dict[str, dict[str, np.ndarray]] = {}  # Int4WeightLinear's and Int8BlockLinear's inputs
+    dynamic_int8 = dynamic_int8 or any(n.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 4
+                                                                       for a in n.attribute) for n in old)
     added: dict[int, onnx.NodeProto] = {}  # a node to put after the one replaced
     widths: dict[str, int] = {}  # a fused linear's output: its columns
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for mm in old:
-        blocked = _nbits_int8(mm, inits, array) if fma else None
+        int4 = nbits.int4_blocks(mm, inits, array) if fma else None
+        if int4 is not None:
+            block_weights[mm.input[1]] = int4
+            names = [f"{mm.input[1]}.{part}" for part in nbits.INT4_PARTS]
+            _replace_nbits(mm, INT4_OP, names, widths, replaced, added)
+            continue
+        blocked = nbits.int8_blocks(mm, inits, array) if fma else None
+        if blocked is not None and dynamic_int8:
+            block_weights[mm.input[1]] = nbits.int8_block_tiles(*blocked)
+            names = [f"{mm.input[1]}.{part}" for part in nbits.INT8_PARTS]
+            _replace_nbits(mm, BLOCK_OP, names, widths, replaced, added)
+            continue
         if blocked is not None:
             int8_weights[mm.input[1]] = blocked
-            bias = mm.input[5] if len(mm.input) > 5 else ""
-            out = f"{mm.output[0]}.before_bias" if bias else mm.output[0]
-            widths[out] = blocked[0].shape[0]
-            replaced[id(mm)] = helper.make_node(WEIGHT_OP, [mm.input[0], f"{mm.input[1]}.tiles", f"{mm.input[1]}.scales"],
-                                                [out], name=f"{mm.name}.int8_weight_linear", domain=DOMAIN)
-            if bias:  # the bias ONNX Runtime folded into the MatMulNBits, added after it
-                added[id(mm)] = helper.make_node("Add", [out, bias], [mm.output[0]], name=f"{mm.name}.bias")
+            _replace_nbits(mm, WEIGHT_OP, [f"{mm.input[1]}.tiles", f"{mm.input[1]}.scales"], widths, replaced, added)
             continue
         transposed = _float_matrix(mm, inits) if fma else None
         if transposed is not None:
@@ -199,7 +218,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     graph.node.extend(nodes)
     if not pack:
         return {}
-    arrays = _pack_all(weights, float_weights, array, int8_weights)
+    arrays = _pack_all(weights, float_weights, array, int8_weights, block_weights)
     used = graph_inputs(graph)
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
@@ -215,29 +234,16 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     return arrays
 
 
-def _nbits_int8(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
-                array) -> tuple[np.ndarray, np.ndarray] | None:
-    """For an 8-bit ``com.microsoft.MatMulNBits`` in blocks of ``QUANT_BLOCK`` inputs (what ONNX
-    Runtime makes of a weight-only INT8 linear's DequantizeLinear + MatMul, ``graph/quant.py``)
-    over a multiple of 16 columns, with zero points of 128 (a bias, input 5, is added after it):
-    (int8 weights ``[N, K]``, float32 scales ``[ceil(K / QUANT_BLOCK), N]``); else None."""
-    if node.op_type != "MatMulNBits" or node.domain != MICROSOFT or len(node.input) not in (3, 4, 5, 6) or \
-            any(name not in inits for name in node.input[1:] if name) or (len(node.input) > 4 and node.input[4]):
-        return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    k, n = attrs.get("K", 0), attrs.get("N", 0)
-    if attrs.get("bits") != 8 or attrs.get("block_size") != QUANT_BLOCK or n % 16 or k < 1:
-        return None
-    blocks = -(-k // QUANT_BLOCK)
-    b, scales = array(inits[node.input[1]]), array(inits[node.input[2]])
-    if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK) or scales.dtype != np.float32 or \
-            scales.size != n * blocks:
-        return None
-    zeros = array(inits[node.input[3]]) if len(node.input) > 3 and node.input[3] else None
-    if zeros is not None and (zeros.size != n * blocks or np.any(zeros != MATMUL_NBITS_ZERO)):
-        return None
-    q = (b.reshape(n, blocks * QUANT_BLOCK)[:, :k].astype(np.int16) - MATMUL_NBITS_ZERO).astype(np.int8)
-    return q, np.ascontiguousarray(scales.reshape(n, blocks).T)
+def _replace_nbits(mm: onnx.NodeProto, op: str, weights: list[str], widths: dict[str, int],
+                   replaced: dict[int, onnx.NodeProto], added: dict[int, onnx.NodeProto]) -> None:
+    """A ``MatMulNBits`` as ``op`` over its input and ``weights``, and an ``Add`` after it for the
+    bias ONNX Runtime folded into it (input 5)."""
+    bias = mm.input[5] if len(mm.input) > 5 else ""
+    out = f"{mm.output[0]}.before_bias" if bias else mm.output[0]
+    widths[out] = {a.name: helper.get_attribute_value(a) for a in mm.attribute}["N"]
+    replaced[id(mm)] = helper.make_node(op, [mm.input[0], *weights], [out], name=f"{mm.name}.{op}", domain=DOMAIN)
+    if bias:
+        added[id(mm)] = helper.make_node("Add", [out, bias], [mm.output[0]], name=f"{mm.name}.bias")
 
 
 def _float_matrix(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool | None:

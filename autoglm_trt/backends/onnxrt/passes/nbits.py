@@ -1,0 +1,115 @@
+"""Read the weights of ONNX Runtime's ``MatMulNBits`` nodes that the native weight-only linears
+replace (``linears.py``): what its optimizer makes of a DequantizeLinear in blocks of 32 + MatMul
+(``graph/quant.py``'s INT8, ``graph/int4.py``'s INT4).
+
+- ``int8_blocks``: an 8-bit node, zero points 128 -> ``Int8WeightLinear``'s int8 weights and
+  scales; ``int8_block_tiles`` lays them out for ``Int8BlockLinear``.
+- ``int4_blocks``: a 4-bit node at accuracy level 4 (its activations quantized per block of 32
+  to int8 at run time, as ``Int4WeightLinear`` quantizes them) -> that operator's tiles, scales
+  and zero points (``csrc/block_linear.c``).
+
+Either gives None for a node it does not take (another block size or bit width, columns not a
+multiple of 16, a ``g_idx``). A bias (input 5) is left to the caller, which adds it after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .common import MICROSOFT
+
+QUANT_BLOCK = 32  # inputs per weight scale, every operator here (csrc/float_linear.c, csrc/block_linear.c)
+INT8_ZERO = 128  # the zero point of 8-bit MatMulNBits weights when it has none
+INT4_ZERO = 8  # and of 4-bit ones
+INT4_PARTS = ("tiles4", "scales4", "zeros4")  # Int4WeightLinear's inputs 1-3, by name suffix
+INT8_PARTS = ("tiles8", "scales8")  # Int8BlockLinear's inputs 1-2
+Array = Callable[[onnx.TensorProto], np.ndarray]
+
+
+def _node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], bits: int) -> dict | None:
+    """The attributes of a ``MatMulNBits`` of ``bits`` in blocks of ``QUANT_BLOCK`` over a multiple
+    of 16 columns, whose weights are initializers and which has no ``g_idx``; else None."""
+    if node.op_type != "MatMulNBits" or node.domain != MICROSOFT or len(node.input) not in (3, 4, 5, 6) or \
+            any(name not in inits for name in node.input[1:4] if name) or (len(node.input) > 4 and node.input[4]):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    ok = attrs.get("bits") == bits and attrs.get("block_size") == QUANT_BLOCK and attrs.get("N", 0) % 16 == 0 and \
+        attrs.get("N", 0) >= 16 and attrs.get("K", 0) >= 1
+    return attrs if ok else None
+
+
+def _zeros(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Array) -> np.ndarray | None:
+    return array(inits[node.input[3]]) if len(node.input) > 3 and node.input[3] else None
+
+
+def int8_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
+                array: Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """For an 8-bit node with zero points of 128: (int8 weights ``[N, K]``, float32 scales
+    ``[ceil(K / QUANT_BLOCK), N]``); else None."""
+    attrs = _node(node, inits, 8)
+    if attrs is None:
+        return None
+    k, n = attrs["K"], attrs["N"]
+    blocks = -(-k // QUANT_BLOCK)
+    b, scales = array(inits[node.input[1]]), array(inits[node.input[2]])
+    if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK) or scales.dtype != np.float32 or \
+            scales.size != n * blocks:
+        return None
+    zeros = _zeros(node, inits, array)
+    if zeros is not None and (zeros.size != n * blocks or np.any(zeros != INT8_ZERO)):
+        return None
+    q = (b.reshape(n, blocks * QUANT_BLOCK)[:, :k].astype(np.int16) - INT8_ZERO).astype(np.int8)
+    return q, np.ascontiguousarray(scales.reshape(n, blocks).T)
+
+
+def int8_block_tiles(q: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
+    """``int8_blocks``' weights ``[N, K]`` and scales ``[KB, N]`` as ``Int8BlockLinear``'s inputs 1-2
+    by ``INT8_PARTS`` suffix: tiles int8 ``[N/16, KB, 16, 32]`` (pair of inputs p of tile t's block
+    b at ``[t, b, p]``, byte 2c + e the weight of output 16t + c and input 32b + 2p + e; zeros past
+    K) and scales float32 ``[N/16, KB, 16]``."""
+    n, k = q.shape
+    blocks = scales.shape[0]
+    padded = np.zeros((n, blocks * QUANT_BLOCK), np.int8)
+    padded[:, :k] = q
+    tiles = padded.reshape(n // 16, 16, blocks, QUANT_BLOCK // 2, 2).transpose(0, 2, 3, 1, 4)
+    by_tile = scales.T.reshape(n // 16, 16, blocks).transpose(0, 2, 1)
+    return dict(zip(INT8_PARTS, (np.ascontiguousarray(tiles.reshape(n // 16, blocks, QUANT_BLOCK // 2, 32)),
+                                 np.ascontiguousarray(by_tile, dtype=np.float32))))
+
+
+def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Array) -> dict[str, np.ndarray] | None:
+    """For a 4-bit node at accuracy level 4: ``Int4WeightLinear``'s inputs 1-3 by ``INT4_PARTS``
+    suffix (tiles uint8 ``[N/16, KB, 8, 32]``, scales float32 and zero points uint8 ``[N/16, KB,
+    16]``, KB = ceil(K / 32)); else None."""
+    attrs = _node(node, inits, 4)
+    if attrs is None or attrs.get("accuracy_level") != 4:
+        return None
+    k, n = attrs["K"], attrs["N"]
+    blocks = -(-k // QUANT_BLOCK)
+    b, scales = array(inits[node.input[1]]), array(inits[node.input[2]])
+    if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK // 2) or scales.dtype != np.float32 or \
+            scales.size != n * blocks:
+        return None
+    zeros = _zeros(node, inits, array)
+    if zeros is None:
+        zero = np.full((n, blocks), INT4_ZERO, np.uint8)
+    elif zeros.dtype == np.uint8 and zeros.size == n * -(-blocks // 2):  # two to a byte, each row padded to a byte
+        pairs = zeros.reshape(n, -1)
+        zero = np.stack([pairs & 0x0F, pairs >> 4], axis=-1).reshape(n, -1)[:, :blocks]
+    else:
+        return None
+    # MatMulNBits: byte j of a block holds its inputs 2j (low nibble) and 2j + 1; the operator's
+    # block holds, for each pair of inputs p, a plane of 32 nibbles: outputs c = 0..15, inputs 2p
+    # and 2p + 1 of each, pairs 2i and 2i + 1 sharing the bytes of chunk i (``csrc/int4_linear.c``)
+    q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n // 16, 16, blocks, QUANT_BLOCK // 2, 2)
+    planes = q.transpose(0, 2, 3, 1, 4).reshape(n // 16, blocks, QUANT_BLOCK // 2, 32)  # [t, b, pair, 2 c + e]
+    tiles = np.ascontiguousarray(planes[:, :, 0::2] | (planes[:, :, 1::2] << 4)).astype(np.uint8)
+
+    def by_tile(a: np.ndarray) -> np.ndarray:  # [N, KB] -> [N/16, KB, 16]
+        return np.ascontiguousarray(a.reshape(n // 16, 16, blocks).transpose(0, 2, 1))
+
+    return dict(zip(INT4_PARTS, (tiles, by_tile(scales.reshape(n, blocks)), by_tile(zero.astype(np.uint8)))))

@@ -1,0 +1,319 @@
+/* The linears whose weights come in blocks of 32 inputs and whose activations are quantized at
+ * run time, per row and block of 32 inputs, to int8 (as ONNX Runtime's MatMulNBits does at
+ * accuracy level 4): each block's products summed exactly in integers, then scaled in float.
+ *
+ * Int4WeightLinear: 4-bit weights, one float scale and one 4-bit zero point per block of each
+ * output (4-bit MatMulNBits). Int8BlockLinear: 8-bit weights, symmetric, one scale per block
+ * (8-bit MatMulNBits, whose zero point 128 is taken off; Int8WeightLinear, ``float_linear.c``,
+ * runs the same weights with float activations).
+ *
+ * For row x and output n, with xq[b] = rint(x[b] * 127 / max|x[b]|) (sx[b] = max|x[b]| / 127,
+ * xs[b] = sum xq[b]; all zero where the block is) and the weights' q[b][n], zero[b][n] (0 for
+ * 8 bits), scale[b][n]:
+ *
+ *     y[n] = sum over blocks b in order of  (float)(q[b][n] . xq[b] - zero[b][n] xs[b]) * (scale[b][n] * sx[b])
+ *
+ * each product rounded, then added to the sum (no fused multiply-add): every build of the library
+ * (AVX2, AVX-512, portable C) gives the same bits, and ``tests/native/test_block_linear.py`` checks
+ * them against numpy's. The integer dot products are exact on every instruction set: 4-bit
+ * weights (0..15) times int8 inputs (-127..127) never saturate vpmaddubsw's 16-bit pair sums, and
+ * 8-bit weights are widened to 16 bits for vpmaddwd. The AVX2 kernels serve the AVX-512 builds
+ * too (their results are the same integers).
+ *
+ * At batch 1 Int4WeightLinear reads 5.25 bits a weight (4, the scale's 32 bits and the zero
+ * point's 8 over 32 inputs) against Int8Linear's 8.
+ *
+ * Inputs:
+ *   0 x      float32 [..., K]
+ *   1 tiles  Int4WeightLinear: uint8 [N16, KB, 8, 32], KB = ceil(K / 32), tile t's block b at
+ *            [t, b] (``nibble_of`` below); Int8BlockLinear: int8 [N16, KB, 16, 32], tile t's block
+ *            b at [t, b], pair of inputs p at [t, b, p], byte 2 c + e the weight of output 16 t + c
+ *            and input 32 b + 2 p + e. Past K anything (x is 0 there).
+ *   2 scales float32 [N16, KB, 16]
+ *   3 zeros  uint8 [N16, KB, 16], 0..15 (Int4WeightLinear only)
+ * Output:
+ *   0 y      float32 [..., 16 N16]
+ * The Split, SiluMul and SkipNorm forms (their skip, gamma and epsilon inputs after the weights')
+ * are Int8Linear's (``int8_linear.c``, ``linear.h``).
+ */
+#define _POSIX_C_SOURCE 200809L /* sysconf, under -std=c11 */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "linear.h"
+#include "ort_api.h"
+#include "parallel.h"
+#include "tile_runs.h"
+#include "vec.h"
+
+#define QBLOCK 32            /* inputs per scale, zero point and activation block */
+#define TILE_BLOCK (16 * 16)  /* bytes of one tile's block of 4-bit weights: 16 outputs x 32 inputs */
+#define TILE8_BLOCK (16 * 32) /* and of 8-bit weights */
+
+typedef struct {
+  const float *x;
+  int64_t rows, k, blocks;
+  int8_t *xq;       /* rows x blocks x 32 quantized inputs (0 past K) */
+  int32_t *xs;      /* rows x blocks: their sums */
+  float *sx;        /* rows x blocks: their scales */
+  int32_t *xp;      /* 8-bit weights: rows x blocks x 16 pairs of quantized inputs, as two int16 */
+  const void *w;    /* the tiles */
+  const float *scale;
+  const uint8_t *zero; /* 4-bit weights' zero points; NULL for 8-bit weights */
+  int64_t n;
+  float *y, *y2; /* the Split forms: columns from n / 2 on go to y2, and each output row has n / 2 */
+} Job;
+
+static void quantize_row(void *data, size_t i) {
+  const Job *j = data;
+  const float *x = j->x + (int64_t)i * j->k;
+  for (int64_t b = 0; b < j->blocks; b++) {
+    const int64_t k0 = b * QBLOCK, len = j->k - k0 < QBLOCK ? j->k - k0 : QBLOCK;
+    float top = 0.0f;
+    for (int64_t p = 0; p < len; p++) top = fabsf(x[k0 + p]) > top ? fabsf(x[k0 + p]) : top;
+    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+    int8_t *q = j->xq + ((int64_t)i * j->blocks + b) * QBLOCK;
+    int32_t sum = 0;
+    for (int64_t p = 0; p < QBLOCK; p++) {
+      const float r = p < len ? rintf(x[k0 + p] * inv) : 0.0f;
+      const int32_t v = r >= -127.0f && r <= 127.0f ? (int32_t)r : 0; /* NaN (an input inf or NaN): 0 */
+      q[p] = (int8_t)v;
+      sum += v;
+    }
+    if (j->xp != NULL)
+      for (int p = 0; p < QBLOCK / 2; p++)
+        j->xp[((int64_t)i * j->blocks + b) * (QBLOCK / 2) + p] =
+            (int32_t)((uint32_t)(uint16_t)(int16_t)q[2 * p] | (uint32_t)(uint16_t)(int16_t)q[2 * p + 1] << 16);
+    j->xs[(int64_t)i * j->blocks + b] = sum;
+    j->sx[(int64_t)i * j->blocks + b] = top / 127.0f;
+  }
+}
+
+#define ROWS 4
+/* a tile's block, 256 bytes: 8 chunks of 32; chunk i's byte m holds in its low nibble the
+ * weight of input 2 (2 i) + m % 2 (of the block) and output m / 2 (of the tile), in its high
+ * nibble that of input 2 (2 i + 1) + m % 2: so each nibble plane of a chunk is 16 outputs' weights
+ * for a pair of inputs, the layout vpmaddubsw multiplies by a broadcast pair of inputs */
+static inline int nibble_of(const uint8_t *block, int c, int input) {
+  const int pair = input / 2, byte = block[(pair / 2) * 32 + 2 * c + input % 2];
+  return pair % 2 ? byte >> 4 : byte & 0x0F;
+}
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* inputs 2p and 2p + 1 in every 16-bit lane */
+static inline __m256i input_pair(const int8_t *x, int p) {
+  int16_t v;
+  memcpy(&v, x + 2 * p, 2);
+  return _mm256_set1_epi16(v);
+}
+/* R rows (rows past ``rows`` repeat the first, not stored) x the 16 outputs of tile t into sums.
+ * Each 16-bit lane holds one output: 8 pairs of products (each at most 15 x 127 x 2 = 3810 in
+ * size) summed in 16 bits cannot overflow (30480), so each half block is summed there and widened
+ * once; no horizontal sums. */
+#define ROWS_TILE(R)                                                                                               \
+  static void tile4_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
+    __m256 a[R][2];                                                                                                \
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                                           \
+    const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * TILE_BLOCK, *zero = j->zero + t * j->blocks * 16;                    \
+    const float *scale = j->scale + t * j->blocks * 16;                                                            \
+    const __m256i low = _mm256_set1_epi8(0x0F);                                                                    \
+    for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
+      const int8_t *x[R];                                                                                          \
+      __m256i d[R][2];                                                                                             \
+      for (int r = 0; r < R; r++) {                                                                                \
+        x[r] = j->xq + (row[r] * j->blocks + b) * QBLOCK;                                                          \
+        d[r][0] = d[r][1] = _mm256_setzero_si256();                                                                \
+      }                                                                                                            \
+      for (int half = 0; half < 2; half++) {                                                                       \
+        __m256i v[8];                                                                                              \
+        for (int i = 0; i < 4; i++) {                                                                              \
+          const __m256i c = _mm256_loadu_si256((const __m256i *)(w + b * TILE_BLOCK + (4 * half + i) * 32));      \
+          v[2 * i] = _mm256_and_si256(c, low);                                                                     \
+          v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);                                           \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++) {                                                                              \
+          __m256i s = _mm256_maddubs_epi16(v[0], input_pair(x[r], 8 * half));                                      \
+          for (int p = 1; p < 8; p++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(v[p], input_pair(x[r], 8 * half + p))); \
+          d[r][0] = _mm256_add_epi32(d[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)));                   \
+          d[r][1] = _mm256_add_epi32(d[r][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)));              \
+        }                                                                                                          \
+      }                                                                                                            \
+      for (int h = 0; h < 2; h++) {                                                                                \
+        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zero + b * 16 + 8 * h)));       \
+        const __m256 s = _mm256_loadu_ps(scale + b * 16 + 8 * h);                                                  \
+        for (int r = 0; r < R; r++) {                                                                              \
+          const int64_t at = row[r] * j->blocks + b;                                                               \
+          const __m256i dz = _mm256_sub_epi32(d[r][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(j->xs[at])));      \
+          a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(dz), _mm256_mul_ps(s, _mm256_set1_ps(j->sx[at])))); \
+        }                                                                                                          \
+      }                                                                                                            \
+    }                                                                                                              \
+    for (int r = 0; r < rows; r++)                                                                                 \
+      for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + 16 * r + 8 * h, a[r][h]);                                \
+  }
+ROWS_TILE(1)
+ROWS_TILE(4)
+/* the same for 8-bit weights: each pair of inputs' 16 outputs widened to 16 bits, two vpmaddwd
+ * of 8 outputs each, summed in 32 bits */
+#define ROWS_TILE8(R)                                                                                              \
+  static void tile8_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
+    __m256 a[R][2];                                                                                                \
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                                           \
+    const int8_t *w = (const int8_t *)j->w + t * j->blocks * TILE8_BLOCK;                                          \
+    const float *scale = j->scale + t * j->blocks * 16;                                                            \
+    for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
+      const int32_t *x[R];                                                                                         \
+      __m256i d[R][2];                                                                                             \
+      for (int r = 0; r < R; r++) {                                                                                \
+        x[r] = j->xp + (row[r] * j->blocks + b) * (QBLOCK / 2);                                                    \
+        d[r][0] = d[r][1] = _mm256_setzero_si256();                                                                \
+      }                                                                                                            \
+      for (int p = 0; p < QBLOCK / 2; p++) {                                                                       \
+        const __m128i *src = (const __m128i *)(w + b * TILE8_BLOCK + p * 32);                                     \
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(src)), hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1)); \
+        for (int r = 0; r < R; r++) {                                                                              \
+          const __m256i xp = _mm256_set1_epi32(x[r][p]);                                                           \
+          d[r][0] = _mm256_add_epi32(d[r][0], _mm256_madd_epi16(lo, xp));                                          \
+          d[r][1] = _mm256_add_epi32(d[r][1], _mm256_madd_epi16(hi, xp));                                          \
+        }                                                                                                          \
+      }                                                                                                            \
+      for (int h = 0; h < 2; h++) {                                                                                \
+        const __m256 s = _mm256_loadu_ps(scale + b * 16 + 8 * h);                                                  \
+        for (int r = 0; r < R; r++)                                                                                \
+          a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(d[r][h]),                              \
+                                                         _mm256_mul_ps(s, _mm256_set1_ps(j->sx[row[r] * j->blocks + b])))); \
+      }                                                                                                            \
+    }                                                                                                              \
+    for (int r = 0; r < rows; r++)                                                                                 \
+      for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + 16 * r + 8 * h, a[r][h]);                                \
+  }
+ROWS_TILE8(1)
+ROWS_TILE8(4)
+static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {
+  if (j->zero != NULL)
+    (rows == 1 ? tile4_1 : tile4_4)(j, t, row, rows, sums);
+  else
+    (rows == 1 ? tile8_1 : tile8_4)(j, t, row, rows, sums);
+}
+const char block_linear_kernel[] = "avx2";
+#else
+static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {
+  const int four = j->zero != NULL;
+  const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * (four ? TILE_BLOCK : TILE8_BLOCK);
+  const float *scale = j->scale + t * j->blocks * 16;
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < 16; c++) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < j->blocks; b++) {
+        const int64_t at = row[r] * j->blocks + b;
+        const int8_t *x = j->xq + at * QBLOCK;
+        int32_t d = 0;
+        for (int p = 0; p < QBLOCK; p++)
+          d += (four ? nibble_of(w + b * TILE_BLOCK, c, p)
+                     : (int8_t)w[b * TILE8_BLOCK + (p / 2) * 32 + 2 * c + p % 2]) * x[p];
+        if (four) d -= (int32_t)j->zero[t * j->blocks * 16 + b * 16 + c] * j->xs[at];
+        const float s = scale[b * 16 + c] * j->sx[at];
+        acc = acc + (float)d * s;
+      }
+      sums[16 * r + c] = acc;
+    }
+}
+const char block_linear_kernel[] = "portable C";
+#endif
+
+/* the rows r.. (at most ROWS, below r1) as indices; past ``rows`` they repeat row r */
+static int row_group(int64_t r, int64_t r1, int64_t *row) {
+  const int rows = (int)(r1 - r < ROWS ? r1 - r : ROWS);
+  for (int i = 0; i < ROWS; i++) row[i] = r + (i < rows ? i : 0);
+  return rows;
+}
+
+/* rows [r0, r1)'s 16 outputs of column tile t */
+static void column_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
+  const Job *j = job;
+  const int64_t width = j->y2 != NULL ? j->n / 2 : j->n, first = 16 * t; /* an output row */
+  float *const out = j->y2 != NULL && first >= width ? j->y2 : j->y;
+  const int64_t col = out == j->y ? first : first - width;
+  float sums[ROWS * 16];
+  for (int64_t r = r0; r < r1; r += ROWS) {
+    int64_t row[ROWS];
+    const int rows = row_group(r, r1, row);
+    tile(j, t, row, rows, sums);
+    for (int i = 0; i < rows; i++) memcpy(out + (r + i) * width + col, sums + 16 * i, 16 * sizeof(float));
+  }
+}
+
+/* the SiluMul forms: rows [r0, r1)'s 16 outputs of gate tile t and of the up tile n / 32
+ * tiles on, as SiLU(gate) * up */
+static void gated_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
+  const Job *j = job;
+  const int64_t half = j->n / 2;
+  float gate[ROWS * 16], up[ROWS * 16];
+  for (int64_t r = r0; r < r1; r += ROWS) {
+    int64_t row[ROWS];
+    const int rows = row_group(r, r1, row);
+    tile(j, t, row, rows, gate);
+    tile(j, half / 16 + t, row, rows, up);
+    for (int i = 0; i < rows; i++) silu_mul(gate + 16 * i, up + 16 * i, j->y + (r + i) * half + 16 * t, 16);
+  }
+}
+
+/* ``four``: Int4WeightLinear's forms (zeros at input 3, the SkipNorm form's inputs from 4), else
+ * Int8BlockLinear's (from 3) */
+static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode, int four) {
+  LinearCall call;
+  int64_t wd[4], sd[3], zd[3] = {0, 0, 16};
+  void *w, *scale, *zero = NULL;
+  const char *why = linear_input(ctx, mode, &call);
+  if (why != NULL) return why;
+  if (fixed_input(ctx, constants, 1, &w, wd, 4) || fixed_input(ctx, constants, 2, &scale, sd, 3) ||
+      (four && fixed_input(ctx, constants, 3, &zero, zd, 3)))
+    return four ? "an input is missing or has the wrong rank (tiles [N16, KB, 8, 32], scales and zeros [N16, KB, 16])"
+                : "an input is missing or has the wrong rank (tiles [N16, KB, 16, 32], scales [N16, KB, 16])";
+  const int64_t k = call.k, rows = call.rows, blocks = k / QBLOCK + (k % QBLOCK != 0);
+  if (!four) zd[0] = wd[0], zd[1] = blocks;
+  const int fits = k >= 1 && wd[0] >= 1 && wd[0] <= INT64_MAX / 16 && wd[1] == blocks && wd[2] == (four ? 8 : 16) &&
+                   wd[3] == 32 && sd[0] == wd[0] && sd[1] == blocks && sd[2] == 16 && zd[0] == wd[0] &&
+                   zd[1] == blocks && zd[2] == 16;
+  const char *weights =
+      fits ? NULL
+           : reason("tiles [%lld, %lld, %lld, %lld], scales [%lld, %lld, %lld]%s do not fit inputs of %lld features "
+                    "(want tiles [N16, ceil(K / 32), %d, 32], scales%s [N16, ceil(K / 32), 16])",
+                    (long long)wd[0], (long long)wd[1], (long long)wd[2], (long long)wd[3], (long long)sd[0],
+                    (long long)sd[1], (long long)sd[2], four ? " and zeros" : "", (long long)k, four ? 8 : 16,
+                    four ? " and zeros" : "");
+  if ((why = linear_begin(ctx, constants, &call, fits ? 16 * wd[0] : 0, four ? 4 : 3, weights)) != NULL)
+    return why == linear_done ? NULL : why;
+  if (rows > INT64_MAX / (blocks * QBLOCK)) return "input 0 has too many rows";
+  int8_t *xq = malloc((size_t)(rows * blocks * QBLOCK));
+  int32_t *xs = malloc((size_t)(rows * blocks) * sizeof *xs);
+  float *sx = malloc((size_t)(rows * blocks) * sizeof *sx);
+  int32_t *xp = four ? NULL : malloc((size_t)(rows * blocks * QBLOCK / 2) * sizeof *xp);
+  if (xq == NULL || xs == NULL || sx == NULL || (!four && xp == NULL)) {
+    free(xq), free(xs), free(sx), free(xp);
+    return "out of memory for the quantized inputs";
+  }
+  Job job = {call.x, rows, k, blocks, xq, xs, sx, xp, w, scale, zero, call.n, call.y, call.y2};
+  parallel_for(ctx, quantize_row, (size_t)rows, 4, &job);
+  run_tiles(ctx, &job, mode == GATED ? gated_tile : column_tile, mode == GATED ? wd[0] / 2 : wd[0], rows);
+  linear_end(ctx, &call, 4);
+  free(xq), free(xs), free(sx), free(xp);
+  return NULL;
+}
+
+static int int4_type(const CustomOp *op, size_t i) {
+  (void)op; /* the SkipNorm form's skip, gamma and epsilon (inputs 4-6) are float */
+  return i == 1 || i == 3 ? ELEM_UINT8 : ELEM_FLOAT;
+}
+static int int8_type(const CustomOp *op, size_t i) { (void)op; return i == 1 ? ELEM_INT8 : ELEM_FLOAT; }
+
+LINEAR_OP(int4_weight_linear, "Int4WeightLinear", int4_type, 4, 1, run_linear(ctx, constants, PLAIN, 1))
+LINEAR_OP(int4_weight_linear_split, "Int4WeightLinearSplit", int4_type, 4, 2, run_linear(ctx, constants, SPLIT, 1))
+LINEAR_OP(int4_weight_linear_silu_mul, "Int4WeightLinearSiluMul", int4_type, 4, 1, run_linear(ctx, constants, GATED, 1))
+LINEAR_OP(int4_weight_linear_skip_norm, "Int4WeightLinearSkipNorm", int4_type, 7, 2,
+          run_linear(ctx, constants, NORM, 1))
+LINEAR_OP(int8_block_linear, "Int8BlockLinear", int8_type, 3, 1, run_linear(ctx, constants, PLAIN, 0))
+LINEAR_OP(int8_block_linear_split, "Int8BlockLinearSplit", int8_type, 3, 2, run_linear(ctx, constants, SPLIT, 0))
+LINEAR_OP(int8_block_linear_silu_mul, "Int8BlockLinearSiluMul", int8_type, 3, 1, run_linear(ctx, constants, GATED, 0))
+LINEAR_OP(int8_block_linear_skip_norm, "Int8BlockLinearSkipNorm", int8_type, 6, 2, run_linear(ctx, constants, NORM, 0))
