@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """INT4 weights of SmolLM2-135M, one run: AWQ against plain rounding, blocks of 32 and 128 inputs,
-zero points or symmetric.
+zero points or symmetric, and the down projections kept at INT8.
 
     python -m benchmarks.int4_ablation [--max-chunks 12] [--json OUT]
 
@@ -24,7 +24,8 @@ VARIANTS = {"RTN, blocks of 128, zero points": {"block": 128, "awq": False},
             "AWQ, blocks of 128, zero points": {"block": 128},
             "RTN, blocks of 32, zero points": {"block": 32, "awq": False},
             "AWQ, blocks of 32, symmetric": {"block": 32, "symmetric": True},
-            "AWQ, blocks of 32, zero points (int4-awq's default)": {"block": 32}}
+            "AWQ, blocks of 32, zero points (int4-awq's default)": {"block": 32},
+            "the same, down projections INT8 (--int4-int8 down)": {"block": 32, "int8_kinds": ("down",)}}
 
 
 def main() -> None:

@@ -144,7 +144,6 @@ def main() -> None:
     unknown = sorted(set(wanted) - keys)
     if unknown:
         ap.error(f"unknown sections {', '.join(unknown)}; known: {', '.join(sorted(keys))}")
-    blocks = existing(PAGE.read_text()) if PAGE.is_file() else {}
     where, failed = machine(), []
     for section in (s for s in SECTIONS if s.key in wanted):
         when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -155,8 +154,10 @@ def main() -> None:
             failed.append(section.key)
             continue
         print(output)
+        # the page as it is now (another report may have rewritten other sections meanwhile)
+        blocks = existing(PAGE.read_text()) if PAGE.is_file() else {}
         blocks[section.key] = render(section, output, when, where)
-        tmp = PAGE.with_suffix(".md.partial")
+        tmp = PAGE.with_suffix(f".md.{os.getpid()}.partial")
         tmp.write_text(page(blocks))
         os.replace(tmp, PAGE)  # after every section, so a long run keeps what it has measured
     if failed:

@@ -30,6 +30,7 @@ from ..errors import AutoGLMError
 from ..fileutil import staged_directory, write_json
 from ..graph.decoder import write_int8_graph
 from ..graph.int4 import quantize_int4_blocks
+from ..graph.names import KINDS, kind_of
 from ..graph.quant import QuantPlan
 from ..model.spec import ModelSpec
 from ..model.text import token_windows
@@ -46,10 +47,15 @@ class Int4Settings:
     awq: bool = True  # False: plain rounding to nearest (the ablation)
     windows: int = 8  # calibration windows of ``seq_len`` tokens run for the linears' input rows
     seq_len: int = 128
+    int8_kinds: tuple[str, ...] = ()  # kinds of linear (``graph.names.kind_of``) kept at INT8, blocks of 32
 
     def check(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
             raise AutoGLMError(f"the INT4 block size must be a power of two of at least 16, got {self.block}")
+        unknown = sorted(set(self.int8_kinds) - set(KINDS[:-1]))
+        if unknown:
+            raise AutoGLMError(f"unknown kind of linear {', '.join(unknown)} to keep at INT8; "
+                               f"choose from {', '.join(KINDS[:-1])} (the LM head is INT8 always)")
 
 
 def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Settings = Int4Settings(),
@@ -79,13 +85,15 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
 
     weights = SmoothedWeights(st.weights.base, spec, scales)
     plan = QuantPlan.weights_only(sorted([*inputs, "lm_head"]), bits=4, block=settings.block,
-                                  symmetric=settings.symmetric)
+                                  symmetric=settings.symmetric,
+                                  int8_linears=tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds)))
     with staged_directory(out_dir, True) as tmp:
         write_int8_graph(tmp, GRAPH, spec, weights, plan, export.max_seq_len)
         record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq")
         record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
                           "weights": f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, "
-                                     f"one scale per {settings.block} inputs of each output; LM head int8 per 32",
+                                     f"one scale per {settings.block} inputs of each output; LM head "
+                                     + "".join(f"and {k} " for k in settings.int8_kinds) + "int8 per 32",
                           "awq": report}
         copy_tokenizer_files(export_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record)

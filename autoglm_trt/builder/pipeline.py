@@ -54,6 +54,7 @@ class BuildRequest:
     cache_dir: Path | None = None  # default: <out_dir parent>/.cache
     force: bool = False
     int4_block: int = 32  # int4-awq: inputs per weight scale
+    int4_int8: tuple[str, ...] = ()  # int4-awq: kinds of linear kept at INT8
 
 
 def resolve_backend(requested: str, log: Callable[[str], None]) -> str:
@@ -158,7 +159,7 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
         if req.calib is None:
             log(f"no --calib given: AWQ searches its scales on the default set {DEFAULT_DATA}")
         # TensorRT's block-quantized INT4 takes no zero points: symmetric there
-        settings = Int4Settings(block=req.int4_block, symmetric=backend == "tensorrt")
+        settings = Int4Settings(block=req.int4_block, symmetric=backend == "tensorrt", int8_kinds=req.int4_int8)
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
 

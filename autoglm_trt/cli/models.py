@@ -170,10 +170,14 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--max-images", type=int, default=None, help="Image-text models: images per prompt [default: 10].")
 @click.option("--int4-block", type=int, default=32, show_default=True,
               help="int4-awq: inputs per weight scale (a power of two, at least 16).")
+@click.option("--int4-int8", default="", metavar="KINDS",
+              help="int4-awq: kinds of linear kept at INT8 (comma-separated of qkv, o_proj, gate_up, down), "
+                   "as the LM head is [default: none].")
 @click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
-              out_dir: Path | None, int4_block: int, print_config: bool, force: bool, **overrides) -> None:
+              out_dir: Path | None, int4_block: int, int4_int8: str, print_config: bool, force: bool,
+              **overrides) -> None:
     """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""
     from ..builder.config import dump_config, load_config
     from ..builder.pipeline import BuildRequest, build_engine
@@ -184,7 +188,8 @@ def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, co
         return
     out = out_dir or Path("engines") / f"{source.name}-{precision}"
     build_engine(BuildRequest(source=source, out_dir=out, precision=precision, calib=calib, backend=backend,
-                              config=cfg, force=force, int4_block=int4_block), log=_log)
+                              config=cfg, force=force, int4_block=int4_block,
+                              int4_int8=tuple(k for k in int4_int8.split(",") if k)), log=_log)
     click.echo(f"engine: {out}")
 
 

@@ -60,12 +60,13 @@ class QuantPlan:
     weight_bits: int = 8
     weight_block: int = WEIGHT_BLOCK
     weight_symmetric: bool = True
+    int8_linears: tuple[str, ...] = ()  # a 4-bit plan's linears kept at 8 bits, as the head
 
     @classmethod
     def weights_only(cls, linears: list[str], bits: int = 8, block: int = WEIGHT_BLOCK,
-                     symmetric: bool = True) -> QuantPlan:
+                     symmetric: bool = True, int8_linears: tuple[str, ...] = ()) -> QuantPlan:
         return cls(dict.fromkeys(linears, 0.0), weight_only=True, weight_bits=bits, weight_block=block,
-                   weight_symmetric=symmetric)
+                   weight_symmetric=symmetric, int8_linears=int8_linears)
 
     @property
     def switch_order(self) -> list[str]:
@@ -84,7 +85,7 @@ class QuantPlan:
 def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3) -> str:
     """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
     in a weight-only plan."""
-    if plan.weight_only and plan.weight_bits == 4 and name != "lm_head":
+    if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
         qw = quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric)
         return g.op("MatMul", [x, int4_weight_dq(g, name, qw)], name)
     if plan.weight_only:

@@ -137,3 +137,32 @@ def test_a_second_build_reuses_the_int4_model_and_a_bad_block_is_refused(tiny_di
                   "-o", str(int4.parent / "bad"))
     assert bad.returncode == 1 and "power of two of at least 16, got 48" in bad.stderr
     assert "Traceback" not in bad.stderr and not (int4.parent / "bad").exists()
+
+
+def test_kinds_kept_at_int8_run_as_int8_block_linears(tiny_dir, int4_engines):
+    """``--int4-int8 down``: the down projections as 8-bit blocks (Int8BlockLinear in the native
+    graph), the others INT4; their answers lie between the all-INT4 engine's and fp32's; an
+    unknown kind is refused by name."""
+    from autoglm_trt.backends.onnxrt.passes.common import all_nodes
+    from autoglm_trt.evaluate.perplexity import model_logits
+
+    fp32, int4 = int4_engines
+    args = ["--backend", "onnxruntime", "--max-seq-len", "96", "--max-input-len", "48", "--kv-num-blocks", "64",
+            "--kv-block-size", "8"]
+    out = int4.parent / "down8"
+    done = run_cli("build", str(tiny_dir("glm")), "--precision", "int4-awq", "--int4-int8", "down", *args, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits")
+            for n in onnx.load(str(out / "model.opt.onnx"), load_external_data=False).graph.node
+            if n.op_type == "MatMulNBits"}
+    assert {name for name, b in bits.items() if b == 8} == {"lm_head_node"} | {n for n in bits if ".down" in n}
+    assert any(b == 4 for b in bits.values())
+    native = [n.op_type for n in all_nodes(onnx.load(str(out / "model.native.onnx"), load_external_data=False).graph)]
+    assert any(op.startswith("Int8BlockLinear") for op in native) and any(op.startswith("Int4WeightLinear")
+                                                                          for op in native)
+    windows = np.random.default_rng(3).integers(3, 200, (2, 24))
+    ref = model_logits(fp32)(windows)
+    assert np.abs(model_logits(out)(windows) - ref).max() < np.abs(model_logits(int4)(windows) - ref).max()
+    bad = run_cli("build", str(tiny_dir("glm")), "--precision", "int4-awq", "--int4-int8", "mlp", *args,
+                  "-o", str(int4.parent / "bad-kind"))
+    assert bad.returncode == 1 and "unknown kind of linear mlp" in bad.stderr and "Traceback" not in bad.stderr
