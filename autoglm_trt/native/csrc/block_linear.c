@@ -115,7 +115,8 @@ static inline __m256i input_pair(const int8_t *x, int p) {
   static void tile4_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
     __m256 a[R][2];                                                                                                \
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                                           \
-    const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * TILE_BLOCK, *zero = j->zero + t * j->blocks * 16;                    \
+    const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * TILE_BLOCK;                                        \
+    const uint8_t *zero = j->zero + t * j->blocks * 16;                                                            \
     const float *scale = j->scale + t * j->blocks * 16;                                                            \
     const __m256i low = _mm256_set1_epi8(0x0F);                                                                    \
     for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
