@@ -104,7 +104,7 @@ def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array:
         return None
     # MatMulNBits: byte j of a block holds its inputs 2j (low nibble) and 2j + 1; the operator's
     # block holds, for each pair of inputs p, a plane of 32 nibbles: outputs c = 0..15, inputs 2p
-    # and 2p + 1 of each, pairs 2i and 2i + 1 sharing the bytes of chunk i (``csrc/int4_linear.c``)
+    # and 2p + 1 of each, pairs 2i and 2i + 1 sharing the bytes of chunk i (``csrc/block_linear.c``)
     q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n // 16, 16, blocks, QUANT_BLOCK // 2, 2)
     planes = q.transpose(0, 2, 3, 1, 4).reshape(n // 16, blocks, QUANT_BLOCK // 2, 32)  # [t, b, pair, 2 c + e]
     tiles = np.ascontiguousarray(planes[:, :, 0::2] | (planes[:, :, 1::2] << 4)).astype(np.uint8)
