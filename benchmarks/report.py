@@ -85,7 +85,8 @@ SECTIONS = (
             "GenAI's int8 / int4 of the same checkpoint: held-out text of four kinds against the float32 checkpoint "
             "in transformers, and 100 chat prompts' 16 greedy tokens against the fp32 engine."),
     Section("precisions", "Speed of each precision", ("benchmarks.bench_precisions", "--rounds", "3"),
-            "Batch-1 and batch-8 decode and a 1,000-token prefill of the fp32, int8, int8-wo and int4-awq engines."),
+            "Batch-1 and batch-8 decode and a 1,000-token prefill of the fp32, int8, int8-wo, int8-dyn and int4-awq "
+            "engines."),
     Section("int4", "INT4 weights: AWQ, block size, zero points", ("benchmarks.int4_ablation",),
             "SmolLM2-135M's INT4 variants on held-out text of four kinds against the float32 checkpoint."),
 )

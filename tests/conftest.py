@@ -243,7 +243,7 @@ def kernel_library(request):
         return Path(os.environ[SANITIZED])
     if name == "avx2" and not cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
-    from autoglm_trt.native import int8_kernel
+    from autoglm_trt.native import block_kernel, int8_kernel
     from autoglm_trt.native import library as native_library
 
     path, why = native_library(KERNELS[name])
@@ -251,7 +251,9 @@ def kernel_library(request):
         pytest.skip(f"no {name} build of the native library here: {why}")
     kernel = int8_kernel(path)
     if name == "avx2":
-        assert kernel == "avx2"
+        assert kernel == block_kernel(path) == "avx2"
     if name == "portable":
-        assert kernel == "portable C"
+        assert kernel == block_kernel(path) == "portable C"
+    if name == "native" and cpu_has("avx512_vnni"):  # both integer kernels use its dot product
+        assert kernel == block_kernel(path) == "avx512-vnni"
     return path

@@ -318,6 +318,8 @@ def _native_report(manifest) -> list[str]:
         "float linears: " + (f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)" if float_native
                              else "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)"
                                                              if kernel == "portable C" else "")),
+        "prefill attention: native PrefillAttention operator (online softmax, no score tensors)"
+        if "PrefillAttention" in ops else
         "prefill softmax: " + ("native MaskedSoftmax operator (ONNX Runtime's Softmax's bits)" if "MaskedSoftmax" in ops
                                else "ONNX Runtime's Softmax" + (" (the library is not built for AVX-512F)"
                                                                 if attention else "")),

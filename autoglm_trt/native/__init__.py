@@ -132,7 +132,7 @@ def int8_kernel(path: Path) -> str:
 
 def block_kernel(path: Path) -> str:
     """Which instructions the library's ``Int4WeightLinear`` and ``Int8BlockLinear`` dot products use
-    ("avx2" or "portable C")."""
+    ("avx512-vnni", "avx2" or "portable C")."""
     return _string(path, "AutoglmBlockKernel")
 
 

@@ -127,6 +127,15 @@ def _softmax(rng) -> list[np.ndarray]:
             rng.standard_normal((1, b, 1, t, p + n)).astype(F)]
 
 
+def _prefill_attention(rng) -> list[np.ndarray]:
+    hkv, b, g, t, p = (int(rng.integers(1, 3)) for _ in range(5))
+    p += int(rng.integers(0, 20))
+    d = 64 * int(rng.integers(1, 3))
+    bias = np.where(rng.random((1, b, 1, t, p + t)) < 0.7, 0.0, -1.0e9).astype(F)
+    return [rng.standard_normal((b, t, hkv, g, d)).astype(F), *(rng.standard_normal((hkv, b, 1, n, d)).astype(F)
+                                                               for n in (p, t, p, t)), bias]
+
+
 # name: (inputs that fit, outputs, how many trailing inputs are optional)
 OPS: dict[str, tuple[Callable, int, int]] = {
     "PagedAttention": (lambda r: _paged(r, False), 1, 1),
@@ -154,6 +163,7 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "Int8BlockLinearSkipNorm": (lambda r: _block_linear(r, 1), 2, 0),
     "RopeQKV": (_rope, 3, 0),
     "MaskedSoftmax": (_softmax, 2, 0),
+    "PrefillAttention": (_prefill_attention, 1, 0),
 }
 
 
@@ -232,6 +242,9 @@ def main() -> int:
     # whether MaskedSoftmax runs at all in this build (it needs AVX-512F), asked in this process,
     # where a sanitizer build's runtime is loaded first
     print(f"RESULT softmax exact: {int(ctypes.CDLL(args.library).AutoglmSoftmaxExact())}", flush=True)
+    kernel = ctypes.CDLL(args.library).AutoglmFloatKernel
+    kernel.restype = ctypes.c_char_p
+    print(f"RESULT fma: {int(kernel() != b'portable C')}", flush=True)  # PrefillAttention runs only with it
     rng = np.random.default_rng(args.seed)
     wrong = 0
     for op, (make, outputs, optional) in OPS.items():

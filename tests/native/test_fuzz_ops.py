@@ -18,7 +18,8 @@ ROOT = HERE.parents[1]
 SANITIZERS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
 # the tests of the operators' arithmetic, run again against the sanitizer build
 OPERATOR_TESTS = ("test_native_attention.py", "test_int8_linear.py", "test_float_linear.py", "test_rope_op.py",
-                  "test_masked_softmax.py", "test_constant_inputs.py", "test_int8_weight_linear.py", "test_block_linear.py")
+                  "test_masked_softmax.py", "test_constant_inputs.py", "test_int8_weight_linear.py", "test_block_linear.py",
+                  "test_prefill_attention.py")
 
 
 def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None) -> dict[str, tuple[int, int]]:
@@ -31,10 +32,10 @@ def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None
         f"exit {done.returncode}; last case: {next((x for x in reversed(lines) if ' case ' in x), '-')}\n"
         + "\n".join(problems[:40]))
     results = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"RESULT (\w+): (\d+) ran, (\d+) refused", done.stdout)}
-    assert len(results) == 25, results
-    exact_softmax = "RESULT softmax exact: 1" in done.stdout
+    assert len(results) == 26, results
+    absent = {"MaskedSoftmax": "RESULT softmax exact: 0" in done.stdout, "PrefillAttention": "RESULT fma: 0" in done.stdout}
     for op, (ran, refused) in results.items():  # the cases reach the kernels, and the checks
-        if op == "MaskedSoftmax" and not exact_softmax:  # a build without AVX-512F has none: refused by name
+        if absent.get(op):  # a build without AVX-512F (MaskedSoftmax) or FMA (PrefillAttention): refused by name
             assert ran == 0 and refused == cases, (op, ran, refused)
             continue
         assert ran >= cases // 4 and refused >= cases // 10, (op, ran, refused)

@@ -224,7 +224,7 @@ def test_the_engine_with_int8_linear_keeps_the_logits_of_onnx_runtimes_int8_gemm
     manifest = Manifest.read(tiny_int8_engine)
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
     fused = open_runner(manifest, num_blocks=32, threads=1)
-    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True, fma=False: {})
+    monkeypatch.setattr(linear_op, "rewrite", lambda model, weights_dir, pack=True, fma=False, dynamic_int8=False: {})
     plain = rewritten_runner(manifest.dir)
     for with_op, without in logits_over_steps([fused, plain]):  # a prefill of two prompts, then two decode steps
         np.testing.assert_allclose(with_op, without, atol=1e-3 * np.abs(without).max(), rtol=0)

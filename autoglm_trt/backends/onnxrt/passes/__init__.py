@@ -9,7 +9,8 @@ native graph was made by other passes is run on its plain graph, with a message 
 
 The passes, in order (one module each):
 
-    attention          PagedAttention for decode steps; the prefill's scores by row, MaskedSoftmax
+    attention          PagedAttention for decode steps; PrefillAttention for prefills (or the
+                       prefill's scores by row, MaskedSoftmax)
     rope_qkv           each layer's QKV split + rope as RopeQKV
     hadamard_quantize  each INT8 linear's rotation + quantization as HadamardQuantize
     linears            Int8Linear / FloatLinear / Int8WeightLinear / Int4WeightLinear / Int8BlockLinear
@@ -34,12 +35,12 @@ import numpy as np
 from ....model.spec import ModelSpec
 from .common import all_nodes
 
-PASSES_VERSION = 2
+PASSES_VERSION = 3
 # computed as ONNX Runtime's float nodes are only with fused multiply-add
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
            "Int8LinearSkipNorm", "Int8WeightLinear", "Int8WeightLinearSplit", "Int8WeightLinearSiluMul",
            "Int8WeightLinearSkipNorm", "Int4WeightLinearSiluMul", "Int4WeightLinearSkipNorm",
-           "Int8BlockLinearSiluMul", "Int8BlockLinearSkipNorm")
+           "Int8BlockLinearSiluMul", "Int8BlockLinearSkipNorm", "PrefillAttention")
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ def _attention(ctx: Context) -> tuple[int, str]:
 
     if ctx.kv_dtype not in (np.float32, np.int8):
         return 0, f"the KV cache is {ctx.kv_dtype.name} (the native kernel reads float32 or int8)"
-    done, why = attention.rewrite(ctx.model, ctx.spec.num_layers, ctx.target.softmax_exact)
+    done, why = attention.rewrite(ctx.model, ctx.spec.num_layers, ctx.target.softmax_exact,
+                                  ctx.target.fma and ctx.spec.head_dim % 64 == 0)
     return (ctx.spec.num_layers, "") if done else (0, why)
 
 

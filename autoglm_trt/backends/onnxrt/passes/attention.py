@@ -7,8 +7,9 @@ branch is one ``autoglm.trt.PagedAttention`` node (``csrc/paged_attention.c``) t
 pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache). The condition is "one new
 token per sequence": decode steps take the operator; prefill steps keep the graph's nodes,
 whose GEMMs are faster over many new tokens than the operator's dot products (a 1,000-token
-prompt took 1.5x as long through the operator), with their scores computed query by query
-(``prefill_scores.py``, the same bits). The ``step_branch`` pass
+prompt took 1.5x as long through the operator): as one ``PrefillAttention`` node where the
+library has fused multiply-add and the head size is a multiple of 64 (``prefill_attention.py``),
+else with their scores computed query by query (``prefill_scores.py``, the same bits). The ``step_branch`` pass
 then hoists the 30 ``If`` nodes into one for the whole step.
 Everything else, the INT8 GEMMs included, is untouched, and the portable graph that TensorRT
 builds never sees the operator.
@@ -32,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ....graph import names
-from . import prefill_scores
+from . import prefill_attention, prefill_scores
 from .common import DECODE_CONDITION, DOMAIN, SLOTS, use_domain
 
 OP, OP_INT8_KV = "PagedAttention", "PagedAttentionInt8KV"
@@ -69,10 +70,12 @@ def _kv_inputs(i: int, outputs: dict, producer: dict, initializers: set) -> tupl
     return None
 
 
-def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False) -> tuple[bool, str]:
+def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False,
+            fused_prefill: bool = False) -> tuple[bool, str]:
     """Rewrite ``model`` in place; (True, "") or (False, why it was left as it was). ``softmax``:
     the library's ``MaskedSoftmax`` gives Softmax's bits, so the prefill branch may use it
-    (``prefill_scores.py``)."""
+    (``prefill_scores.py``); ``fused_prefill``: the prefill branch's attention becomes one
+    ``PrefillAttention`` node (``prefill_attention.py``)."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list] = {}
@@ -112,7 +115,8 @@ def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False) -> t
         nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in core_ids]
         for n in nodes:
             n.output[:] = [f"{attn}_graph" if o == attn else o for o in n.output]
-        nodes = prefill_scores.by_row(nodes, i, softmax)
+        fused = prefill_attention.fuse(nodes, i, f"{attn}_graph") if fused_prefill else None
+        nodes = fused if fused is not None else prefill_scores.by_row(nodes, i, softmax)
         out = lambda name: [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)]
         branch = helper.make_node(
             "If", [DECODE_CONDITION], [attn], name=names.in_layer(i, "attention"),

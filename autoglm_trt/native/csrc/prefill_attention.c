@@ -1,0 +1,253 @@
+/* PrefillAttention: a prefill's attention in one operator, without the [tokens x context] score
+ * and probability tensors the graph's nodes write and read back (FlashAttention's online softmax,
+ * Dao et al. 2022, on the CPU).
+ *
+ * The graph's prefill attention (``graph/decoder.py``) computes each layer's scores over the past
+ * and the new keys, joins them, adds the mask bias, takes the softmax, splits it and multiplies
+ * the two parts by the past and new values: over a 1,000-token prompt each of those passes moves
+ * a 36 MB tensor a layer (SmolLM2), and they took about 60 % of the INT8 engine's prefill. Here a
+ * work item takes up to QROWS query rows (tokens) of one query head and walks the keys KEYS at a
+ * time (all G query heads of a KV head in one item, which read the same keys and values, ran no
+ * faster on GLM-4.1V's heads and 1.2x slower on SmolLM2's, ad hoc): their
+ * scores (the queries times the keys, transposed once per call so that a vector holds KEYS
+ * keys), the bias added, the rows' running maximum, sum and weighted values rescaled as the
+ * maximum grows, the weighted values added; the sums divide at the end. A step whose bias masks
+ * every key for every row of the item (the keys after the last query, in a causal prefill) is
+ * skipped: those keys' weights are exp(-1e9) = 0 in float32 anyway. The result is the graph's to
+ * float32's rounding, not bit for bit (another order of sums, another exp), which
+ * ``tests/native/test_prefill_attention.py`` checks against numpy in float64.
+ *
+ * Inputs (Hkv KV heads, G query heads per KV head, B sequences, T new tokens, P past slots, D the
+ * head's size, a multiple of 64):
+ *   0 q       float32 [B, T, Hkv, G, D]   queries (the softmax's scale already in them)
+ *   1 k_past  float32 [Hkv, B, 1, P, D]
+ *   2 k_new   float32 [Hkv, B, 1, T, D]
+ *   3 v_past  float32 [Hkv, B, 1, P, D]
+ *   4 v_new   float32 [Hkv, B, 1, T, D]
+ *   5 bias    float32 [1, B, 1, T, P + T]  0 where a query may attend, at most MASKED elsewhere
+ * Output:
+ *   0 context float32 [Hkv, B, G, T, D]
+ * A row whose keys are all masked gets zeros (the graph: a uniform average; the runtime never
+ * asks for such a row but in padding). Builds without fused multiply-add fail the run (the
+ * rewrite, ``passes/prefill_attention.py``, uses the operator only where they have it).
+ */
+#include <float.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_api.h"
+#include "parallel.h"
+#include "vec.h"
+
+#define QROWS 32          /* query rows a work item takes */
+#define KEYS 16           /* keys a step takes */
+#define MASKED (-1.0e8f)  /* a bias at or below this masks its key */
+
+typedef struct {
+  const float *q, *k_past, *k_new, *v_past, *v_new, *bias;
+  float *out;
+  float *kt; /* [Hkv, B, KP / KEYS, D, KEYS]: each head's and sequence's keys (past then new, zeros to
+              * KP) transposed block by block, so that a step's keys are 4 KiB in a row (D 64) */
+  int64_t hkv, b, g, t, p, d, kp;
+  int failed; /* a work item found no memory */
+} Job;
+
+#if defined(__FMA__) && (defined(__AVX512F__) || defined(__AVX2__))
+#include <immintrin.h>
+const int prefill_attention_built = 1;
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vzero _mm512_setzero_ps
+#else
+#define VL 8
+typedef __m256 vf;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vzero _mm256_setzero_ps
+#endif
+#define KV (KEYS / VL)       /* vectors of a step's keys */
+#define SROWS (VL == 16 ? 16 : 4) /* rows of scores in registers at a time (16 or 8 accumulators) */
+#define DV (VL == 16 ? 4 : 2)     /* vectors of values a row keeps in registers at a time */
+
+/* s[r][c] = q[r] . key c, for rows [0, rows) (q: rows x D; rows a multiple of SROWS, so that
+ * the accumulators are registers) over a step's transposed keys kt [D, KEYS] */
+static void scores(const float *q, int rows, const float *kt, int64_t d, float (*s)[KEYS]) {
+  for (int r0 = 0; r0 < rows; r0 += SROWS) {
+    vf acc[SROWS][KV];
+    for (int r = 0; r < SROWS; r++)
+      for (int v = 0; v < KV; v++) acc[r][v] = vzero();
+    for (int64_t i = 0; i < d; i++) {
+      vf k[KV];
+      for (int v = 0; v < KV; v++) k[v] = vload(kt + i * KEYS + v * VL);
+      for (int r = 0; r < SROWS; r++)
+        for (int v = 0; v < KV; v++) acc[r][v] = vfma(vset1(q[(r0 + r) * d + i]), k[v], acc[r][v]);
+    }
+    for (int r = 0; r < SROWS; r++)
+      for (int v = 0; v < KV; v++) vstore(s[r0 + r] + v * VL, acc[r][v]);
+  }
+}
+
+/* o[r] += sum over keys c < count of p[r][c] values[c], rows [0, rows) (a multiple of 4) 4 at a
+ * time, DV vectors of D at a time */
+static void weigh(float *o, int rows, const float (*p)[KEYS], const float *const *values, int count, int64_t d) {
+  for (int r0 = 0; r0 < rows; r0 += 4)
+    for (int64_t i = 0; i < d; i += DV * VL) {
+      vf acc[4][DV];
+      for (int r = 0; r < 4; r++)
+        for (int v = 0; v < DV; v++) acc[r][v] = vload(o + (r0 + r) * d + i + v * VL);
+      for (int c = 0; c < count; c++) {
+        vf x[DV];
+        for (int v = 0; v < DV; v++) x[v] = vload(values[c] + i + v * VL);
+        for (int r = 0; r < 4; r++)
+          for (int v = 0; v < DV; v++) acc[r][v] = vfma(vset1(p[r0 + r][c]), x[v], acc[r][v]);
+      }
+      for (int r = 0; r < 4; r++)
+        for (int v = 0; v < DV; v++) vstore(o + (r0 + r) * d + i + v * VL, acc[r][v]);
+    }
+}
+
+/* key or value ``key`` (past then new) of head h and sequence b */
+static const float *row_of(const Job *j, const float *past, const float *fresh, int64_t h, int64_t b, int64_t key) {
+  return key < j->p ? past + ((h * j->b + b) * j->p + key) * j->d : fresh + ((h * j->b + b) * j->t + key - j->p) * j->d;
+}
+
+/* the keys of head h and sequence b (item h B + b), transposed */
+static void transpose_keys(void *data, size_t item) {
+  const Job *j = data;
+  const int64_t h = (int64_t)item / j->b, b = (int64_t)item % j->b, width = j->p + j->t;
+  float *kt = j->kt + (int64_t)item * j->d * j->kp;
+  for (int64_t key = 0; key < j->kp; key++) {
+    const float *k = key < width ? row_of(j, j->k_past, j->k_new, h, b, key) : NULL;
+    float *to = kt + key / KEYS * j->d * KEYS + key % KEYS;
+    for (int64_t i = 0; i < j->d; i++) to[i * KEYS] = k != NULL ? k[i] : 0.0f;
+  }
+}
+
+/* whether the bias masks every key [k0, k0 + count) for rows [t0, t0 + rows) */
+static int all_masked(const float *bias, int64_t width, int64_t t0, int rows, int64_t k0, int count) {
+  for (int r = 0; r < rows; r++) {
+    int open = 0;
+#pragma omp simd reduction(| : open)
+    for (int c = 0; c < count; c++) open |= !(bias[(t0 + r) * width + k0 + c] <= MASKED);
+    if (open) return 0;
+  }
+  return 1;
+}
+
+/* the scores s of rows [0, rows) and keys [k0, k0 + count) with their bias (row r's at bias + r
+ * width), as weights (0 for rows [rows, padded)): the rows' maxima m, sums l and weighted values o
+ * rescaled to the new maxima */
+static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const float *bias, int64_t width,
+                       int64_t k0, float *m, float *l, float *o, int64_t d) {
+  memset(s[rows], 0, (size_t)(padded - rows) * sizeof s[0]);
+  for (int r = 0; r < rows; r++) {
+    float top = m[r];
+#pragma omp simd reduction(max : top)
+    for (int c = 0; c < KEYS; c++) {
+      s[r][c] = c < count ? s[r][c] + bias[r * width + k0 + c] : -FLT_MAX;
+      top = s[r][c] > top ? s[r][c] : top;
+    }
+    const float alpha = exp_nonpositive(m[r] - top);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int c = 0; c < KEYS; c++) {
+      s[r][c] = exp_nonpositive(s[r][c] - top);
+      sum += s[r][c];
+    }
+    if (alpha != 1.0f)
+      for (int64_t i = 0; i < d; i++) o[r * d + i] *= alpha;
+    l[r] = l[r] * alpha + sum;
+    m[r] = top;
+  }
+}
+
+/* query rows (tokens) [QROWS tb, ...) of query head (h, g) and sequence b: item ((h B + b) G + g)
+ * tiles + tb */
+static void attend(void *data, size_t item) {
+  const Job *j = data;
+  const int64_t tiles = (j->t + QROWS - 1) / QROWS, tb = (int64_t)item % tiles, rest = (int64_t)item / tiles;
+  const int64_t g = rest % j->g, b = rest / j->g % j->b, h = rest / j->g / j->b, d = j->d, width = j->p + j->t;
+  const int64_t t0 = tb * QROWS;
+  const int rows = (int)(j->t - t0 < QROWS ? j->t - t0 : QROWS), padded = (rows + SROWS - 1) / SROWS * SROWS;
+  float *q = thread_scratch((size_t)(2 * QROWS * d) * sizeof(float)), *o = q + QROWS * d;
+  if (q == NULL) {
+    __atomic_store_n(&((Job *)data)->failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  float m[QROWS], l[QROWS], s[QROWS][KEYS];
+  for (int r = 0; r < rows; r++) {
+    memcpy(q + r * d, j->q + (((b * j->t + t0 + r) * j->hkv + h) * j->g + g) * d, (size_t)d * sizeof(float));
+    m[r] = -FLT_MAX, l[r] = 0.0f;
+  }
+  memset(q + rows * d, 0, (size_t)((padded - rows) * d) * sizeof(float)); /* rows that pad the last group */
+  memset(o, 0, (size_t)(padded * d) * sizeof(float));
+  const float *kt = j->kt + (h * j->b + b) * d * j->kp, *bias = j->bias + b * j->t * width;
+  for (int64_t k0 = 0; k0 < width; k0 += KEYS) {
+    const int count = (int)(width - k0 < KEYS ? width - k0 : KEYS);
+    if (all_masked(bias, width, t0, rows, k0, count)) continue;
+    scores(q, padded, kt + k0 * d, d, s);
+    to_weights(s, rows, padded, count, bias + t0 * width, width, k0, m, l, o, d);
+    const float *values[KEYS];
+    for (int c = 0; c < count; c++) values[c] = row_of(j, j->v_past, j->v_new, h, b, k0 + c);
+    weigh(o, padded, (const float(*)[KEYS])s, values, count, d);
+  }
+  for (int r = 0; r < rows; r++) {
+    float *out = j->out + (((h * j->b + b) * j->g + g) * j->t + t0 + r) * d;
+    const float inv = m[r] > MASKED ? 1.0f / l[r] : 0.0f; /* else no key was unmasked */
+    for (int64_t i = 0; i < d; i++) out[i] = o[r * d + i] * inv;
+  }
+}
+#else
+const int prefill_attention_built = 0;
+static void transpose_keys(void *data, size_t item) { (void)data, (void)item; }
+static void attend(void *data, size_t item) { (void)data, (void)item; }
+#endif
+
+static const char *run(OrtKernelContext *ctx) {
+  int64_t qd[5], kd[5], nd[5], vd[5], wd[5], bd[5];
+  void *in[6];
+  if (input(ctx, 0, &in[0], qd, 5) || input(ctx, 1, &in[1], kd, 5) || input(ctx, 2, &in[2], nd, 5) ||
+      input(ctx, 3, &in[3], vd, 5) || input(ctx, 4, &in[4], wd, 5) || input(ctx, 5, &in[5], bd, 5))
+    return "an input is missing or not of rank 5 (q, k_past, k_new, v_past, v_new, bias)";
+  if (!prefill_attention_built) return "this build of the native library has no PrefillAttention (it needs FMA)";
+  const int64_t b = qd[0], t = qd[1], hkv = qd[2], g = qd[3], d = qd[4], p = kd[3];
+  const int64_t past[5] = {hkv, b, 1, p, d}, fresh[5] = {hkv, b, 1, t, d}, bias[5] = {1, b, 1, t, p + t};
+  if (memcmp(kd, past, sizeof past) || memcmp(vd, past, sizeof past) || memcmp(nd, fresh, sizeof fresh) ||
+      memcmp(wd, fresh, sizeof fresh) || memcmp(bd, bias, sizeof bias) || d % 64 != 0 || d > 4096 || p + t < 1)
+    return reason("q [%lld, %lld, %lld, %lld, %lld], past K/V [.., %lld, ..] and bias [.., %lld] do not fit (want "
+                  "K/V [Hkv, B, 1, P or T, D], bias [1, B, 1, T, P + T], D a multiple of 64)",
+                  (long long)qd[0], (long long)qd[1], (long long)qd[2], (long long)qd[3], (long long)qd[4],
+                  (long long)kd[3], (long long)bd[4]);
+  const int64_t out_dims[5] = {hkv, b, g, t, d};
+  OrtValue *value = NULL;
+  float *out;
+  if (failed(API(API_KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(ctx, 0, out_dims, 5, &value)) ||
+      failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(value, (void **)&out)))
+    return "could not allocate the output";
+  if (hkv * b * g * t == 0) return NULL;
+  const int64_t kp = (p + t + KEYS - 1) / KEYS * KEYS;
+  float *kt = malloc((size_t)(hkv * b * d * kp) * sizeof(float));
+  if (kt == NULL) return "out of memory for the transposed keys";
+  Job job = {in[0], in[1], in[2], in[3], in[4], in[5], out, kt, hkv, b, g, t, p, d, kp, 0};
+  parallel_for(ctx, transpose_keys, (size_t)(hkv * b), 2, &job);
+  parallel_for(ctx, attend, (size_t)(hkv * b * g * ((t + QROWS - 1) / QROWS)), 2, &job);
+  free(kt);
+  return job.failed ? "out of memory for a work item" : NULL;
+}
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return op_status("PrefillAttention", run(ctx)); }
+static const char *op_name(const CustomOp *op) { (void)op; return "PrefillAttention"; }
+static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
+static size_t six_inputs(const CustomOp *op) { (void)op; return 6; }
+
+const CustomOp prefill_attention = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name, input_type, six_inputs,
+                                             float_output, one_output, required, compute);

@@ -1,0 +1,49 @@
+"""An engine whose head size the native PrefillAttention takes (64): its prefill branch is one
+PrefillAttention node a layer, and its answers are the plain graph's to float32's rounding, for a
+prompt in one step and for chunks after a past in the paged pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import build_tiny_engine
+
+from autoglm_trt.backends.onnxrt.passes.common import all_nodes
+
+
+@pytest.fixture(scope="module")
+def hd64_engine(tmp_path_factory, library):
+    from tiny_models import make_tiny_checkpoint
+
+    from autoglm_trt.native import float_kernel
+
+    if float_kernel(library) == "portable C":
+        pytest.skip("PrefillAttention needs fused multiply-add; this machine's build has none")
+    root = tmp_path_factory.mktemp("hd64")
+    checkpoint = make_tiny_checkpoint("glm4", root / "glm4-hd64", head_dim=64)
+    return build_tiny_engine(lambda family: checkpoint, root / "engine")
+
+
+def test_the_prefill_branch_is_one_prefill_attention_a_layer(hd64_engine):
+    from autoglm_trt.artifacts import Manifest
+
+    ops = [n.op_type for n in all_nodes(onnx.load(str(hd64_engine / "model.native.onnx"),
+                                                  load_external_data=False).graph)]
+    assert ops.count("PrefillAttention") == 2 and ops.count("PagedAttention") == 2
+    assert "MaskedSoftmax" not in ops and "Softmax" not in ops  # no score tensor is left in either branch
+    assert "fma" in Manifest.read(hd64_engine).ort_graphs["requires"]
+
+
+@pytest.mark.parametrize("step_tokens", [None, 7])
+def test_answers_equal_the_plain_graphs_to_rounding(hd64_engine, monkeypatch, step_tokens):
+    """One 40-token prefill, or the same text 7 tokens a step (each chunk over its past)."""
+    from autoglm_trt.evaluate.perplexity import model_logits
+
+    windows = np.random.default_rng(5).integers(3, 250, (2, 40))
+    native = model_logits(hd64_engine, step_tokens=step_tokens)(windows)
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    plain = model_logits(hd64_engine, step_tokens=step_tokens)(windows)
+    assert np.abs(native - plain).max() > 0  # two graphs ran
+    assert np.abs(native - plain).max() <= 1e-4 * np.abs(plain).max(), np.abs(native - plain).max()
+    assert (native.argmax(-1) == plain.argmax(-1)).all()
