@@ -42,6 +42,10 @@ SECTIONS = (
             "the graph's own nodes; 16 concurrent requests; the memory-bandwidth and GEMM bounds of this machine."),
     Section("attention", "Decode steps with and without the native operators",
             ("benchmarks.bench_attention", "--rounds", "3")),
+    Section("prefill_attention", "A prefill's attention, three ways",
+            ("benchmarks.bench_prefill_attention", "--rounds", "3"),
+            "One layer's attention over a new prompt: the graph's own nodes, the scores by row with MaskedSoftmax, "
+            "and the native PrefillAttention operator, for SmolLM2's and GLM-4.1V's heads."),
     Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
     Section("linears", "One linear, every way", ("benchmarks.bench_linears",),
             "SmolLM2's and GLM-4-9B's linear shapes: ONNX Runtime's MatMul and MatMulNBits (8- and 4-bit "

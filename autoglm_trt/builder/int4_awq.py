@@ -11,8 +11,11 @@ Input: a float32 export directory and calibration text. Output directory (the bu
     tokenizer (and vision encoder) files
 
 One batch of calibration windows runs through the float graph for each linear's input rows
-(``calib.statistics.gather``); ``calib.awq`` picks each linear's scales on them. ONNX Runtime's
-optimizer turns each DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
+(``calib.statistics.gather``); for a vision family (GLM-4.1V) one window per calibration image
+follows them, the image's encoder output in its tokens' place (``calib.image_windows``, as the
+INT8 calibration does), so the scales see image tokens' activations too. ``calib.awq`` picks
+each linear's scales on them. ONNX Runtime's optimizer turns each DequantizeLinear + MatMul into
+its 4-bit ``MatMulNBits``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ..model.text import token_windows
 
 GRAPH = "model.int4.onnx"
 # What this code writes from the same export and settings; a cached result of another version is redone.
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,11 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     spec = export.spec
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(data, export_dir, settings.windows, settings.seq_len, separator)
+    from ..calib.image_windows import calibration_images, image_digest, with_image_windows
+
+    images = calibration_images(data) if spec.vision else []
     made = {"source": export.identity(), "version": VERSION, "settings": asdict(settings),
-            "data_sha256": windows.sha256}
+            "data_sha256": windows.sha256, "images_sha256": [image_digest(i) for i in images]}
     if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).data.get("int4", {}), made):
         log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
         return out_dir
@@ -78,8 +84,10 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
 
     t0 = time.perf_counter()
     inputs = quantizable_inputs(export_dir, False, [])
-    st = gather(export_dir, spec, windows.windows, inputs, {}, None, len(windows.windows), threads, 1024**3)
-    log(f"linear inputs of {len(windows.windows)} windows gathered in {time.perf_counter() - t0:.1f} s")
+    rows, shown = (windows.windows, None) if not images else with_image_windows(export_dir, windows.windows, images)
+    st = gather(export_dir, spec, rows, inputs, {}, None, len(rows), threads, 1024**3, images=shown)
+    log(f"linear inputs of {len(rows)} windows ({len(images)} with an image) gathered in "
+        f"{time.perf_counter() - t0:.1f} s")
     scales, report = awq_scales(spec, st, settings, log) if settings.awq else ({}, {})
     from ..calib.smooth import SmoothedWeights
 

@@ -13,6 +13,7 @@ window), ``<|end_of_image|>``, then text again; its embeddings from the export's
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -64,3 +65,21 @@ def image_windows(export_dir: Path, text: np.ndarray, images: list[object]) -> t
         items.append((span.start, embeds))
         positions.append(mrope_positions(length, [span], merge)[0])
     return np.stack(rows), WindowImages(items, np.stack(positions, axis=1))
+
+
+def with_image_windows(export_dir: Path, text: np.ndarray, images: list[object]) -> tuple[np.ndarray, WindowImages]:
+    """The text windows ``[n, T]`` followed by one window per image (``image_windows``), and the
+    images of all of them (None for the text windows, whose positions are 0 .. T - 1)."""
+    shown, with_images = image_windows(export_dir, text, images)
+    n, length = text.shape
+    text_rows = np.broadcast_to(np.arange(length), (3, n, length))
+    items: list[tuple[int, np.ndarray] | None] = [None] * n
+    return np.concatenate([text, shown]), WindowImages(items + with_images.items,
+                                                       np.concatenate([text_rows, with_images.positions], axis=1))
+
+
+def image_digest(image: object) -> str:
+    """What identifies a calibration image: a file's content, or a synthetic screenshot's pixels."""
+    if isinstance(image, Path):
+        return hashlib.sha256(image.read_bytes()).hexdigest()
+    return hashlib.sha256(np.asarray(image).tobytes()).hexdigest()

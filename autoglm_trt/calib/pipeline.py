@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-
 from ..artifacts import CALIB_RECORD, EXPORT_RECORD, CalibRecord, ExportRecord, copy_tokenizer_files
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, staged_directory, write_json
@@ -36,13 +34,12 @@ from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
 from ..graph.names import KINDS
 from ..graph.quant import QuantPlan
-from ..graph.runner import WindowImages
 from ..model.text import TokenWindows, token_windows
 from .accuracy import GateSettings, search_and_check
 from .cache import ALGORITHMS, trt_version, write_cache
 from .collect import kv_head_amax
 from .histogram import METHODS, entropy_amax
-from .image_windows import calibration_images, image_windows
+from .image_windows import calibration_images, image_digest, with_image_windows
 from .record import float_fraction, float_reasons, versions, weight_bytes
 from .statistics import Statistics, gather, quantizable_inputs, rotation_blocks
 from .thresholds import bias_corrections, choose_amax, int8_errors
@@ -194,7 +191,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     settings = cfg.settings()
     images = calibration_images(cfg.data) if spec.vision else []
     data_sha = hashlib.sha256((windows.sha256 + json.dumps(settings, sort_keys=True)
-                               + "".join(_image_digest(i) for i in images)).encode()).hexdigest()
+                               + "".join(image_digest(i) for i in images)).encode()).hexdigest()
     msha = export.identity()
     reused, replace = _existing(cfg, msha, data_sha, log)
     if reused is not None:
@@ -210,11 +207,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     rotate = rotation_blocks(spec, list(inputs), cfg.rotate, cfg.max_rotation_block)
     all_windows, with_images = windows.windows, None
     if images:  # a vision family: windows with images too, after the text ones
-        shown, with_images = image_windows(cfg.export_dir, windows.windows, images)
-        all_windows = np.concatenate([windows.windows, shown])
-        text_rows = np.broadcast_to(np.arange(cfg.seq_len), (3, len(windows.windows), cfg.seq_len))
-        items: list[tuple[int, np.ndarray] | None] = [None] * len(windows.windows)
-        with_images = WindowImages(items + with_images.items, np.concatenate([text_rows, with_images.positions], axis=1))
+        all_windows, with_images = with_image_windows(cfg.export_dir, windows.windows, images)
         log(f"  and {len(images)} windows with an image each (their encoder's output in the image tokens' place)")
     st = gather(cfg.export_dir, spec, all_windows, inputs, rotate, cfg.smoothquant_alpha, cfg.batch_size,
                 cfg.threads, cfg.max_graph_bytes, cfg.device, cfg.hist_row_stride, with_images)
@@ -295,13 +288,6 @@ def write_trt_cache(tmp: Path, st: Statistics, quantized: dict[str, float]) -> d
     return {"file": "calibration.cache", "header": f"TRT-{version}-{ALGORITHMS['entropy']}", "tensorrt": source,
             "model": "model.onnx of the float32 export (its tensor names)", "tensors": len(amax),
             "method": "entropy, on the float graph's linear inputs"}
-
-
-def _image_digest(image: object) -> str:
-    """What identifies a calibration image: a file's content, or a synthetic screenshot's pixels."""
-    if isinstance(image, Path):
-        return hashlib.sha256(image.read_bytes()).hexdigest()
-    return hashlib.sha256(np.asarray(image).tobytes()).hexdigest()
 
 
 def _data_info(cfg: CalibConfig, windows: TokenWindows) -> dict:

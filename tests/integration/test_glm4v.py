@@ -280,3 +280,22 @@ def test_an_int8_wo_build_keeps_the_float_encoder_and_answers_image_prompts(tiny
     assert all(len(r.token_ids) == 6 and r.prompt_tokens > 20 for r in answers["wo"])
     assert answers["wo"][0].token_ids[0] == answers["fp32"][0].token_ids[0]
     assert answers["fp32"][0].token_ids != answers["fp32"][1].token_ids  # the answers read the image
+
+
+def test_an_int4_awq_build_searches_its_scales_on_image_windows_too(tiny_dir, tmp_path):
+    """``build --precision int4-awq`` on GLM-4.1V: the AWQ search's rows include one window per
+    calibration image (the synthetic screenshots), the engine keeps the float encoder, and its
+    answers read the image."""
+    import json
+
+    from conftest import build_tiny_engine
+
+    engine_dir = build_tiny_engine(tiny_dir, tmp_path / "int4", family="glm4v", precision="int4-awq", max_seq_len=256,
+                                   kv_num_blocks=64)
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / ".cache").glob("*/int4-awq/export.json")]
+    assert len(record["int4"]["images_sha256"]) == 4 and (engine_dir / "vision.onnx").is_file()
+    prompts = [image_message("what is on the screen? ", random_image(120, 200, seed)) for seed in (3, 4)]
+    with Engine.load(engine_dir) as engine:
+        answers = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(len(r.token_ids) == 6 and r.prompt_tokens > 20 for r in answers)
+    assert answers[0].token_ids != answers[1].token_ids

@@ -104,34 +104,27 @@ def test_preempted_sequences_recomputed_in_chunks_finish(cramped_engine, prompts
 
 # -- 3. close() and deadlines ------------------------------------------------------------------
 def test_close_fails_every_waiting_and_running_caller(tiny_engine):
+    """Every caller still waiting or running when the engine closes gets the engine's error, and
+    none hangs; one may have finished first (a fast machine decodes the tiny model's 70 tokens in
+    tens of milliseconds), and returned its answer."""
     engine = Engine.load(tiny_engine, num_blocks=16)
     params = SamplingParams(max_new_tokens=70, ignore_eos=True)
     outcomes: list[object] = []
     lock = threading.Lock()
     started = threading.Barrier(6)
 
-    def gen() -> None:
+    def finish(call) -> None:
         started.wait()
         try:
-            engine.generate(["long"], params)
+            call()
             out: object = "returned"
         except AutoGLMError as exc:
             out = exc
         with lock:
             outcomes.append(out)
 
-    def stream() -> None:
-        started.wait()
-        try:
-            for _ in engine.stream("streamed", params):
-                pass
-            out: object = "returned"
-        except AutoGLMError as exc:
-            out = exc
-        with lock:
-            outcomes.append(out)
-
-    threads = [threading.Thread(target=f, daemon=True) for f in (gen, gen, gen, stream, stream)]
+    calls = [lambda: engine.generate(["long"], params)] * 3 + [lambda: list(engine.stream("streamed", params))] * 2
+    threads = [threading.Thread(target=finish, args=(c,), daemon=True) for c in calls]
     for t in threads:
         t.start()
     started.wait()
@@ -145,7 +138,8 @@ def test_close_fails_every_waiting_and_running_caller(tiny_engine):
         t.join(30)
     assert not any(t.is_alive() for t in threads)
     assert len(outcomes) == 5
-    assert all(isinstance(o, RequestError) and "closed" in str(o) for o in outcomes), outcomes
+    failed = [o for o in outcomes if isinstance(o, RequestError) and "closed" in str(o)]
+    assert failed and len(failed) + outcomes.count("returned") == 5, outcomes
     with pytest.raises(RequestError, match="closed"):
         engine.generate(["after close"])
 

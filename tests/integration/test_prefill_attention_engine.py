@@ -1,6 +1,7 @@
 """An engine whose head size the native PrefillAttention takes (64): its prefill branch is one
 PrefillAttention node a layer, and its answers are the plain graph's to float32's rounding, for a
-prompt in one step and for chunks after a past in the paged pool."""
+prompt in one step and for chunks after a past in the paged pool, with a float32 or an INT8 KV
+cache."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from conftest import build_tiny_engine
 from autoglm_trt.backends.onnxrt.passes.common import all_nodes
 
 
-@pytest.fixture(scope="module")
-def hd64_engine(tmp_path_factory, library):
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def hd64_engine(tmp_path_factory, library, request):
+    """The tiny GLM-4 with heads of 64, as an fp32 engine with a ``request.param`` KV cache."""
     from tiny_models import make_tiny_checkpoint
 
     from autoglm_trt.native import float_kernel
@@ -22,7 +24,7 @@ def hd64_engine(tmp_path_factory, library):
         pytest.skip("PrefillAttention needs fused multiply-add; this machine's build has none")
     root = tmp_path_factory.mktemp("hd64")
     checkpoint = make_tiny_checkpoint("glm4", root / "glm4-hd64", head_dim=64)
-    return build_tiny_engine(lambda family: checkpoint, root / "engine")
+    return build_tiny_engine(lambda family: checkpoint, root / "engine", kv_cache_dtype=request.param)
 
 
 def test_the_prefill_branch_is_one_prefill_attention_a_layer(hd64_engine):
@@ -30,7 +32,7 @@ def test_the_prefill_branch_is_one_prefill_attention_a_layer(hd64_engine):
 
     ops = [n.op_type for n in all_nodes(onnx.load(str(hd64_engine / "model.native.onnx"),
                                                   load_external_data=False).graph)]
-    assert ops.count("PrefillAttention") == 2 and ops.count("PagedAttention") == 2
+    assert ops.count("PrefillAttention") == 2 and ops.count("PagedAttention") + ops.count("PagedAttentionInt8KV") == 2
     assert "MaskedSoftmax" not in ops and "Softmax" not in ops  # no score tensor is left in either branch
     assert "fma" in Manifest.read(hd64_engine).ort_graphs["requires"]
 
