@@ -19,9 +19,7 @@
  * weights (0..15) times int8 inputs (-127..127) never saturate vpmaddubsw's 16-bit pair sums, and
  * 8-bit weights are widened to 16 bits for vpmaddwd (AVX2; the AVX-512 build without VNNI runs
  * these kernels too); VNNI's vpdpbusd adds four products into 32 bits, which nothing here can
- * overflow. On the SmolLM2 int4-awq engine the VNNI kernels ran batch-1 decode 1.09-1.21x and
- * batch-8 1.42-1.45x as fast as the AVX2 ones on one Xeon (157 against 172 and 190 tokens/s;
- * ``python -m benchmarks.bench_precisions``, 3 rounds a run, one run before and two after).
+ * overflow (docs/native.md has what the VNNI kernels gained).
  *
  * At batch 1 Int4WeightLinear reads 5.25 bits a weight (4, the scale's 32 bits and the zero
  * point's 8 over 32 inputs) against Int8Linear's 8.

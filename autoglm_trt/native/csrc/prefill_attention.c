@@ -7,14 +7,12 @@
  * the two parts by the past and new values: over a 1,000-token prompt each of those passes moves
  * a 36 MB tensor a layer (SmolLM2), and they took about 60 % of the INT8 engine's prefill. Here a
  * work item takes up to QROWS query rows (tokens) of one query head and walks the keys KEYS at a
- * time: their scores (the queries times the keys, transposed once per call so that a vector
- * holds KEYS keys), the bias added, the rows' running maximum, sum and weighted values rescaled
- * as the maximum grows, the weighted values added; the sums divide at the end. (Items of all G
- * query heads of a KV head, which read the same keys and values, ran no faster on GLM-4.1V's
- * heads and 1.2x slower on SmolLM2's; ad hoc, one process.) A step whose bias masks
- * every key for every row of the item (the keys after the last query, in a causal prefill) is
- * skipped: those keys' weights are exp(-1e9) = 0 in float32 anyway. The result is the graph's to
- * float32's rounding, not bit for bit (another order of sums, another exp), which
+ * time: their scores (the queries times the keys, transposed once per call so that a step's keys
+ * lie in one run of memory), the bias added, the rows' running maximum, sum and weighted values
+ * rescaled as the maximum grows, the weighted values added; the sums divide at the end. A step
+ * whose bias masks every key for every row of the item (the keys after the last query, in a
+ * causal prefill) is skipped: those keys' weights are exp(-1e9) = 0 in float32 anyway. The result
+ * is the graph's to float32's rounding, not bit for bit (another order of sums, another exp), which
  * ``tests/native/test_prefill_attention.py`` checks against numpy in float64.
  *
  * Inputs (Hkv KV heads, G query heads per KV head, B sequences, T new tokens, P past slots, D the
@@ -56,7 +54,7 @@ typedef struct {
 const int prefill_attention_built = 1;
 #if defined(__AVX512F__)
 #define VL 16
-#define KEYS 64 /* keys a step takes: 64 ran 1.45x as fast as 16 and 1.1x as 32 (SmolLM2's heads, 1,000 tokens) */
+#define KEYS 64 /* keys a step takes: more keys share each row's softmax bookkeeping */
 typedef __m512 vf;
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
@@ -65,7 +63,7 @@ typedef __m512 vf;
 #define vzero _mm512_setzero_ps
 #else
 #define VL 8
-#define KEYS 16 /* 32 and 64 ran no faster with 8-wide vectors */
+#define KEYS 16 /* with 8-wide vectors more ran no faster (docs/native.md) */
 typedef __m256 vf;
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps

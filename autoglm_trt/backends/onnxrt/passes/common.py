@@ -40,3 +40,16 @@ def all_nodes(graph: onnx.GraphProto):
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
                 yield from all_nodes(attr.g)
+
+
+def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """Of ``nodes`` (in order), those some of ``outputs`` depends on."""
+    producer = {o: n for n in nodes for o in n.output if o}
+    live: dict[int, onnx.NodeProto] = {}
+    todo = list(outputs)
+    while todo:
+        node = producer.get(todo.pop())
+        if node is not None and id(node) not in live:
+            live[id(node)] = node
+            todo.extend(node.input)
+    return [n for n in nodes if id(n) in live]

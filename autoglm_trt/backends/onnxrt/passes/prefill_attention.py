@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from ....graph import names
-from .common import DOMAIN
+from .common import DOMAIN, live_nodes
 
 OP = "PrefillAttention"
 
@@ -49,17 +49,5 @@ def fuse(nodes: list[onnx.NodeProto], i: int, output: str) -> list[onnx.NodeProt
         return None
     node = helper.make_node(OP, [q_t.input[0], past.input[0], new.input[0], ctx_past.input[1], ctx_new.input[1],
                                  masked.input[1]], [context.output[0]], name=p + "prefill_attention", domain=DOMAIN)
-    return _needed([node if n is context else n for n in nodes], output)
+    return live_nodes([node if n is context else n for n in nodes], {output})
 
-
-def _needed(nodes: list[onnx.NodeProto], output: str) -> list[onnx.NodeProto]:
-    """Of ``nodes`` (in order), those ``output`` depends on."""
-    producer = {o: n for n in nodes for o in n.output}
-    keep: set[int] = set()
-    todo = [output]
-    while todo:
-        node = producer.get(todo.pop())
-        if node is not None and id(node) not in keep:
-            keep.add(id(node))
-            todo.extend(node.input)
-    return [n for n in nodes if id(n) in keep]

@@ -25,7 +25,7 @@ import heapq
 import onnx
 from onnx import helper
 
-from .common import DECODE_CONDITION
+from .common import DECODE_CONDITION, live_nodes
 
 BRANCHES = (("then_branch", "decode"), ("else_branch", "prefill"))
 
@@ -75,19 +75,6 @@ def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     return order
 
 
-def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
-    """The nodes some output depends on (in a decode branch, the prefill attention's mask is not)."""
-    producer = {o: n for n in nodes for o in n.output if o}
-    live: dict[int, onnx.NodeProto] = {}
-    todo = list(outputs)
-    while todo:
-        node = producer.get(todo.pop())
-        if node is not None and id(node) not in live:
-            live[id(node)] = node
-            todo.extend(node.input)
-    return [n for n in nodes if id(n) in live]
-
-
 def _branch(body: list[onnx.NodeProto], attr: str, suffix: str, graph: onnx.GraphProto) -> onnx.GraphProto:
     """``body`` with each per-layer ``If``'s ``attr`` branch, as the ``suffix`` branch of the step."""
     nodes = _resolved(body, attr)
@@ -103,7 +90,7 @@ def _branch(body: list[onnx.NodeProto], attr: str, suffix: str, graph: onnx.Grap
     infos = [onnx.ValueInfoProto.FromString(v.SerializeToString()) for v in graph.value_info if v.name in produced]
     for info in outputs + infos:
         info.name = renamed(info.name)
-    nodes = _sorted(_live(nodes, {o.name for o in outputs}))
+    nodes = _sorted(live_nodes(nodes, {o.name for o in outputs}))  # a decode branch drops the prefill mask
     return helper.make_graph(nodes, f"step_{suffix}", [], outputs, value_info=infos)
 
 
