@@ -46,6 +46,9 @@ SECTIONS = (
             ("benchmarks.bench_prefill_attention", "--rounds", "3"),
             "One layer's attention over a new prompt: the graph's own nodes, the scores by row with MaskedSoftmax, "
             "and the native PrefillAttention operator, for SmolLM2's and GLM-4.1V's heads."),
+    Section("prefill", "Long prompts", ("benchmarks.bench_prefill", "--rounds", "3"),
+            "Time to the first token of fresh 1,000- and 4,000-token prompts: the fp32 and int8 engines, and the int8 "
+            "engine with Intel AMX off where this CPU has it."),
     Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
     Section("linears", "One linear, every way", ("benchmarks.bench_linears",),
             "SmolLM2's and GLM-4-9B's linear shapes: ONNX Runtime's MatMul and MatMulNBits (8- and 4-bit "

@@ -51,8 +51,9 @@ from .thresholds import bias_corrections, choose_amax, int8_errors
 # 6: K/V thresholds: 99.99th percentile per KV head. 7: histograms of token rows sampled by
 # window (``collect.Accumulator._rows``), the Q/DQ ones one row in ``hist_row_stride``.
 # 8: plans pass under two roundings, the final check in float Q/DQ, bias corrections, rotated
-# weights summed in float64.
-CALIB_VERSION = 8
+# weights summed in float64. 9: the gate judges the expected ppl ratio (exp of the mean KL), ranks
+# linears by the KL with each alone INT8, keeps bias corrections by a margin; statistics rotated in float64.
+CALIB_VERSION = 9
 DEFAULT_DATA = Path(__file__).with_name("data")  # the shipped set: package data, in the wheel too
 
 
@@ -151,18 +152,21 @@ def _check_config(cfg: CalibConfig, export: ExportRecord) -> None:
 
 
 # The gate holds the switchable graph (float weights and their INT8 copies), the float
-# reference and the INT8 graph at once: about this many times the export's float32 weights.
+# reference and the INT8 graph at once: about this many times the export's float32 weights;
+# and the float graph's log-probabilities on its windows, twice (search and final check).
 GATE_MEMORY_FACTOR = 2.5
 
 
-def _check_gate_memory(export_dir: Path) -> None:
+def _check_gate_memory(cfg: CalibConfig, vocab_size: int) -> None:
     """Refuse, before the statistics pass, a gate this machine's memory cannot hold."""
-    weights = ExportedWeights(export_dir).total_bytes()
-    need, have = GATE_MEMORY_FACTOR * weights, available_memory_bytes()
+    weights = ExportedWeights(cfg.export_dir).total_bytes()
+    log_probs = 2 * cfg.gate_windows * cfg.gate_seq_len * vocab_size * 4
+    need, have = GATE_MEMORY_FACTOR * weights + log_probs, available_memory_bytes()
     if have is not None and need > have:
         raise AutoGLMError(
             f"the accuracy gate runs the whole float graph and INT8 graphs of this export at once: about "
-            f"{need / 1e9:.1f} GB for its {weights / 1e9:.1f} GB of float32 weights, and this machine has "
+            f"{need / 1e9:.1f} GB for its {weights / 1e9:.1f} GB of float32 weights and {log_probs / 1e9:.1f} GB of "
+            f"reference log-probabilities, and this machine has "
             f"{have / 1e9:.1f} GB available. Calibrate with --no-gate (the statistics then run layer by layer "
             "in bounded memory; score the INT8 graph afterwards with `autoglm-trt eval` where it fits), or on a larger host")
 
@@ -197,7 +201,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     if reused is not None:
         return reused
     if cfg.gate:
-        _check_gate_memory(cfg.export_dir)
+        _check_gate_memory(cfg, spec.vocab_size)
 
     log(f"calibrating {cfg.export_dir} with {len(windows.windows)} windows of {cfg.seq_len} tokens "
         f"({windows.total_tokens} tokens of text), method {cfg.method}, SmoothQuant "
@@ -246,7 +250,7 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
         gate_windows = token_windows(cfg.data, cfg.export_dir, cfg.gate_windows, cfg.gate_seq_len, separator).windows
         keep, gate_report = search_and_check(tmp, cfg.export_dir, spec, st.weights, plan, export.max_seq_len,
-                                             gate_windows, errors,
+                                             gate_windows,
                                              GateSettings(cfg.target_ppl_ratio, cfg.target_top1, cfg.threads), log)
     else:
         write_int8_graph(tmp, "model.int8.onnx", spec, st.weights, plan, export.max_seq_len)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..fileutil import library_versions
-from ..graph.names import all_linears, kind_of, num_params
+from ..graph.names import all_linears, num_params
 from ..model.spec import ModelSpec
 
 
@@ -12,11 +12,9 @@ def float_reasons(keep: list[str], user_keep: list[str], sensitivity: dict | Non
     """Why each float linear stayed float."""
     out = [{"linear": n, "reason": "user --keep-float"} for n in user_keep]
     for rank, name in enumerate(keep):
-        kind = kind_of(name)
-        gain = (sensitivity or {}).get("kl_gain_by_kind", {}).get(kind, float("nan"))
-        out.append({"linear": name, "reason": f"sensitivity rank {rank + 1} (kind {kind}: KL gain with the whole kind "
-                                              f"in float {gain:.4f}; INT8 output error of this linear "
-                                              f"{errors[name]:.4f})"})
+        alone = (sensitivity or {}).get("kl_alone", {}).get(name, float("nan"))
+        out.append({"linear": name, "reason": f"sensitivity rank {rank + 1} (KL of the logits with only this linear "
+                                              f"INT8 {alone:.5f}; INT8 output error of this linear {errors[name]:.4f})"})
     return out
 
 

@@ -63,8 +63,11 @@ def export_cmd(checkpoint: Path, out_dir: Path, dtype: str, max_seq_len: int | N
               help="Check accuracy against the float graph and keep the fewest linears in float until it holds.")
 @click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
               help="Offer each INT8 linear's mean output error as a bias; the gate keeps a kind's where it helps.")
-@click.option("--target-ppl-ratio", type=float, default=1.015, show_default=True)
-@click.option("--target-top1", type=float, default=0.91, show_default=True)
+@click.option("--target-ppl-ratio", type=float, default=1.015, show_default=True,
+              help="The gate's bound on the expected perplexity ratio against the float graph, exp(mean KL), on "
+                   "held-back calibration windows.")
+@click.option("--target-top1", type=float, default=0.91, show_default=True,
+              help="The gate's bound on top-1 agreement with the float graph on the same windows.")
 @click.option("--graph-memory", "graph_gb", type=click.FloatRange(min=0.001), default=1.0, show_default=True,
               help="GiB of weights per statistics graph: a larger model is calibrated layer by layer, in groups of "
                    "layers up to this size.")
@@ -278,7 +281,7 @@ def _native_report(manifest) -> list[str]:
     from ..backends.onnxrt import passes
     from ..backends.onnxrt.passes.common import all_nodes
     from ..backends.onnxrt.runner import native_graph_here
-    from ..native import block_kernel, float_kernel, int8_kernel, int8_pairs_saturate, variant_of
+    from ..native import block_kernel, float_kernel, int8_amx, int8_kernel, int8_pairs_saturate, variant_of
 
     graphs, target = manifest.ort_graphs, passes.Target.here()
     library, why = target.library, native_graph_here(manifest.ort_graphs, target)
@@ -310,7 +313,8 @@ def _native_report(manifest) -> list[str]:
             + "; the LM head's INT8: " + ("native Int8BlockLinear operator" if any(op.startswith("Int8BlockLinear")
                                                                              for op in ops) else "MatMulNBits")]),
         *([] if manifest.precision != "int8" else [
-            "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel)" if library is not None and
+            "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel"
+                                + ("; AMX for 16 rows and more)" if int8_amx(library) else ")") if library is not None and
                                 any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat"
                                 + ("; this CPU has no VNNI, where its 16-bit pair sums saturate and the answers drift "
                                    "from the calibrated plan's: install a C compiler and reinstall autoglm-trt for the "

@@ -130,6 +130,12 @@ def int8_kernel(path: Path) -> str:
     return _string(path, "AutoglmInt8Kernel")
 
 
+def int8_amx(path: Path) -> bool:
+    """Whether the library's ``Int8Linear`` runs batches of 16 rows and more on Intel AMX (this CPU
+    has it, Linux grants it, and ``AUTOGLM_TRT_AMX`` is not 0)."""
+    return bool(ctypes.CDLL(str(path)).AutoglmInt8Amx())
+
+
 def block_kernel(path: Path) -> str:
     """Which instructions the library's ``Int4WeightLinear`` and ``Int8BlockLinear`` dot products use
     ("avx512-vnni", "avx2" or "portable C")."""

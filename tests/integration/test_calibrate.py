@@ -155,6 +155,13 @@ def test_sensitivity_pass_keeps_linears_in_float(tiny_export, tmp_path):
     kept = rec["float_linears"]
     assert kept and all("sensitivity rank" in k["reason"] for k in kept)
     assert rec["gate"]["result"]["passed"]
+    # ranked by the KL with each linear alone INT8, largest first; the float ones lead the ranking
+    sens = rec["gate"]["sensitivity"]
+    alone = [sens["kl_alone"][n] for n in sens["ranked"]]
+    assert len(alone) == 9 and all(float(f"{a:.3g}") >= float(f"{b:.3g}") for a, b in zip(alone, alone[1:]))
+    assert [k["linear"] for k in kept] == sens["ranked"][: len(kept)]
+    trial = sens["trials"][-1]
+    assert trial["expected_ppl_ratio"] == pytest.approx(np.exp(trial["kl"])) and trial["expected_ppl_ratio"] >= 1
     assert len(rec["amax"]) + len(kept) == 9
     assert 0 < rec["float_weight_fraction"] <= 1
 
@@ -345,6 +352,14 @@ def test_a_gate_the_memory_cannot_hold_is_refused_before_the_statistics(tiny_exp
     with pytest.raises(AutoGLMError, match="--no-gate"):
         calibrate(CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64), log=lambda m: None)
     assert not (tmp_path / "int8").exists()
+    # room for 2.5x the weights but not for the reference log-probabilities too
+    from autoglm_trt.artifacts import ExportRecord
+
+    cfg = CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64, gate_windows=2, gate_seq_len=64)
+    log_probs = 2 * 2 * 64 * ExportRecord.read(tiny_export).spec.vocab_size * 4
+    monkeypatch.setattr(pipeline, "available_memory_bytes", lambda: int(2.5 * weights + log_probs - 1))
+    with pytest.raises(AutoGLMError, match="reference log-probabilities"):
+        calibrate(cfg, log=lambda m: None)
     with pytest.raises(AutoGLMError, match="hist_row_stride must be an integer >= 1"):
         calibrate(CalibConfig(tiny_export, DATA, tmp_path / "int8", num_samples=8, seq_len=64, gate=False,
                               hist_row_stride=0), log=lambda m: None)

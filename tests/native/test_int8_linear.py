@@ -256,6 +256,12 @@ def test_doctor_says_which_int8_kernel_runs(tiny_int8_engine, monkeypatch):
     library, why = native_library()
     if library is None:
         pytest.skip(f"the native operators cannot be built here: {why}")
+    from autoglm_trt.native import int8_amx
+
+    r = run_cli("doctor", str(tiny_int8_engine))
+    amx = "; AMX for 16 rows and more" if int8_amx(library) else ""
+    assert r.returncode == 0 and f"INT8 linears: native Int8Linear operator ({int8_kernel(library)} kernel{amx})" in r.stdout
+    monkeypatch.setenv("AUTOGLM_TRT_AMX", "0")
     r = run_cli("doctor", str(tiny_int8_engine))
     assert r.returncode == 0 and f"INT8 linears: native Int8Linear operator ({int8_kernel(library)} kernel)" in r.stdout
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
@@ -296,3 +302,32 @@ def test_inspect_prints_the_decode_step_as_onnx_runtime_runs_it(tiny_int8_engine
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
     plain = json.loads(run_cli("inspect", str(tiny_int8_engine), "--json").stdout)["decode_graph"]
     assert "Int8Linear" not in plain["nodes_by_op"] and plain["nodes"] > decode["nodes"]
+
+
+def test_batches_without_amx_are_exact_too(library):
+    """Where Int8Linear runs its batches on Intel AMX (the tests above then check that path), the
+    AVX-512 VNNI path other machines take is checked again: the exactness tests in a process with
+    ``AUTOGLM_TRT_AMX=0``, which must turn AMX off."""
+    import os
+    import subprocess
+    import sys
+
+    from autoglm_trt.native import int8_amx
+
+    if not int8_amx(library):
+        pytest.skip("Int8Linear runs no AMX here (no AMX, or Linux does not grant it): the tests above ran its other path")
+    tests = "(exact_integer or gated_form) and not avx2 and not portable or amx_follows"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                       capture_output=True, text=True, env={**os.environ, "AUTOGLM_TRT_AMX": "0"},
+                       cwd=Path(__file__).parents[2], timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+def test_amx_follows_the_environment(library):
+    import os
+
+    from autoglm_trt.native import int8_amx
+
+    if os.environ.get("AUTOGLM_TRT_AMX") != "0":
+        pytest.skip("AUTOGLM_TRT_AMX is not 0 here (test_batches_without_amx_are_exact_too sets it)")
+    assert not int8_amx(library)

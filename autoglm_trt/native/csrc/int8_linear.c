@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "chunks.h"
 #include "linear.h"
 #include "ort_api.h"
@@ -137,6 +138,8 @@ static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4,
 const char int8_linear_kernel[] = "portable C";
 #endif
 
+#define SUM_ROWS CHUNK_ROWS /* AMX takes a work item's rows at once, at most a chunk (chunks.h) */
+
 typedef struct {
   const float *x;
   uint8_t *xq; /* rows x kp quantized inputs */
@@ -149,6 +152,7 @@ typedef struct {
   int64_t n;
   float *y;
   float *y2; /* Int8LinearSplit: columns from n / 2 on go here, and each output row has n / 2 */
+  int amx;   /* groups of 16 rows go through AMX (amx.c) */
 } Job;
 
 static void quantize_row(void *data, size_t i) {
@@ -193,20 +197,32 @@ static const int8_t *next_tile(const Job *j, int64_t r, int64_t r1, int64_t t, i
   return j->rows > 1 && r + ROWS >= r1 && t + 1 < end ? j->w + (t + 1) * (j->kp * 16) : NULL;
 }
 
+/* the integer sums of column tile t (of ``end``) for rows r.. (below r1): with AMX all whole
+ * groups of 16 of them, else at most ROWS; returns how many rows */
+static int64_t tile_sums(const Job *j, int64_t r, int64_t r1, int64_t t, int64_t end, int32_t *sums) {
+  const int8_t *w = j->w + t * (j->kp * 16);
+  if (j->amx && r1 - r >= 16) {
+    const int64_t rows = (r1 - r) / 16 * 16;
+    amx_int8_sums(j->xq + r * j->kp, j->kp, rows, w, j->kp, sums);
+    return rows;
+  }
+  const uint8_t *x[ROWS];
+  const int rows = row_group(j, r, r1, x);
+  tile(x, rows, w, j->kp / 4, sums, next_tile(j, r, r1, t, end));
+  return rows;
+}
+
 /* rows [r0, r1)'s 16 outputs of column tile t */
 static void column_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
   const Job *j = job;
-  const int8_t *w = j->w + (int64_t)t * (j->kp * 16);
-  int32_t sums[ROWS * 16];
+  int32_t sums[SUM_ROWS * 16];
   const int64_t first = (int64_t)t * 16, count = j->n - first < 16 ? j->n - first : 16;
   const int64_t width = j->y2 != NULL ? j->n / 2 : j->n; /* an output row */
   float *const out = j->y2 != NULL && first >= width ? j->y2 : j->y;
   const int64_t col = out == j->y ? first : first - width;
-  for (int64_t r = r0; r < r1; r += ROWS) {
-    const uint8_t *x[ROWS];
-    const int rows = row_group(j, r, r1, x);
-    tile(x, rows, w, j->kp / 4, sums, next_tile(j, r, r1, t, (j->n + 15) / 16));
-    dequantize(j, sums, rows, first, count, out + r * width + col, width);
+  for (int64_t r = r0, rows; r < r1; r += rows) {
+    rows = tile_sums(j, r, r1, t, (j->n + 15) / 16, sums);
+    dequantize(j, sums, (int)rows, first, count, out + r * width + col, width);
   }
 }
 
@@ -215,17 +231,14 @@ static void column_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
 static void gated_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
   const Job *j = job;
   const int64_t half = j->n / 2, first = t * 16;
-  int32_t sums[ROWS * 16];
-  float gate[ROWS * 16], up[ROWS * 16];
-  for (int64_t r = r0; r < r1; r += ROWS) {
-    const uint8_t *x[ROWS];
-    const int rows = row_group(j, r, r1, x);
-    tile(x, rows, j->w + t * (j->kp * 16), j->kp / 4, sums, next_tile(j, r, r1, t, half / 16));
-    dequantize(j, sums, rows, first, 16, gate, 16);
-    tile(x, rows, j->w + (half / 16 + t) * (j->kp * 16), j->kp / 4, sums,
-         next_tile(j, r, r1, half / 16 + t, j->n / 16));
-    dequantize(j, sums, rows, half + first, 16, up, 16);
-    for (int i = 0; i < rows; i++) silu_mul(gate + 16 * i, up + 16 * i, j->y + (r + i) * half + first, 16);
+  int32_t sums[SUM_ROWS * 16];
+  float gate[SUM_ROWS * 16], up[SUM_ROWS * 16];
+  for (int64_t r = r0, rows; r < r1; r += rows) {
+    rows = tile_sums(j, r, r1, t, half / 16, sums);
+    dequantize(j, sums, (int)rows, first, 16, gate, 16);
+    tile_sums(j, r, r1, half / 16 + t, j->n / 16, sums);
+    dequantize(j, sums, (int)rows, half + first, 16, up, 16);
+    for (int64_t i = 0; i < rows; i++) silu_mul(gate + 16 * i, up + 16 * i, j->y + (r + i) * half + first, 16);
   }
 }
 
@@ -259,7 +272,7 @@ static const char *run_linear(OrtKernelContext *ctx, const Constants *constants,
   uint8_t *xq = malloc((size_t)(rows * kp));
   if (xq == NULL) return "out of memory for the quantized inputs";
   Job job = {call.x, xq, rows, k, kp, b, 1.0f / (sqrtf((float)b) * s), (float)*(const uint8_t *)zero,
-             w, col_sums, w_scale, s, n, call.y, call.y2};
+             w, col_sums, w_scale, s, n, call.y, call.y2, rows >= 16 && kp % 64 == 0 && amx_ready()};
   parallel_for(ctx, quantize_row, (size_t)rows, 4, &job);
   /* gated: the gate tiles */
   run_tiles(ctx, &job, mode == GATED ? gated_tile : column_tile, mode == GATED ? wd[0] / 2 : wd[0], rows);

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "ort_api.h"
 
 const void *const *api;
@@ -91,6 +92,9 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
 
 /* which instructions the INT8 GEMM was built for ("avx512-vnni", "avx2" or "portable C"), for doctor */
 __attribute__((visibility("default"))) const char *AutoglmInt8Kernel(void) { return int8_linear_kernel; }
+
+/* 1 where Int8Linear runs its batches of 16 rows and more on AMX (amx.c) */
+__attribute__((visibility("default"))) int AutoglmInt8Amx(void) { return amx_ready(); }
 
 /* which instructions Int4WeightLinear's and Int8BlockLinear's dot products use ("avx2" or "portable C") */
 __attribute__((visibility("default"))) const char *AutoglmBlockKernel(void) { return block_linear_kernel; }
