@@ -7,9 +7,9 @@ Q/DQ on or off, so trying a plan is one forward pass, not a graph rebuild.
   calibration windows with that linear alone INT8. One linear's rounding stays one linear's
   (none later re-rounds it), so this is steady; on SmolLM2 it puts two down projections (layers
   28 and 11) first, and the first alone in float takes the gate's expected ppl ratio from 1.018
-  to 1.013, where the earlier ranking (by kind, then by each linear's own output error) put them
-  last of the 30 downs and needed 16 in float for 1.015. (Leave-one-out, every linear INT8 but one, ranked
-  worse: each removal is a small change to a sum re-rounded by every later layer.)
+  to 1.013. Ranking by kind and then by each linear's own output error puts those two last of the
+  30 downs (16 in float for 1.015); leave-one-out (every linear INT8 but one) ranks worse too:
+  each removal is a small change to a sum re-rounded by every later layer.
 * Search: keep the top k in float with k = 0, 1, 2, 4, ... until the gate (expected perplexity
   ratio and top-1 agreement against the float graph on held-back calibration windows, ``Gate``)
   holds, then bisect between the last failing and the first passing k.
