@@ -46,7 +46,8 @@ def ensure(precision: str) -> Path:
     out = ROOT / "engines" / f"smollm2-{precision}-4k"
     if not (out / "manifest.json").is_file():
         subprocess.run([sys.executable, "-m", "autoglm_trt", "build", str(SMOL), "--precision", precision,
-                        "--backend", "onnxruntime", "--max-seq-len", str(MAX_SEQ_LEN), "-o", str(out)], check=True)
+                        "--backend", "onnxruntime", "--max-seq-len", str(MAX_SEQ_LEN), "-o", str(out)], check=True,
+                       stdout=sys.stderr)  # the build's log is not the benchmark's output
     return out
 
 

@@ -50,7 +50,7 @@ def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: Weig
     if keep is None:
         raise AutoGLMError("no INT8 plan meets the accuracy gate even with every linear in float; check the export")
     reference = GraphRunner(export_dir, threads=gs.threads).logits
-    final = Gate(reference, windows, gs.target_ppl_ratio, gs.target_top1, reference)
+    final = Gate(windows, gs.target_ppl_ratio, gs.target_top1, reference)
     for attempt in range(FINAL_GATE_ATTEMPTS):
         write_int8_graph(tmp, "model.int8.onnx", spec, weights, plan.without(keep), max_seq_len)
         result = final.check(GraphRunner(tmp, threads=gs.threads).logits, CLEAR)

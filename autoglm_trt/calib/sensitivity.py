@@ -119,9 +119,9 @@ class Gate:
     0.004 between equivalent roundings, the expected one by 0.0003 (SmolLM2, docs/calibration.md).
     """
 
-    def __init__(self, logits: Callable[[np.ndarray], np.ndarray], windows: np.ndarray, max_ratio: float,
-                 min_top1: float, ref_logits: Callable[[np.ndarray], np.ndarray], batch: int = 4):
-        self.logits, self.windows, self.max_ratio, self.min_top1, self.batch = logits, windows, max_ratio, min_top1, batch
+    def __init__(self, windows: np.ndarray, max_ratio: float, min_top1: float,
+                 ref_logits: Callable[[np.ndarray], np.ndarray], batch: int = 4):
+        self.windows, self.max_ratio, self.min_top1, self.batch = windows, max_ratio, min_top1, batch
         self.ref = [next_token_scores(ref_logits(w), w, np.float32) for w in self._batches()]
         self.ref_nll = np.concatenate([nll for _, nll in self.ref])
 
@@ -159,9 +159,6 @@ class Gate:
         return self._verdict({**a, **{k: (a[k] + b[k]) / 2 for k in keys},
                               "spread": {k: abs(a[k] - b[k]) for k in keys[1:]}})
 
-    def check_graph(self) -> dict:
-        return self.check(self.logits)
-
 
 def describe(r: dict) -> str:
     """A check's metrics, for the log."""
@@ -194,7 +191,7 @@ class SensitivitySearch:
             return fn
 
         self._run = run
-        self.gate = Gate(run(self.mask([])), gate_windows, max_ratio, min_top1, run(np.zeros(len(order), np.float32)))
+        self.gate = Gate(gate_windows, max_ratio, min_top1, run(np.zeros(len(order), np.float32)))
         self.rank_windows = gate_windows[:RANK_WINDOWS, :RANK_SEQ_LEN]
 
     def check(self, keep: list[str]) -> dict:

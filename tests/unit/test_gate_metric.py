@@ -33,7 +33,7 @@ def setup():
 
 def test_metrics_match_float64(setup):
     windows, ref_fn, model_fn, ref, model = setup
-    gate = Gate(model_fn, windows, 1.5, 0.5, ref_fn, batch=2)  # batches of 2, 2 and 1 window
+    gate = Gate(windows, 1.5, 0.5, ref_fn, batch=2)  # batches of 2, 2 and 1 window
     r = gate.check(model_fn)
     lp, lq = lsm(ref[:, :-1]), lsm(model[:, :-1])
     nxt = windows[:, 1:, None]
@@ -51,11 +51,11 @@ def test_metrics_match_float64(setup):
 
 def test_the_expected_ratio_decides_and_slack_loosens_it(setup):
     windows, ref_fn, model_fn, _, _ = setup
-    r = Gate(model_fn, windows, 1.0, 0.0, ref_fn).check(model_fn)
+    r = Gate(windows, 1.0, 0.0, ref_fn).check(model_fn)
     exp_ratio, top1 = r["expected_ppl_ratio"], r["top1_agreement"]
 
     def verdict(max_ratio, min_top1, slack=(0.0, 0.0)):
-        return Gate(model_fn, windows, max_ratio, min_top1, ref_fn).check(model_fn, slack)["passed"]
+        return Gate(windows, max_ratio, min_top1, ref_fn).check(model_fn, slack)["passed"]
 
     assert verdict(exp_ratio + 1e-4, top1) and not verdict(exp_ratio - 1e-4, top1)
     assert not verdict(exp_ratio + 1e-4, top1 + 0.05)
@@ -67,7 +67,7 @@ def test_the_expected_ratio_decides_and_slack_loosens_it(setup):
 
 def test_clear_verdicts_and_the_mean_of_two_roundings(setup):
     windows, ref_fn, model_fn, _, _ = setup
-    gate = Gate(model_fn, windows, 1.1, 0.8, ref_fn)
+    gate = Gate(windows, 1.1, 0.8, ref_fn)
 
     def result(ratio, top1):
         return gate._verdict({"ppl": 1.0, "ppl_ratio": ratio, "kl": float(np.log(ratio)), "expected_ppl_ratio": ratio,
