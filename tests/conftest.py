@@ -175,6 +175,33 @@ def run_rewritten(model, library: Path, feeds: dict, op: str) -> list:
     return session.run(None, feeds)
 
 
+def block_linear_reference(x, qw, limit: int = 127):
+    """``csrc/block_linear.c``'s arithmetic in numpy, float32 step by step: ``x [rows, K]`` times
+    the blocked weights ``qw`` (``graph.int4.Int4Blocks``: ``q [K, N]``, zero points ``zero [KB,
+    N]`` or None for 8 bits, scales ``scale [KB, N]``), the activations quantized per block of 32
+    to integers within ``limit`` (127, or 32767 as ``Int8WeightLinear`` does)."""
+    import numpy as np
+
+    rows, k = x.shape
+    n, blocks = qw.q.shape[1], qw.scale.shape[0]
+    zero = np.zeros((blocks, n), np.int64) if qw.zero is None else qw.zero.astype(np.int64)
+    padded = np.zeros((rows, blocks * 32), np.float32)
+    padded[:, :k] = x
+    grouped = padded.reshape(rows, blocks, 32)
+    top = np.abs(grouped).max(axis=-1)
+    inv = np.where(top > 0, np.float32(limit) / np.where(top > 0, top, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
+    xq = np.rint(grouped * inv[..., None]).astype(np.int64)
+    xs, sx = xq.sum(axis=-1), (top / np.float32(limit)).astype(np.float32)
+    q = np.zeros((blocks * 32, n), np.int64)
+    q[:k] = qw.q
+    dots = np.einsum("rbj,bjn->rbn", xq, q.reshape(blocks, 32, n)) - zero[None] * xs[..., None]
+    terms = dots.astype(np.float32) * (qw.scale[None] * sx[..., None]).astype(np.float32)
+    acc = np.zeros((rows, n), np.float32)
+    for b in range(blocks):
+        acc = (acc + terms[:, b]).astype(np.float32)
+    return acc
+
+
 def rewritten_runner(engine_dir, num_blocks: int = 32, threads: int = 1, **rewrite_args):
     """An ONNX Runtime runner over the engine's graph put through the passes now (``passes.rewrite``
     with ``rewrite_args``, e.g. ``skip={"rope_qkv"}``, or with a pass the caller patched), instead

@@ -13,7 +13,9 @@ Input: a float32 export directory. Output directory (the build's cache)::
 No calibration data is read: weight scales come from the weights alone. TensorRT takes the graph as
 weight-only INT8 (its Dequantize layer documents INT8 blocks); ONNX Runtime's optimizer turns each
 DequantizeLinear + MatMul into its ``MatMulNBits`` (8-bit, blocks of 32), which the native
-``Int8WeightLinear`` replaces (``backends/onnxrt/passes/linears.py``).
+``Int8WeightLinear`` replaces (``backends/onnxrt/passes/linears.py``): it rounds each block of 32
+activations to 16 bits (2^-16 of the block's largest, finer than float16) and sums exactly in
+integers (``csrc/block_linear.c``).
 """
 
 from __future__ import annotations

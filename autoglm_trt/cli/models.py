@@ -144,10 +144,10 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq"]),
               default="int8", show_default=True,
-              help="int8: INT8 weights and activations (calibrated); int8-wo: INT8 weights, float activations "
-                   "(no calibration; the closest to fp32); int8-dyn: int8-wo's weights, activations quantized per "
-                   "block of 32 at run time (ONNX Runtime only); int4-awq: INT4 weights (AWQ scales), activations "
-                   "quantized per block at run time.")
+              help="int8: INT8 weights and activations (calibrated); int8-wo: INT8 weights, activations kept in "
+                   "float (16 bits per block of 32 on the CPU; no calibration; the closest to fp32); int8-dyn: "
+                   "int8-wo's weights, activations quantized per block of 32 at run time (ONNX Runtime only); "
+                   "int4-awq: INT4 weights (AWQ scales), activations quantized per block at run time.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="Calibration text for int8 and int4-awq [default: the set shipped with the package, "
                    "autoglm_trt/calib/data].")
@@ -297,8 +297,9 @@ def _native_report(manifest) -> list[str]:
         "decode attention: " + (f"native PagedAttention operator ({library})" if attention
                                 else f"the graph's own nodes, slower ({why or graphs['attention_why']})"),
         *([] if manifest.precision != "int8-wo" else [
-            "INT8 weights: " + ("native Int8WeightLinear operator (dequantized weights, float32 sums)"
-                                if any(op.startswith("Int8WeightLinear") for op in ops)
+            "INT8 weights: " + (f"native Int8WeightLinear operator ({block_kernel(library)} kernel; activations "
+                                "quantized per block of 32 to 16 bits at run time)"
+                                if library is not None and any(op.startswith("Int8WeightLinear") for op in ops)
                                 else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
         *([] if manifest.precision != "int8-dyn" else [
             "INT8 weights and activations: " + (

@@ -1,4 +1,5 @@
-"""``build --precision int8-wo``: INT8 weights in blocks of 32, float activations, no calibration."""
+"""``build --precision int8-wo``: INT8 weights in blocks of 32, activations in float (16-bit blocks in
+the native operator), no calibration."""
 
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ def wo_engines(tiny_dir, tmp_path_factory):
 
 def test_the_engine_computes_what_its_graph_says(wo_engines):
     """The engine (its native graph where this machine runs one: Int8WeightLinear over every
-    linear) gives the logits of its weight-only graph run by ONNX Runtime with no optimization,
-    where DequantizeLinear and MatMul run as written in float32: to float32's rounding, far
-    closer than either is to the fp32 engine."""
+    linear, its activations rounded to 16 bits per block) gives the logits of its weight-only
+    graph run by ONNX Runtime with no optimization, where DequantizeLinear and MatMul run as
+    written in float32: within 1e-4 of the largest, far closer than either is to the fp32
+    engine; and doctor names the operator."""
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.evaluate.perplexity import model_logits
     from autoglm_trt.graph.runner import GraphRunner, prefill_feeds
@@ -81,6 +83,11 @@ def test_the_engine_computes_what_its_graph_says(wo_engines):
     err, quant_err = np.abs(got - want).max(), np.abs(ref - want).max()
     assert err < 1e-4 * np.abs(want).max(), (err, np.abs(want).max())
     assert quant_err > 20 * err
+    if manifest.data["onnxruntime"]["native_graph"]:
+        from conftest import run_cli
+
+        doctor = run_cli("doctor", str(wo))
+        assert "INT8 weights: native Int8WeightLinear operator" in doctor.stdout, doctor.stdout
 
 
 def test_a_second_build_reuses_the_weights_and_an_int8_kv_cache_builds(tiny_dir, wo_engines):
@@ -104,7 +111,7 @@ def test_a_second_build_reuses_the_weights_and_an_int8_kv_cache_builds(tiny_dir,
 def test_int8_dyn_runs_the_same_weights_with_activations_quantized_per_block(tiny_dir, wo_engines):
     """``int8-dyn``: int8-wo's weights (its cached model reused), every linear an Int8BlockLinear
     in the native graph, whose activations are quantized per block as the plain graph's
-    MatMulNBits does: the two graphs agree closely, and both differ from int8-wo's float
+    MatMulNBits does: the two graphs agree closely, and both differ from int8-wo's (16-bit)
     activations by more than from each other; TensorRT is refused with what to build instead."""
     from conftest import run_cli
 

@@ -81,14 +81,6 @@ def _float_linear(rng, extra: int) -> list[np.ndarray]:
     return feeds
 
 
-def _weight_linear(rng, extra: int) -> list[np.ndarray]:
-    feeds = _float_linear(rng, extra)
-    k, n16 = feeds[1].shape[1], feeds[1].shape[0]
-    feeds[1] = rng.integers(-127, 128, (n16, k, 16)).astype(I8)
-    feeds.insert(2, rng.uniform(1e-3, 1e-2, (-(-k // 32), 16 * n16)).astype(F))
-    return feeds
-
-
 def _int4_linear(rng, extra: int) -> list[np.ndarray]:
     feeds = _float_linear(rng, extra)
     k, n16 = feeds[1].shape[1], feeds[1].shape[0]
@@ -149,10 +141,10 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "FloatLinearSplit": (lambda r: _float_linear(r, 0), 2, 0),
     "FloatLinearSiluMul": (lambda r: _float_linear(r, 0), 1, 0),
     "FloatLinearSkipNorm": (lambda r: _float_linear(r, 1), 2, 0),
-    "Int8WeightLinear": (lambda r: _weight_linear(r, 0), 1, 0),
-    "Int8WeightLinearSplit": (lambda r: _weight_linear(r, 0), 2, 0),
-    "Int8WeightLinearSiluMul": (lambda r: _weight_linear(r, 0), 1, 0),
-    "Int8WeightLinearSkipNorm": (lambda r: _weight_linear(r, 1), 2, 0),
+    "Int8WeightLinear": (lambda r: _block_linear(r, 0), 1, 0),
+    "Int8WeightLinearSplit": (lambda r: _block_linear(r, 0), 2, 0),
+    "Int8WeightLinearSiluMul": (lambda r: _block_linear(r, 0), 1, 0),
+    "Int8WeightLinearSkipNorm": (lambda r: _block_linear(r, 1), 2, 0),
     "Int4WeightLinear": (lambda r: _int4_linear(r, 0), 1, 0),
     "Int4WeightLinearSplit": (lambda r: _int4_linear(r, 0), 2, 0),
     "Int4WeightLinearSiluMul": (lambda r: _int4_linear(r, 0), 1, 0),

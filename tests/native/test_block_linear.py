@@ -11,35 +11,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import block_linear_reference as reference
 from conftest import run_rewritten
 
 from autoglm_trt.backends.onnxrt.passes import nbits
 from autoglm_trt.graph.int4 import Int4Blocks, quantize_int4_blocks
 
 F32 = np.float32
-
-
-def reference(x: np.ndarray, qw: Int4Blocks) -> np.ndarray:
-    """``csrc/block_linear.c``'s arithmetic in numpy, float32 step by step: ``x [rows, K]`` times
-    weights ``q [K, N]`` (zero points ``zero [KB, N]``, 0 for 8 bits; scales ``scale [KB, N]``)."""
-    rows, k = x.shape
-    n, blocks = qw.q.shape[1], qw.scale.shape[0]
-    zero = np.zeros((blocks, n), np.int64) if qw.zero is None else qw.zero.astype(np.int64)
-    padded = np.zeros((rows, blocks * 32), F32)
-    padded[:, :k] = x
-    grouped = padded.reshape(rows, blocks, 32)
-    top = np.abs(grouped).max(axis=-1)
-    inv = np.where(top > 0, F32(127.0) / np.where(top > 0, top, F32(1.0)), F32(0.0)).astype(F32)
-    xq = np.rint(grouped * inv[..., None]).astype(np.int64)
-    xs, sx = xq.sum(axis=-1), (top / F32(127.0)).astype(F32)
-    q = np.zeros((blocks * 32, n), np.int64)
-    q[:k] = qw.q
-    dots = np.einsum("rbj,bjn->rbn", xq, q.reshape(blocks, 32, n)) - zero[None] * xs[..., None]
-    terms = dots.astype(F32) * (qw.scale[None] * sx[..., None]).astype(F32)
-    acc = np.zeros((rows, n), F32)
-    for b in range(blocks):
-        acc = (acc + terms[:, b]).astype(F32)
-    return acc
 
 
 def _optimized(k: int, n: int, op: str, tmp: Path, skip_norm: bool = False) -> tuple[onnx.ModelProto, Int4Blocks]:

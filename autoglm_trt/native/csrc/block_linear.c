@@ -1,13 +1,16 @@
 /* The linears whose weights come in blocks of 32 inputs and whose activations are quantized at
  * run time, per row and block of 32 inputs, to int8 (as ONNX Runtime's MatMulNBits does at
- * accuracy level 4): each block's products summed exactly in integers, then scaled in float.
+ * accuracy level 4) or to int16: each block's products summed exactly in integers, then scaled in
+ * float.
  *
  * Int4WeightLinear: 4-bit weights, one float scale and one 4-bit zero point per block of each
  * output (4-bit MatMulNBits). Int8BlockLinear: 8-bit weights, symmetric, one scale per block
- * (8-bit MatMulNBits, whose zero point 128 is taken off; Int8WeightLinear, ``float_linear.c``,
- * runs the same weights with float activations).
+ * (8-bit MatMulNBits, whose zero point 128 is taken off). Int8WeightLinear: the same weights,
+ * activations in 16 bits (L = 32767 below, L = 127 for the others): what an ``int8-wo`` engine
+ * runs, whose activations' rounding (2^-16 of each block's largest) is far below its weights'
+ * (2^-8 of each block's largest weight) and below float16's.
  *
- * For row x and output n, with xq[b] = rint(x[b] * 127 / max|x[b]|) (sx[b] = max|x[b]| / 127,
+ * For row x and output n, with xq[b] = rint(x[b] * L / max|x[b]|) (sx[b] = max|x[b]| / L,
  * xs[b] = sum xq[b]; all zero where the block is) and the weights' q[b][n], zero[b][n] (0 for
  * 8 bits), scale[b][n]:
  *
@@ -19,7 +22,9 @@
  * weights (0..15) times int8 inputs (-127..127) never saturate vpmaddubsw's 16-bit pair sums, and
  * 8-bit weights are widened to 16 bits for vpmaddwd (AVX2; the AVX-512 build without VNNI runs
  * these kernels too); VNNI's vpdpbusd adds four products into 32 bits, which nothing here can
- * overflow (docs/native.md has what the VNNI kernels gained).
+ * overflow (docs/native.md has what the VNNI kernels gained). 16-bit inputs times 8-bit
+ * weights go pairwise into 32 bits (vpmaddwd, or VNNI's vpdpwssd): a block's sum is at most
+ * 32 x 128 x 32767 < 2^31.
  *
  * At batch 1 Int4WeightLinear reads 5.25 bits a weight (4, the scale's 32 bits and the zero
  * point's 8 over 32 inputs) against Int8Linear's 8.
@@ -27,7 +32,7 @@
  * Inputs:
  *   0 x      float32 [..., K]
  *   1 tiles  Int4WeightLinear: uint8 [N16, KB, 8, 32], KB = ceil(K / 32), tile t's block b at
- *            [t, b] (``nibble_of`` below); Int8BlockLinear: int8 [N16, KB, 16, 32], tile t's block
+ *            [t, b] (``nibble_of`` below); the 8-bit ones: int8 [N16, KB, 16, 32], tile t's block
  *            b at [t, b], pair of inputs p at [t, b, p], byte 2 c + e the weight of output 16 t + c
  *            and input 32 b + 2 p + e. Past K anything (x is 0 there).
  *   2 scales float32 [N16, KB, 16]
@@ -55,15 +60,17 @@
 typedef struct {
   const float *x;
   int64_t rows, k, blocks;
-  int8_t *xq;       /* rows x blocks x 32 quantized inputs (0 past K) */
+  int8_t *xq;       /* rows x blocks x 32 quantized inputs (0 past K); NULL when they are 16-bit */
   int32_t *xs;      /* rows x blocks: their sums */
   float *sx;        /* rows x blocks: their scales */
-  int32_t *xp;      /* rows x blocks x XP_WORDS: the quantized inputs as the kernel reads them, or NULL */
+  int32_t *xp;      /* rows x blocks x XP_WORDS: the quantized inputs as the kernel reads them, or NULL;
+                       16-bit inputs are only here, rows x blocks x 16 words of two (input 2p low) */
   const void *w;    /* the tiles */
   const float *scale;
   const uint8_t *zero; /* 4-bit weights' zero points; NULL for 8-bit weights */
   int64_t n;
   float *y, *y2; /* the Split forms: columns from n / 2 on go to y2, and each output row has n / 2 */
+  int wide;      /* Int8WeightLinear: 16-bit inputs */
 } Job;
 
 /* a tile's block, 256 bytes: 8 chunks of 32; chunk i's byte m holds in its low nibble the
@@ -147,13 +154,42 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
     }                                                                                                              \
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, a[r]);                                          \
   }
+/* 16-bit inputs: each pair of inputs' 32 bytes widened to 16 bits a weight is 16 outputs x 2
+ * inputs, one vpdpwssd per broadcast pair */
+#define WIDE_TILE(R, C)                                                                                             \
+  static void tilew_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
+    __m512 a[R];                                                                                                   \
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                                        \
+    const int8_t *w = (const int8_t *)j->w + t * j->blocks * TILE8_BLOCK;                                          \
+    for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
+      __m512i d[R][2];                                                                                             \
+      for (int r = 0; r < R; r++) d[r][0] = d[r][1] = _mm512_setzero_si512(); /* d[r][1] unused at C = 1 */      \
+      for (int p = 0; p < QBLOCK / 2; p++) {                                                                       \
+        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + b * TILE8_BLOCK + 32 * p))); \
+        for (int r = 0; r < R; r++)                                                                                \
+          d[r][p % C] = _mm512_dpwssd_epi32(d[r][p % C], v, _mm512_set1_epi32(j->xp[(row[r] * j->blocks + b) * (QBLOCK / 2) + p])); \
+      }                                                                                                            \
+      const __m512 scale = _mm512_loadu_ps(j->scale + (t * j->blocks + b) * 16);                                   \
+      for (int r = 0; r < R; r++) {                                                                                \
+        const __m512i dot = C == 2 ? _mm512_add_epi32(d[r][0], d[r][1]) : d[r][0];                                 \
+        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(j->sx[row[r] * j->blocks + b]));                      \
+        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), s));                                     \
+      }                                                                                                            \
+    }                                                                                                              \
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, a[r]);                                          \
+  }
 #define ROWS 8
 ROWS_TILE(1, 2)
 ROWS_TILE(4, 2)
 ROWS_TILE(8, 1)
+WIDE_TILE(1, 2)
+WIDE_TILE(4, 2)
+WIDE_TILE(8, 1)
 static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {
   if (j->zero != NULL)
     (rows == 1 ? tile4_1 : rows <= 4 ? tile4_4 : tile4_8)(j, t, row, rows, sums);
+  else if (j->wide)
+    (rows == 1 ? tilew_1 : rows <= 4 ? tilew_4 : tilew_8)(j, t, row, rows, sums);
   else
     (rows == 1 ? tile8_1 : rows <= 4 ? tile8_4 : tile8_8)(j, t, row, rows, sums);
 }
@@ -222,7 +258,7 @@ static inline __m256i input_pair(const int8_t *x, int p) {
 ROWS_TILE(1)
 ROWS_TILE(4)
 /* the same for 8-bit weights: each pair of inputs' 16 outputs widened to 16 bits, two vpmaddwd
- * of 8 outputs each, summed in 32 bits */
+ * of 8 outputs each, summed in 32 bits; the inputs are int16 pairs, of int8 values or 16-bit ones */
 #define ROWS_TILE8(R)                                                                                              \
   static void tile8_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
     __m256 a[R][2];                                                                                                \
@@ -277,11 +313,13 @@ static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *s
       float acc = 0.0f;
       for (int64_t b = 0; b < j->blocks; b++) {
         const int64_t at = row[r] * j->blocks + b;
-        const int8_t *x = j->xq + at * QBLOCK;
         int32_t d = 0;
-        for (int p = 0; p < QBLOCK; p++)
+        for (int p = 0; p < QBLOCK; p++) {
+          const uint32_t pair = j->wide ? (uint32_t)j->xp[at * (QBLOCK / 2) + p / 2] : 0;
+          const int32_t x = j->wide ? (int16_t)(uint16_t)(p % 2 ? pair >> 16 : pair & 0xFFFF) : j->xq[at * QBLOCK + p];
           d += (four ? nibble_of(w + b * TILE_BLOCK, c, p)
-                     : (int8_t)w[b * TILE8_BLOCK + (p / 2) * 32 + 2 * c + p % 2]) * x[p];
+                     : (int8_t)w[b * TILE8_BLOCK + (p / 2) * 32 + 2 * c + p % 2]) * x;
+        }
         if (four) d -= (int32_t)j->zero[t * j->blocks * 16 + b * 16 + c] * j->xs[at];
         const float s = scale[b * 16 + c] * j->sx[at];
         acc = acc + (float)d * s;
@@ -299,18 +337,24 @@ static void quantize_row(void *data, size_t i) {
     const int64_t k0 = b * QBLOCK, len = j->k - k0 < QBLOCK ? j->k - k0 : QBLOCK;
     float top = 0.0f;
     for (int64_t p = 0; p < len; p++) top = fabsf(x[k0 + p]) > top ? fabsf(x[k0 + p]) : top;
-    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
-    int8_t *q = j->xq + ((int64_t)i * j->blocks + b) * QBLOCK;
-    int32_t sum = 0;
+    const float limit = j->wide ? 32767.0f : 127.0f, inv = top > 0.0f ? limit / top : 0.0f;
+    const int64_t at = (int64_t)i * j->blocks + b;
+    int32_t v[QBLOCK], sum = 0;
     for (int64_t p = 0; p < QBLOCK; p++) {
       const float r = p < len ? rintf(x[k0 + p] * inv) : 0.0f;
-      const int32_t v = r >= -127.0f && r <= 127.0f ? (int32_t)r : 0; /* NaN (an input inf or NaN): 0 */
-      q[p] = (int8_t)v;
-      sum += v;
+      v[p] = r >= -limit && r <= limit ? (int32_t)r : 0; /* NaN (an input inf or NaN): 0 */
+      sum += v[p];
     }
-    if (j->xp != NULL) pack_inputs(q, j->xp + ((int64_t)i * j->blocks + b) * XP_WORDS(j->zero != NULL));
-    j->xs[(int64_t)i * j->blocks + b] = sum;
-    j->sx[(int64_t)i * j->blocks + b] = top / 127.0f;
+    if (j->wide) {
+      for (int p = 0; p < QBLOCK / 2; p++)
+        j->xp[at * (QBLOCK / 2) + p] = (int32_t)((uint32_t)(uint16_t)v[2 * p] | (uint32_t)(uint16_t)v[2 * p + 1] << 16);
+    } else {
+      int8_t *q = j->xq + at * QBLOCK;
+      for (int p = 0; p < QBLOCK; p++) q[p] = (int8_t)v[p];
+      if (j->xp != NULL) pack_inputs(q, j->xp + at * XP_WORDS(j->zero != NULL));
+    }
+    j->xs[at] = sum;
+    j->sx[at] = top / limit;
   }
 }
 
@@ -351,9 +395,12 @@ static void gated_tile(const void *job, int64_t t, int64_t r0, int64_t r1) {
   }
 }
 
-/* ``four``: Int4WeightLinear's forms (zeros at input 3, the SkipNorm form's inputs from 4), else
- * Int8BlockLinear's (from 3) */
-static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode, int four) {
+enum { BYTES, NIBBLES, WIDE }; /* Int8BlockLinear, Int4WeightLinear, Int8WeightLinear */
+
+/* ``kind``'s forms: NIBBLES has zeros at input 3 (the SkipNorm form's inputs from 4), the others
+ * their SkipNorm inputs from 3 */
+static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode, int kind) {
+  const int four = kind == NIBBLES, wide = kind == WIDE;
   LinearCall call;
   int64_t wd[4], sd[3], zd[3] = {0, 0, 16};
   void *w, *scale, *zero = NULL;
@@ -378,15 +425,16 @@ static const char *run_linear(OrtKernelContext *ctx, const Constants *constants,
   if ((why = linear_begin(ctx, constants, &call, fits ? 16 * wd[0] : 0, four ? 4 : 3, weights)) != NULL)
     return why == linear_done ? NULL : why;
   if (rows > INT64_MAX / (blocks * QBLOCK)) return "input 0 has too many rows";
-  int8_t *xq = malloc((size_t)(rows * blocks * QBLOCK));
+  const int64_t words = wide ? QBLOCK / 2 : XP_WORDS(four);
+  int8_t *xq = wide ? NULL : malloc((size_t)(rows * blocks * QBLOCK));
   int32_t *xs = malloc((size_t)(rows * blocks) * sizeof *xs);
   float *sx = malloc((size_t)(rows * blocks) * sizeof *sx);
-  int32_t *xp = XP_WORDS(four) ? malloc((size_t)(rows * blocks * XP_WORDS(four)) * sizeof *xp) : NULL;
-  if (xq == NULL || xs == NULL || sx == NULL || (XP_WORDS(four) && xp == NULL)) {
+  int32_t *xp = words ? malloc((size_t)(rows * blocks * words) * sizeof *xp) : NULL;
+  if ((xq == NULL && !wide) || xs == NULL || sx == NULL || (words && xp == NULL)) {
     free(xq), free(xs), free(sx), free(xp);
     return "out of memory for the quantized inputs";
   }
-  Job job = {call.x, rows, k, blocks, xq, xs, sx, xp, w, scale, zero, call.n, call.y, call.y2};
+  Job job = {call.x, rows, k, blocks, xq, xs, sx, xp, w, scale, zero, call.n, call.y, call.y2, wide};
   parallel_for(ctx, quantize_row, (size_t)rows, 4, &job);
   run_tiles(ctx, &job, mode == GATED ? gated_tile : column_tile, mode == GATED ? wd[0] / 2 : wd[0], rows);
   linear_end(ctx, &call, 4);
@@ -400,12 +448,17 @@ static int int4_type(const CustomOp *op, size_t i) {
 }
 static int int8_type(const CustomOp *op, size_t i) { (void)op; return i == 1 ? ELEM_INT8 : ELEM_FLOAT; }
 
-LINEAR_OP(int4_weight_linear, "Int4WeightLinear", int4_type, 4, 1, run_linear(ctx, constants, PLAIN, 1))
-LINEAR_OP(int4_weight_linear_split, "Int4WeightLinearSplit", int4_type, 4, 2, run_linear(ctx, constants, SPLIT, 1))
-LINEAR_OP(int4_weight_linear_silu_mul, "Int4WeightLinearSiluMul", int4_type, 4, 1, run_linear(ctx, constants, GATED, 1))
+LINEAR_OP(int4_weight_linear, "Int4WeightLinear", int4_type, 4, 1, run_linear(ctx, constants, PLAIN, NIBBLES))
+LINEAR_OP(int4_weight_linear_split, "Int4WeightLinearSplit", int4_type, 4, 2, run_linear(ctx, constants, SPLIT, NIBBLES))
+LINEAR_OP(int4_weight_linear_silu_mul, "Int4WeightLinearSiluMul", int4_type, 4, 1, run_linear(ctx, constants, GATED, NIBBLES))
 LINEAR_OP(int4_weight_linear_skip_norm, "Int4WeightLinearSkipNorm", int4_type, 7, 2,
-          run_linear(ctx, constants, NORM, 1))
-LINEAR_OP(int8_block_linear, "Int8BlockLinear", int8_type, 3, 1, run_linear(ctx, constants, PLAIN, 0))
-LINEAR_OP(int8_block_linear_split, "Int8BlockLinearSplit", int8_type, 3, 2, run_linear(ctx, constants, SPLIT, 0))
-LINEAR_OP(int8_block_linear_silu_mul, "Int8BlockLinearSiluMul", int8_type, 3, 1, run_linear(ctx, constants, GATED, 0))
-LINEAR_OP(int8_block_linear_skip_norm, "Int8BlockLinearSkipNorm", int8_type, 6, 2, run_linear(ctx, constants, NORM, 0))
+          run_linear(ctx, constants, NORM, NIBBLES))
+LINEAR_OP(int8_block_linear, "Int8BlockLinear", int8_type, 3, 1, run_linear(ctx, constants, PLAIN, BYTES))
+LINEAR_OP(int8_block_linear_split, "Int8BlockLinearSplit", int8_type, 3, 2, run_linear(ctx, constants, SPLIT, BYTES))
+LINEAR_OP(int8_block_linear_silu_mul, "Int8BlockLinearSiluMul", int8_type, 3, 1, run_linear(ctx, constants, GATED, BYTES))
+LINEAR_OP(int8_block_linear_skip_norm, "Int8BlockLinearSkipNorm", int8_type, 6, 2, run_linear(ctx, constants, NORM, BYTES))
+LINEAR_OP(int8_weight_linear, "Int8WeightLinear", int8_type, 3, 1, run_linear(ctx, constants, PLAIN, WIDE))
+LINEAR_OP(int8_weight_linear_split, "Int8WeightLinearSplit", int8_type, 3, 2, run_linear(ctx, constants, SPLIT, WIDE))
+LINEAR_OP(int8_weight_linear_silu_mul, "Int8WeightLinearSiluMul", int8_type, 3, 1,
+          run_linear(ctx, constants, GATED, WIDE))
+LINEAR_OP(int8_weight_linear_skip_norm, "Int8WeightLinearSkipNorm", int8_type, 6, 2, run_linear(ctx, constants, NORM, WIDE))

@@ -39,7 +39,6 @@
 #include "vec.h"
 
 #define BLOCK 256 /* MLAS_SGEMM_STRIDEK: the inputs one partial sum covers */
-#define QUANT_BLOCK 32 /* Int8WeightLinear: inputs per weight scale (BLOCK is a multiple of it) */
 #define PAIRED_ROWS 32 /* up to this many rows, two tiles are computed together */
 #define GATED_ROWS 64  /* FloatLinearSiluMul's rows at a time */
 
@@ -47,35 +46,21 @@
 #include <immintrin.h>
 #define ROWS 8
 const char float_linear_kernel[] = "avx512";
-#define LOAD_F32(p) _mm512_loadu_ps(p)
-#define LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 /* R rows x T tiles of 16 columns over inputs [k0, k1): the block's sums, stored (first block) or
  * added to y[t][r]; rows past ``rows`` repeat the first and are not stored. Each row's input is
- * broadcast once for the T tiles. Int8 weights are converted and multiplied by their scale (one
- * per QUANT_BLOCK inputs of a column: tile t's at scale[t] + (k / QUANT_BLOCK) * stride) before
- * use, so the sums are those of the dequantized weights. With ``pf`` (more than one row), each
- * step also asks for the tiles' next block into the second-level cache (a 64-byte line per step:
- * 1 input of float weights, 4 of int8). */
-#define BLOCK_TILES(NAME, WT, LOAD, R, T)                                                             \
-  static void NAME##_##R##x##T(const float *const *x, int rows, const void *const *wv, int64_t k0,   \
-                               int64_t k1, float *const (*y)[ROWS], int first, const void *const *pf, \
-                               const float *const *scale, int64_t stride) {                          \
-    const WT *w[T];                                                                                  \
-    __m512 a[T][R], s[T];                                                                            \
-    for (int t = 0; t < T; t++) {                                                                    \
-      w[t] = wv[t];                                                                                  \
-      s[t] = _mm512_setzero_ps();                                                                    \
+ * broadcast once for the T tiles. With ``pf`` (more than one row), each step also asks for the
+ * tiles' next block into the second-level cache (a 64-byte line per step: 1 input). */
+#define BLOCK_TILES(R, T)                                                                             \
+  static void float_tiles_##R##x##T(const float *const *x, int rows, const float *const *w, int64_t k0, \
+                                    int64_t k1, float *const (*y)[ROWS], int first, const float *const *pf) { \
+    __m512 a[T][R];                                                                                  \
+    for (int t = 0; t < T; t++)                                                                      \
       for (int r = 0; r < R; r++) a[t][r] = _mm512_setzero_ps();                                     \
-    }                                                                                                \
     for (int64_t k = k0; k < k1; k++) {                                                              \
       __m512 v[T];                                                                                   \
-      if (scale != NULL && k % QUANT_BLOCK == 0)                                                     \
-        for (int t = 0; t < T; t++) s[t] = _mm512_loadu_ps(scale[t] + k / QUANT_BLOCK * stride);     \
-      for (int t = 0; t < T; t++)                                                                    \
-        v[t] = scale != NULL ? _mm512_mul_ps(LOAD(w[t] + 16 * k), s[t]) : LOAD(w[t] + 16 * k);       \
-      if (R > 1 && pf != NULL && (sizeof(WT) == 4 || (k - k0) % 4 == 0))                            \
-        for (int t = 0; t < T; t++)                                                                  \
-          _mm_prefetch((const char *)pf[t] + 16 * sizeof(WT) * (k - k0), _MM_HINT_T1);               \
+      for (int t = 0; t < T; t++) v[t] = _mm512_loadu_ps(w[t] + 16 * k);                            \
+      if (R > 1 && pf != NULL)                                                                       \
+        for (int t = 0; t < T; t++) _mm_prefetch((const char *)(pf[t] + 16 * (k - k0)), _MM_HINT_T1); \
       for (int r = 0; r < R; r++) {                                                                  \
         const __m512 xr = _mm512_set1_ps(x[r][k]);                                                   \
         for (int t = 0; t < T; t++) a[t][r] = _mm512_fmadd_ps(xr, v[t], a[t][r]);                    \
@@ -85,90 +70,66 @@ const char float_linear_kernel[] = "avx512";
       for (int r = 0; r < rows; r++)                                                                 \
         _mm512_storeu_ps(y[t][r], first ? a[t][r] : _mm512_add_ps(_mm512_loadu_ps(y[t][r]), a[t][r])); \
   }
+BLOCK_TILES(1, 1)
+BLOCK_TILES(1, 2)
+BLOCK_TILES(4, 1)
+BLOCK_TILES(4, 2)
+BLOCK_TILES(8, 1)
+BLOCK_TILES(8, 2)
 /* groups of 8 rows where there are more than 4 (a batch), of 4 where more than 1, else one row
  * (a decode step), so that few rows are not computed for nothing */
-#define KERNELS(NAME, WT, LOAD)                                                                      \
-  BLOCK_TILES(NAME, WT, LOAD, 1, 1)                                                                  \
-  BLOCK_TILES(NAME, WT, LOAD, 1, 2)                                                                  \
-  BLOCK_TILES(NAME, WT, LOAD, 4, 1)                                                                  \
-  BLOCK_TILES(NAME, WT, LOAD, 4, 2)                                                                  \
-  BLOCK_TILES(NAME, WT, LOAD, 8, 1)                                                                  \
-  BLOCK_TILES(NAME, WT, LOAD, 8, 2)                                                                  \
-  static void NAME(const float *const *x, int rows, int tiles, const void *const *w, int64_t k0, int64_t k1, \
-                   float *const (*y)[ROWS], int first, const void *const *pf, const float *const *scale, \
-                   int64_t stride) {                                                                 \
-    if (rows > 4) (tiles == 2 ? NAME##_8x2 : NAME##_8x1)(x, rows, w, k0, k1, y, first, pf, scale, stride); \
-    else if (rows > 1) (tiles == 2 ? NAME##_4x2 : NAME##_4x1)(x, rows, w, k0, k1, y, first, pf, scale, stride); \
-    else (tiles == 2 ? NAME##_1x2 : NAME##_1x1)(x, rows, w, k0, k1, y, first, pf, scale, stride);    \
-  }
-KERNELS(float_tiles, float, LOAD_F32)
-KERNELS(int8_tiles, int8_t, LOAD_I8)
+static void float_tiles(const float *const *x, int rows, int tiles, const float *const *w, int64_t k0, int64_t k1,
+                        float *const (*y)[ROWS], int first, const float *const *pf) {
+  if (rows > 4) (tiles == 2 ? float_tiles_8x2 : float_tiles_8x1)(x, rows, w, k0, k1, y, first, pf);
+  else if (rows > 1) (tiles == 2 ? float_tiles_4x2 : float_tiles_4x1)(x, rows, w, k0, k1, y, first, pf);
+  else (tiles == 2 ? float_tiles_1x2 : float_tiles_1x1)(x, rows, w, k0, k1, y, first, pf);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ROWS 2
 const char float_linear_kernel[] = "avx2-fma";
-#define LOAD_F32(p) _mm256_loadu_ps(p)
-#define LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define BLOCK_TILE(NAME, WT, LOAD)                                                                   \
-  static void NAME(const float *const *x, int rows, const WT *w, int64_t k0, int64_t k1, float *const *y, \
-                   int first, const float *scale, int64_t stride) {                                  \
-    __m256 a[ROWS][2], s0 = _mm256_setzero_ps(), s1 = s0;                                            \
-    for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                          \
-    for (int64_t k = k0; k < k1; k++) {                                                              \
-      if (scale != NULL && k % QUANT_BLOCK == 0) {                                                   \
-        s0 = _mm256_loadu_ps(scale + k / QUANT_BLOCK * stride);                                      \
-        s1 = _mm256_loadu_ps(scale + k / QUANT_BLOCK * stride + 8);                                  \
-      }                                                                                              \
-      const __m256 lo = scale != NULL ? _mm256_mul_ps(LOAD(w + 16 * k), s0) : LOAD(w + 16 * k);      \
-      const __m256 hi = scale != NULL ? _mm256_mul_ps(LOAD(w + 16 * k + 8), s1) : LOAD(w + 16 * k + 8); \
-      for (int r = 0; r < ROWS; r++) {                                                               \
-        const __m256 xr = _mm256_set1_ps(x[r][k]);                                                   \
-        a[r][0] = _mm256_fmadd_ps(xr, lo, a[r][0]);                                                  \
-        a[r][1] = _mm256_fmadd_ps(xr, hi, a[r][1]);                                                  \
-      }                                                                                              \
-    }                                                                                                \
-    for (int r = 0; r < rows; r++)                                                                   \
-      for (int h = 0; h < 2; h++)                                                                    \
-        _mm256_storeu_ps(y[r] + 8 * h, first ? a[r][h] : _mm256_add_ps(_mm256_loadu_ps(y[r] + 8 * h), a[r][h])); \
+static void float_tile(const float *const *x, int rows, const float *w, int64_t k0, int64_t k1, float *const *y,
+                       int first) {
+  __m256 a[ROWS][2];
+  for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; k++) {
+    const __m256 lo = _mm256_loadu_ps(w + 16 * k), hi = _mm256_loadu_ps(w + 16 * k + 8);
+    for (int r = 0; r < ROWS; r++) {
+      const __m256 xr = _mm256_set1_ps(x[r][k]);
+      a[r][0] = _mm256_fmadd_ps(xr, lo, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(xr, hi, a[r][1]);
+    }
   }
-BLOCK_TILE(float_tile, float, LOAD_F32)
-BLOCK_TILE(int8_tile, int8_t, LOAD_I8)
+  for (int r = 0; r < rows; r++)
+    for (int h = 0; h < 2; h++)
+      _mm256_storeu_ps(y[r] + 8 * h, first ? a[r][h] : _mm256_add_ps(_mm256_loadu_ps(y[r] + 8 * h), a[r][h]));
+}
 #else
 #define ROWS 1
 const char float_linear_kernel[] = "portable C"; /* fmaf: the same sums, slowly; the rewrite skips it */
-#define BLOCK_TILE(NAME, WT)                                                                         \
-  static void NAME(const float *const *x, int rows, const WT *w, int64_t k0, int64_t k1, float *const *y, \
-                   int first, const float *scale, int64_t stride) {                                  \
-    (void)rows;                                                                                      \
-    for (int i = 0; i < 16; i++) {                                                                   \
-      float a = 0.0f;                                                                                \
-      for (int64_t k = k0; k < k1; k++)                                                              \
-        a = fmaf(x[0][k], scale != NULL ? (float)w[16 * k + i] * scale[k / QUANT_BLOCK * stride + i] : (float)w[16 * k + i], a); \
-      y[0][i] = first ? a : y[0][i] + a;                                                             \
-    }                                                                                                \
+static void float_tile(const float *const *x, int rows, const float *w, int64_t k0, int64_t k1, float *const *y,
+                       int first) {
+  (void)rows;
+  for (int i = 0; i < 16; i++) {
+    float a = 0.0f;
+    for (int64_t k = k0; k < k1; k++) a = fmaf(x[0][k], w[16 * k + i], a);
+    y[0][i] = first ? a : y[0][i] + a;
   }
-BLOCK_TILE(float_tile, float)
-BLOCK_TILE(int8_tile, int8_t)
+}
 #endif
 #if !defined(__AVX512F__)
 /* each tile in turn */
-#define TILES(NAME, TILE, WT)                                                                        \
-  static void NAME(const float *const *x, int rows, int tiles, const void *const *w, int64_t k0, int64_t k1, \
-                   float *const (*y)[ROWS], int first, const void *const *pf, const float *const *scale, \
-                   int64_t stride) {                                                                 \
-    (void)pf;                                                                                        \
-    for (int t = 0; t < tiles; t++)                                                                  \
-      TILE(x, rows, (const WT *)w[t], k0, k1, y[t], first, scale != NULL ? scale[t] : NULL, stride); \
-  }
-TILES(float_tiles, float_tile, float)
-TILES(int8_tiles, int8_tile, int8_t)
+static void float_tiles(const float *const *x, int rows, int tiles, const float *const *w, int64_t k0, int64_t k1,
+                        float *const (*y)[ROWS], int first, const float *const *pf) {
+  (void)pf;
+  for (int t = 0; t < tiles; t++) float_tile(x, rows, w[t], k0, k1, y[t], first);
+}
 #endif
 
 typedef struct {
   const float *x;
   int64_t rows, k, n;
-  const void *w;       /* float32 tiles, or int8 tiles with ``scale`` (one per column) */
-  const float *scale;
+  const float *w; /* the tiles */
   float *y, *y2; /* FloatLinearSplit: columns from n / 2 on go to y2, and each output row has n / 2 */
   int64_t chunk, items; /* rows a work item computes (``chunks.h``); work items a chunk */
 } Job;
@@ -178,14 +139,8 @@ typedef struct {
  * cache while the row groups pass over it) */
 static void tiles_into(const Job *j, const int64_t *tile, int tiles, int64_t r0, int64_t r1, float *const *out,
                        int64_t width) {
-  const size_t size = j->scale != NULL ? 1 : sizeof(float);
-  const void *w[2];
-  const float *scale[2];
-  for (int t = 0; t < 2; t++) {
-    const int64_t at = tile[t < tiles ? t : 0];
-    w[t] = (const char *)j->w + (size_t)(at * j->k * 16) * size;
-    scale[t] = j->scale != NULL ? j->scale + 16 * at : NULL;
-  }
+  const float *w[2];
+  for (int t = 0; t < 2; t++) w[t] = j->w + tile[t < tiles ? t : 0] * j->k * 16;
   /* a decode batch's few rows: both tiles at once, each input broadcast once for both; many rows
    * (a prefill): one tile after the other, whose block alone stays in the first-level cache */
   const int together = r1 - r0 <= PAIRED_ROWS ? tiles : 1;
@@ -207,13 +162,10 @@ static void tiles_into(const Job *j, const int64_t *tile, int tiles, int64_t r0,
          * only streams; there a prefetch slowed it). In a decode batch's few groups the first group
          * asks for it too, a block earlier: measured faster than either group asking alone (why
          * the last group's requests still help is not known; perhaps some of the first's dropped) */
-        const void *next[2] = {(const char *)w[t0] + (size_t)(16 * k1) * size,
-                               (const char *)w[t0 + together - 1] + (size_t)(16 * k1) * size};
+        const float *next[2] = {w[t0] + 16 * k1, w[t0 + together - 1] + 16 * k1};
         const int ask = r + ROWS >= r1 || (r == r0 && r1 - r0 <= PAIRED_ROWS);
         const int prefetch = ask && k1 < j->k;
-        (j->scale != NULL ? int8_tiles : float_tiles)(x, rows, together, w + t0, k0, k1, (float *const(*)[ROWS])y,
-                                                       k0 == 0, prefetch ? next : NULL,
-                                                       j->scale != NULL ? scale + t0 : NULL, j->n);
+        float_tiles(x, rows, together, w + t0, k0, k1, (float *const(*)[ROWS])y, k0 == 0, prefetch ? next : NULL);
       }
     }
 }
@@ -249,45 +201,30 @@ static void gated_pair(void *data, size_t i) {
   }
 }
 
-/* ``int8``: Int8WeightLinear's forms (int8 tiles, input 2 their scales, the SkipNorm form's
- * inputs from 3), else FloatLinear's */
-static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode, int int8) {
+static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode) {
   LinearCall call;
-  int64_t wd[3], sd[2];
-  void *w, *scale = NULL;
+  int64_t wd[3];
+  void *w;
   const char *why = linear_input(ctx, mode, &call);
   if (why != NULL) return why;
   if (fixed_input(ctx, constants, 1, &w, wd, 3)) return "the weights (input 1) are missing or not of rank 3";
-  if (int8 && fixed_input(ctx, constants, 2, &scale, sd, 2)) return "the scales (input 2) are missing or not of rank 2";
   const int64_t k = call.k, rows = call.rows;
-  const char *weights = wd[1] == k && wd[2] == 16 && k >= 1 ? NULL
+  const char *weights = wd[1] == k && wd[2] == 16 && k >= 1 && wd[0] <= INT64_MAX / 16 ? NULL
                         : reason("weights [%lld, %lld, %lld] do not fit inputs of %lld features (want [N / 16, K, 16])",
                                  (long long)wd[0], (long long)wd[1], (long long)wd[2], (long long)k);
-  if (weights == NULL && int8 && (sd[0] != k / QUANT_BLOCK + (k % QUANT_BLOCK != 0) || wd[0] > INT64_MAX / 16 ||
-                                  sd[1] != 16 * wd[0]))
-    weights = reason("scales [%lld, %lld] do not fit %lld inputs and %lld tiles of outputs (want [ceil(K / %d), N])",
-                     (long long)sd[0], (long long)sd[1], (long long)k, (long long)wd[0], QUANT_BLOCK);
-  if ((why = linear_begin(ctx, constants, &call, weights == NULL ? 16 * wd[0] : 0, int8 ? 3 : 2, weights)) != NULL)
+  if ((why = linear_begin(ctx, constants, &call, weights == NULL ? 16 * wd[0] : 0, 2, weights)) != NULL)
     return why == linear_done ? NULL : why;
   const int64_t chunk = chunk_rows(rows), chunks = (rows + chunk - 1) / chunk;
   const int64_t items = mode == GATED ? wd[0] / 2 : (wd[0] + 1) / 2; /* gate tiles, or tile pairs */
-  Job job = {call.x, rows, k, call.n, w, scale, call.y, call.y2, chunk, items};
+  Job job = {call.x, rows, k, call.n, w, call.y, call.y2, chunk, items};
   parallel_for(ctx, mode == GATED ? gated_pair : tile_pair, (size_t)(items * chunks), 2, &job);
   linear_end(ctx, &call, 2);
   return NULL;
 }
 
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
-static int int8_input_type(const CustomOp *op, size_t i) { (void)op; return i == 1 ? ELEM_INT8 : ELEM_FLOAT; }
 
-LINEAR_OP(float_linear, "FloatLinear", input_type, 2, 1, run_linear(ctx, constants, PLAIN, 0))
-LINEAR_OP(float_linear_split, "FloatLinearSplit", input_type, 2, 2, run_linear(ctx, constants, SPLIT, 0))
-LINEAR_OP(float_linear_silu_mul, "FloatLinearSiluMul", input_type, 2, 1, run_linear(ctx, constants, GATED, 0))
-LINEAR_OP(float_linear_skip_norm, "FloatLinearSkipNorm", input_type, 5, 2, run_linear(ctx, constants, NORM, 0))
-LINEAR_OP(int8_weight_linear, "Int8WeightLinear", int8_input_type, 3, 1, run_linear(ctx, constants, PLAIN, 1))
-LINEAR_OP(int8_weight_linear_split, "Int8WeightLinearSplit", int8_input_type, 3, 2,
-          run_linear(ctx, constants, SPLIT, 1))
-LINEAR_OP(int8_weight_linear_silu_mul, "Int8WeightLinearSiluMul", int8_input_type, 3, 1,
-          run_linear(ctx, constants, GATED, 1))
-LINEAR_OP(int8_weight_linear_skip_norm, "Int8WeightLinearSkipNorm", int8_input_type, 6, 2,
-          run_linear(ctx, constants, NORM, 1))
+LINEAR_OP(float_linear, "FloatLinear", input_type, 2, 1, run_linear(ctx, constants, PLAIN))
+LINEAR_OP(float_linear_split, "FloatLinearSplit", input_type, 2, 2, run_linear(ctx, constants, SPLIT))
+LINEAR_OP(float_linear_silu_mul, "FloatLinearSiluMul", input_type, 2, 1, run_linear(ctx, constants, GATED))
+LINEAR_OP(float_linear_skip_norm, "FloatLinearSkipNorm", input_type, 5, 2, run_linear(ctx, constants, NORM))

@@ -35,7 +35,7 @@ import numpy as np
 from ....model.spec import ModelSpec
 from .common import all_nodes
 
-PASSES_VERSION = 3
+PASSES_VERSION = 4
 # computed as ONNX Runtime's float nodes are only with fused multiply-add
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
            "Int8LinearSkipNorm", "Int8WeightLinear", "Int8WeightLinearSplit", "Int8WeightLinearSiluMul",

@@ -78,13 +78,12 @@ def float_tiles_shape(k: int, n: int) -> tuple[int, int, int]:
 
 
 def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx.TensorProto, bool]],
-              array, int8_tiles: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-              block_parts: dict[str, dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+              array, block_parts: dict[str, dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
     """Each int8 ``[K, N]`` weight packed, with its column sums, each float weight as 16-column
     tiles (``[N / 16, K, 16]``; ``floats`` says whether the tensor holds ``W`` transposed, as a
-    ``Gemm``'s ``transB``), each blocked INT8 weight's tiles and scales, and the inputs of each
-    ``Int4WeightLinear`` and ``Int8BlockLinear`` (``nbits``), all into one buffer of
-    ``weights_arena`` (huge pages where the system has them); by initializer name."""
+    ``Gemm``'s ``transB``), and the inputs of each ``Int4WeightLinear``, ``Int8BlockLinear`` and
+    ``Int8WeightLinear`` (``nbits``), all into one buffer of ``weights_arena`` (huge pages where
+    the system has them); by initializer name."""
     names: list[str] = []
     specs: list[tuple[tuple[int, ...], np.dtype]] = []
     for name, t in weights.items():
@@ -95,10 +94,7 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         k, n = (int(t.dims[1]), int(t.dims[0])) if transposed else (int(t.dims[0]), int(t.dims[1]))
         names.append(f"{name}.tiles")
         specs.append((float_tiles_shape(k, n), np.dtype(np.float32)))
-    int8_tiles, block_parts = int8_tiles or {}, block_parts or {}
-    for name, (q, scale) in int8_tiles.items():
-        names += [f"{name}.tiles", f"{name}.scales"]
-        specs += [(float_tiles_shape(q.shape[1], q.shape[0]), np.dtype(np.int8)), (scale.shape, np.dtype(np.float32))]
+    block_parts = block_parts or {}
     for name, parts in block_parts.items():
         names += [f"{name}.{part}" for part in parts]
         specs += [(arr.shape, arr.dtype) for arr in parts.values()]
@@ -111,10 +107,6 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         tiles = out[f"{name}.tiles"]
         tiles[...] = (w.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1) if transposed
                       else w.reshape(tiles.shape[1], tiles.shape[0], 16).transpose(1, 0, 2))
-    for name, (q, scale) in int8_tiles.items():  # q: [N, K], as the transposed float weights
-        tiles = out[f"{name}.tiles"]
-        tiles[...] = q.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1)
-        out[f"{name}.scales"][...] = scale
     for name, parts in block_parts.items():
         for part, arr in parts.items():
             out[f"{name}.{part}"][...] = arr
@@ -132,8 +124,8 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     ``FloatLinear``) and for SiLU(gate) * up after a gate/up projection (``*SiluMul``). With
     ``pack`` False (``inspect``, which only counts nodes) no weight is read or packed and the
     graph is left unloadable. An 8-bit ``MatMulNBits`` becomes ``Int8BlockLinear`` (activations
-    quantized per block, as the node itself does) with ``dynamic_int8`` or beside INT4 linears
-    (an int4-awq engine's LM head), else ``Int8WeightLinear`` (float activations)."""
+    quantized per block to int8, as the node itself does) with ``dynamic_int8`` or beside INT4
+    linears (an int4-awq engine's LM head), else ``Int8WeightLinear`` (to int16)."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     old = list(graph.node)  # holds the nodes' wrappers, so the id()s below stay theirs
@@ -165,8 +157,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
 
     weights: dict[str, onnx.TensorProto] = {}
     float_weights: dict[str, tuple[onnx.TensorProto, bool]] = {}
-    int8_weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    block_weights: dict[str, dict[str, np.ndarray]] = {}  # Int4WeightLinear's and Int8BlockLinear's inputs
+    block_weights: dict[str, dict[str, np.ndarray]] = {}  # Int4WeightLinear's, Int8BlockLinear's, Int8WeightLinear's
     dynamic_int8 = dynamic_int8 or any(n.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 4
                                                                        for a in n.attribute) for n in old)
     added: dict[int, onnx.NodeProto] = {}  # a node to put after the one replaced
@@ -181,14 +172,10 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
             _replace_nbits(mm, INT4_OP, names, widths, replaced, added)
             continue
         blocked = nbits.int8_blocks(mm, inits, array) if fma else None
-        if blocked is not None and dynamic_int8:
+        if blocked is not None:
             block_weights[mm.input[1]] = nbits.int8_block_tiles(*blocked)
             names = [f"{mm.input[1]}.{part}" for part in nbits.INT8_PARTS]
-            _replace_nbits(mm, BLOCK_OP, names, widths, replaced, added)
-            continue
-        if blocked is not None:
-            int8_weights[mm.input[1]] = blocked
-            _replace_nbits(mm, WEIGHT_OP, [f"{mm.input[1]}.tiles", f"{mm.input[1]}.scales"], widths, replaced, added)
+            _replace_nbits(mm, BLOCK_OP if dynamic_int8 else WEIGHT_OP, names, widths, replaced, added)
             continue
         transposed = _float_matrix(mm, inits) if fma else None
         if transposed is not None:
@@ -218,7 +205,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     graph.node.extend(nodes)
     if not pack:
         return {}
-    arrays = _pack_all(weights, float_weights, array, int8_weights, block_weights)
+    arrays = _pack_all(weights, float_weights, array, block_weights)
     used = graph_inputs(graph)
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
