@@ -11,7 +11,9 @@ activations); ONNX Runtime's ``MatMulNBits`` with 8-bit and 4-bit blocked weight
 128; ``accuracy_level`` 4 quantizes activations per block to INT8 at run time and uses integer dot
 products, 0 dequantizes to float; 8-bit weights only at 4: at 0 they took 100-270x
 Int8Linear's time on SmolLM2's shapes); our ``Int4WeightLinear`` (4-bit blocks of 32 with
-zero points, activations per block to INT8, as MatMulNBits at level 4). Prints, per shape and
+zero points, activations per block to INT8, as MatMulNBits at level 4); our ``Int8WeightLinear``
+(8-bit blocks of 32, activations per block to 16 bits) and ``Int8BlockLinear`` (the same weights,
+activations to INT8). Prints, per shape and
 row count, the median microseconds of each and its time relative to ``Int8Linear``; for one row
 also the weight bytes read per second.
 Weights are random (timing does not depend on their values).

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""One layer's prefill attention three ways: the graph's own nodes, the same with the scores by
-row and (AVX-512 builds) ``MaskedSoftmax``, what the engines ran before ``PrefillAttention``, and
-the native ``PrefillAttention`` operator.
+"""One layer's prefill attention every way: the graph's own nodes, the same with the scores by
+row and (AVX-512 builds) ``MaskedSoftmax``, what the engines ran before ``PrefillAttention``, the
+native ``PrefillAttention`` operator, and where this CPU has AMX-BF16 ``PrefillAttentionBf16``
+(checked against the graph to bfloat16's rounding, the others to float32's).
 
     python -m benchmarks.bench_prefill_attention [--tokens 1000,2000,4000] [--rounds 3] [--threads 2]
 
@@ -54,8 +55,9 @@ def attention_nodes():
     ]
 
 
-def sessions(library, threads: int, softmax: bool) -> dict:
-    """The three forms' ONNX Runtime sessions (``softmax``: the library's MaskedSoftmax runs here)."""
+def sessions(library, threads: int, softmax: bool, bf16: bool) -> dict:
+    """The forms' ONNX Runtime sessions (``softmax``: the library's MaskedSoftmax runs here; ``bf16``:
+    PrefillAttentionBf16's AMX path does, a fourth form)."""
     from onnx import TensorProto, helper
 
     from autoglm_trt.backends.onnxrt.passes import prefill_attention, prefill_scores
@@ -66,6 +68,8 @@ def sessions(library, threads: int, softmax: bool) -> dict:
     nodes = attention_nodes()
     forms = {"graph": nodes, "by_row_masked_softmax": prefill_scores.by_row(nodes, 0, softmax),
              "prefill_attention": prefill_attention.fuse(nodes, 0, out)}
+    if bf16:
+        forms["prefill_attention_bf16"] = prefill_attention.fuse(nodes, 0, out, bf16=True)
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info(n, f, None) for n in ("q", "k_past", "k_new", "v_past", "v_new", "bias")]
     inputs.append(helper.make_tensor_value_info("past_len", i64, [1]))
@@ -91,7 +95,7 @@ def feeds(rng, hkv: int, g: int, d: int, t: int) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    from autoglm_trt.native import float_kernel, library, softmax_exact
+    from autoglm_trt.native import attention_bf16, float_kernel, library, softmax_exact
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1000,2000,4000")
@@ -101,7 +105,7 @@ def main() -> None:
     lib, why = library()
     if lib is None or float_kernel(lib) == "portable C":
         raise SystemExit(f"PrefillAttention cannot run here: {why or 'the library has no fused multiply-add'}")
-    made = sessions(lib, args.threads, softmax_exact(lib))
+    made = sessions(lib, args.threads, softmax_exact(lib), attention_bf16(lib))
     print(machine(), flush=True)
     rng = np.random.default_rng(0)
     for shape, (hkv, g, d) in SHAPES.items():
@@ -121,12 +125,16 @@ def main() -> None:
                     t0 = time.perf_counter()
                     got = sess.run(None, x)[0]
                     ms[name].append(1000 * (time.perf_counter() - t0))
-                    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), name  # the same attention
+                    tolerance = 2e-2 if name.endswith("bf16") else 1e-4  # bfloat16's rounding, or float32's
+                    assert np.abs(got - want).max() <= tolerance * np.abs(want).max(), name  # the same attention
             row = {"shape": shape, "tokens": t, "ms": {k: round(statistics.median(v), 1) for k, v in ms.items()}}
             row["graph_time_vs_prefill_attention"] = round(statistics.median(
                 a / b for a, b in zip(ms["graph"], ms["prefill_attention"])), 2)
             row["by_row_time_vs_prefill_attention"] = round(statistics.median(
                 a / b for a, b in zip(ms["by_row_masked_softmax"], ms["prefill_attention"])), 2)
+            if "prefill_attention_bf16" in ms:
+                row["prefill_attention_time_vs_bf16"] = round(statistics.median(
+                    a / b for a, b in zip(ms["prefill_attention"], ms["prefill_attention_bf16"])), 2)
             print(json.dumps(row), flush=True)
 
 

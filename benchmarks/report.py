@@ -42,17 +42,20 @@ SECTIONS = (
             "the graph's own nodes; 16 concurrent requests; the memory-bandwidth and GEMM bounds of this machine."),
     Section("attention", "Decode steps with and without the native operators",
             ("benchmarks.bench_attention", "--rounds", "3")),
-    Section("prefill_attention", "A prefill's attention, three ways",
+    Section("prefill_attention", "A prefill's attention, every way",
             ("benchmarks.bench_prefill_attention", "--rounds", "3"),
             "One layer's attention over a new prompt: the graph's own nodes, the scores by row with MaskedSoftmax, "
-            "and the native PrefillAttention operator, for SmolLM2's and GLM-4.1V's heads."),
+            "the native PrefillAttention operator, and PrefillAttentionBf16 where this CPU has AMX-BF16, for "
+            "SmolLM2's and GLM-4.1V's heads."),
     Section("prefill", "Long prompts", ("benchmarks.bench_prefill", "--rounds", "3"),
             "Time to the first token of fresh 1,000- and 4,000-token prompts: the fp32 and int8 engines, and the int8 "
-            "engine with Intel AMX off where this CPU has it."),
+            "engine with Intel AMX off where this CPU has it (its linears' AVX-512 VNNI kernel and float32 "
+            "attention, what other CPUs run)."),
     Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
     Section("linears", "One linear, every way", ("benchmarks.bench_linears",),
             "SmolLM2's and GLM-4-9B's linear shapes: ONNX Runtime's MatMul and MatMulNBits (8- and 4-bit "
-            "blocked weights) against the native FloatLinear, Int8Linear and Int4WeightLinear, 2 threads. "
+            "blocked weights) against the native FloatLinear, Int8Linear, Int4WeightLinear, Int8WeightLinear and "
+            "Int8BlockLinear, 2 threads. "
             "Each is timed on the same weights again and again, so weights "
             "that fit the last-level cache (SmolLM2's, and GLM-4-9B's qkv in 8 and 4 bits) are read warm; "
             "GLM-4-9B's gate_up (and down in 8 bits) is the memory-bound case a decode step is."),

@@ -260,8 +260,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
         if backend == "tensorrt" and record.vision() is not None:
             report["vision"] = _vision_plan(model_dir, record, tmp, cfg, req, log)
-        graphs = _ort_graphs(tmp, record, kv_dtype, req.precision == "int8-dyn", log) if backend == "onnxruntime" \
-            else None
+        graphs = _ort_graphs(tmp, record, kv_dtype, req.precision, log) if backend == "onnxruntime" else None
         copy_tokenizer_files(model_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))
         write_json(tmp / "fusion_report.json", report)
@@ -283,12 +282,18 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     return manifest
 
 
-def _ort_graphs(tmp: Path, record: ExportRecord, kv_dtype: str, dynamic_int8: bool,
+# the precisions whose activations are rounded to 8 bits anyway: their prefill's attention runs in
+# bfloat16 where AMX has it (passes/prefill_attention.py, docs/native.md)
+BF16_ATTENTION = ("int8", "int8-dyn", "int4-awq")
+
+
+def _ort_graphs(tmp: Path, record: ExportRecord, kv_dtype: str, precision: str,
                 log: Callable[[str], None]) -> dict:
     """The ONNX Runtime engine's plain and native graphs (``loader.write_graphs``), and what they say."""
     from ..backends.onnxrt.loader import write_graphs
 
-    graphs = write_graphs(tmp, record.spec, kv_dtype, dynamic_int8=dynamic_int8)
+    graphs = write_graphs(tmp, record.spec, kv_dtype, dynamic_int8=precision == "int8-dyn",
+                          bf16_attention=precision in BF16_ATTENTION)
     done = [f"{p['name']} x{p['applied']}" for p in graphs["passes"] if p["applied"]]
     log("native graph: " + (", ".join(done) if graphs["native_graph"] else f"none ({graphs['why']})"))
     return graphs

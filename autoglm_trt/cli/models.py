@@ -323,9 +323,20 @@ def _native_report(manifest) -> list[str]:
         "float linears: " + (f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)" if float_native
                              else "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)"
                                                              if kernel == "portable C" else "")),
-        "prefill attention: native PrefillAttention operator (online softmax, no score tensors)"
-        if "PrefillAttention" in ops else
-        "prefill softmax: " + ("native MaskedSoftmax operator (ONNX Runtime's Softmax's bits)" if "MaskedSoftmax" in ops
-                               else "ONNX Runtime's Softmax" + (" (the library is not built for AVX-512F)"
-                                                                if attention else "")),
+        _prefill_line(ops, attention, library),
     ]
+
+
+def _prefill_line(ops: set[str], attention: bool, library) -> str:
+    """doctor's line on what runs a prefill's attention."""
+    from ..native import attention_bf16
+
+    if "PrefillAttentionBf16" in ops:
+        return ("prefill attention: native PrefillAttentionBf16 operator (online softmax; "
+                + ("bfloat16 products on AMX)" if library is not None and attention_bf16(library)
+                   else "float32 here: no AMX-BF16 on this CPU, or AUTOGLM_TRT_AMX=0)"))
+    if "PrefillAttention" in ops:
+        return "prefill attention: native PrefillAttention operator (online softmax, no score tensors)"
+    return "prefill softmax: " + ("native MaskedSoftmax operator (ONNX Runtime's Softmax's bits)" if "MaskedSoftmax" in ops
+                                  else "ONNX Runtime's Softmax" + (" (the library is not built for AVX-512F)"
+                                                                   if attention else ""))

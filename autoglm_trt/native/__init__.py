@@ -136,6 +136,12 @@ def int8_amx(path: Path) -> bool:
     return bool(ctypes.CDLL(str(path)).AutoglmInt8Amx())
 
 
+def attention_bf16(path: Path) -> bool:
+    """Whether the library's ``PrefillAttentionBf16`` takes its bfloat16 path on Intel AMX here (the
+    build has it, this CPU has AMX-BF16, Linux grants it, and ``AUTOGLM_TRT_AMX`` is not 0)."""
+    return bool(ctypes.CDLL(str(path)).AutoglmAttentionBf16())
+
+
 def block_kernel(path: Path) -> str:
     """Which instructions the library's ``Int4WeightLinear`` and ``Int8BlockLinear`` dot products use
     ("avx512-vnni", "avx2" or "portable C")."""

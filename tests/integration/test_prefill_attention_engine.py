@@ -49,3 +49,39 @@ def test_answers_equal_the_plain_graphs_to_rounding(hd64_engine, monkeypatch, st
     assert np.abs(native - plain).max() > 0  # two graphs ran
     assert np.abs(native - plain).max() <= 1e-4 * np.abs(plain).max(), np.abs(native - plain).max()
     assert (native.argmax(-1) == plain.argmax(-1)).all()
+
+
+def test_an_engine_with_8_bit_activations_prefills_in_bfloat16_where_amx_has_it(tmp_path_factory, library,
+                                                                                   monkeypatch):
+    """``int8-dyn`` (activations rounded to 8 bits per block anyway) gets PrefillAttentionBf16: where
+    this CPU has AMX-BF16 its answers are as far from an fp32 engine's as the plain graph's (float32
+    attention) are, within a tenth; elsewhere they are the plain graph's to float32's rounding;
+    doctor says which."""
+    from conftest import run_cli
+    from tiny_models import make_tiny_checkpoint
+
+    from autoglm_trt.evaluate.perplexity import model_logits
+    from autoglm_trt.native import attention_bf16, float_kernel
+
+    if float_kernel(library) == "portable C":
+        pytest.skip("PrefillAttention needs fused multiply-add; this machine's build has none")
+    root = tmp_path_factory.mktemp("hd64-dyn")
+    checkpoint = make_tiny_checkpoint("glm4", root / "glm4-hd64", head_dim=64)
+    engine = build_tiny_engine(lambda family: checkpoint, root / "engine", precision="int8-dyn")
+    fp32 = build_tiny_engine(lambda family: checkpoint, root / "fp32")
+    ops = [n.op_type for n in all_nodes(onnx.load(str(engine / "model.native.onnx"), load_external_data=False).graph)]
+    assert ops.count("PrefillAttentionBf16") == 2 and "PrefillAttention" not in ops
+    windows = np.random.default_rng(5).integers(3, 250, (2, 40))
+    native, reference = model_logits(engine)(windows), model_logits(fp32)(windows)
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
+    plain = model_logits(engine)(windows)
+    monkeypatch.delenv("AUTOGLM_TRT_NATIVE")
+    rms = lambda a: float(np.sqrt(np.mean(a.astype(np.float64) ** 2)))  # noqa: E731
+    bf16 = attention_bf16(library)
+    if bf16:
+        assert rms(native - reference) <= 1.1 * rms(plain - reference)
+        assert rms(native - plain) > 0.2 * rms(plain - reference)  # (the bfloat16 path ran)
+    else:
+        assert rms(native - plain) <= 0.2 * rms(plain - reference)
+    doctor = run_cli("doctor", str(engine))
+    assert ("bfloat16 products on AMX" if bf16 else "float32 here") in doctor.stdout, doctor.stdout

@@ -156,6 +156,7 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "RopeQKV": (_rope, 3, 0),
     "MaskedSoftmax": (_softmax, 2, 0),
     "PrefillAttention": (_prefill_attention, 1, 0),
+    "PrefillAttentionBf16": (_prefill_attention, 1, 0),
 }
 
 

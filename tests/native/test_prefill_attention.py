@@ -1,6 +1,7 @@
 """The native PrefillAttention operator: a prefill's attention (scores over past and new keys,
 mask bias, softmax, weighted values) in one pass without the score tensors, against the same
-attention in float64 numpy, on every build that has it."""
+attention in float64 numpy, on every build that has it; and PrefillAttentionBf16, its products in
+bfloat16 on AMX where the CPU has it."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ NEG_INF = -1.0e9  # the engine graph's mask value (graph/decoder.py)
 NAMES = ("q", "k_past", "k_new", "v_past", "v_new", "bias")
 
 
-def _session(library):
+def _session(library, op: str = "PrefillAttention"):
     import onnxruntime as ort
 
     f = TensorProto.FLOAT
-    graph = helper.make_graph([helper.make_node("PrefillAttention", list(NAMES), ["context"], domain="autoglm.trt")],
+    graph = helper.make_graph([helper.make_node(op, list(NAMES), ["context"], domain="autoglm.trt")],
                               "native", [helper.make_tensor_value_info(n, f, None) for n in NAMES],
                               [helper.make_tensor_value_info("context", f, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
@@ -100,3 +101,52 @@ def test_a_row_with_every_key_masked_is_zero_and_shapes_that_do_not_fit_fail(ker
     with pytest.raises(Exception, match="D a multiple of 64"):
         sess.run(None, odd)
 
+
+
+def test_a_bias_of_any_values_is_added_where_it_is_not_zero(kernel_library):
+    """The bias is read once a call and each block of it classed (all zero, all masked, mixed):
+    finite values other than 0 in a few blocks, a block of zeros, and masked blocks, on a prompt
+    long enough for several blocks each way, against float64."""
+    _has_it(kernel_library)
+    rng = np.random.default_rng(11)
+    feeds = _feeds(rng, 1, 1, 2, 150, 70, 64, [60])
+    feeds["bias"][..., 40:80, :130] += rng.uniform(-2, 2, (40, 130)).astype(np.float32)  # some rows' blocks
+    feeds["bias"][..., 100, 10] = np.float32(-3.0)  # one value in a block otherwise zero
+    (got,) = _session(kernel_library).run(None, feeds)
+    np.testing.assert_allclose(got, reference(feeds), rtol=0, atol=2e-5 * np.abs(got).max())
+
+
+BF16_SHAPES = [(3, 1, 3, 70, 0, 64, [0]), (1, 2, 2, 17, 32, 64, [32, 5]), (2, 1, 16, 40, 16, 128, [10])]
+
+
+@pytest.mark.parametrize("hkv,b,g,t,p,d,context", BF16_SHAPES)
+def test_the_bf16_form_rounds_its_products_to_bfloat16_where_amx_has_them(kernel_library, hkv, b, g, t, p, d,
+                                                                          context):
+    """PrefillAttentionBf16: on a CPU with AMX-BF16, within bfloat16's rounding of the float64
+    attention (and not PrefillAttention's bits: the bfloat16 path ran); elsewhere, and with
+    ``AUTOGLM_TRT_AMX=0``, PrefillAttention bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from autoglm_trt.native import attention_bf16
+
+    _has_it(kernel_library)
+    feeds = _feeds(np.random.default_rng(t + p), hkv, b, g, t, p, d, context)
+    (got,) = _session(kernel_library, "PrefillAttentionBf16").run(None, feeds)
+    (exact,) = _session(kernel_library).run(None, feeds)
+    want = reference(feeds)
+    if attention_bf16(kernel_library):
+        error = got - want
+        assert np.sqrt(np.mean(error**2)) < 5e-3 * np.sqrt(np.mean(want**2))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+        assert not np.array_equal(got, exact)
+        script = ("import sys, numpy as np; sys.path[:0] = sys.argv[1:2]; import test_prefill_attention as t; "
+                  "f = t._feeds(np.random.default_rng(3), 1, 1, 2, 40, 0, 64, [0]); "
+                  "a = t._session(sys.argv[2], 'PrefillAttentionBf16').run(None, f)[0]; "
+                  "b = t._session(sys.argv[2]).run(None, f)[0]; sys.exit(0 if np.array_equal(a, b) else 1)")
+        done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), str(kernel_library)],
+                              env=dict(os.environ, AUTOGLM_TRT_AMX="0"), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    else:
+        np.testing.assert_array_equal(got, exact)

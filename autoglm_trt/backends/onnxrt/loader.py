@@ -70,13 +70,15 @@ def optimize(model_path: Path, out_dir: Path, threads: int = 0, rewritten: onnx.
 
 
 def write_graphs(out_dir: Path, spec: ModelSpec, kv_dtype: str, target: passes.Target | None = None,
-                 dynamic_int8: bool = False) -> dict:
+                 dynamic_int8: bool = False, bf16_attention: bool = False) -> dict:
     """After ``optimize``: the plain graph, and the native graph and its packed weights where
     ``target`` (this machine's library by default) has one; the manifest's record of them.
-    ``dynamic_int8`` (``int8-dyn``): blocked INT8 weights run with activations quantized per block."""
+    ``dynamic_int8`` (``int8-dyn``): blocked INT8 weights run with activations quantized per block;
+    ``bf16_attention``: a prefill's attention in bfloat16 where AMX has it."""
     target = target or passes.Target.here()
     plain = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target, only=passes.PLAIN)
-    native = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target, dynamic_int8=dynamic_int8)
+    native = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target, dynamic_int8=dynamic_int8,
+                            bf16_attention=bf16_attention)
     onnx.save(plain.model, str(out_dir / PLAIN_GRAPH))  # its weights stay in model.opt.onnx.data
     record: dict = {"passes_version": passes.PASSES_VERSION, "plain_graph": PLAIN_GRAPH,
                     "passes": [r.as_dict() for r in native.results],

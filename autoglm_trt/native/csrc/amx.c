@@ -1,4 +1,7 @@
-/* Intel AMX for Int8Linear's batches (a prefill, a decode step of many sequences): the same
+/* Intel AMX for Int8Linear's batches (a prefill, a decode step of many sequences), and for
+ * PrefillAttentionBf16's products (below).
+ *
+ * Int8Linear: the same
  * integer sums as the AVX-512 VNNI tile (unsigned 8-bit inputs times signed 8-bit weights, added
  * exactly into 32 bits), 16 rows x 16 columns x 64 inputs an instruction instead of 1 x 16 x 4.
  *
@@ -47,6 +50,16 @@ int amx_ready(void) {
   return s == 1;
 }
 
+int amx_bf16_ready(void) {
+  static atomic_int state; /* 0: not asked yet, 1: ready, 2: not here */
+  int s = atomic_load_explicit(&state, memory_order_acquire);
+  if (s == 0) {
+    s = amx_ready() && __builtin_cpu_supports("amx-bf16") ? 1 : 2;
+    atomic_store_explicit(&state, s, memory_order_release);
+  }
+  return s == 1;
+}
+
 /* tiles 0-1: C of two groups of 16 rows; 2-3: their A; 4: B. One tile configuration for all
  * the rows: loading it is not free. */
 __attribute__((target("amx-tile,amx-int8"))) void amx_int8_sums(const uint8_t *x, int64_t stride, int64_t rows,
@@ -82,8 +95,97 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_int8_sums(const uint8_t *x
   }
   _tile_release();
 }
+
+/* 16 floats to bfloat16, rounded to nearest even (finite inputs) */
+static inline __m256i bf16x16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+/* tiles 1-3: A and B operands; 4-7: four 16 x 16 float sums. All 16 rows of 64 bytes. A constant
+ * in memory: GCC 12 dropped the stores of such a configuration built on the stack before the load
+ * (amx_int8_sums' survive). */
+static const TileConfig BF16_TILES = {1, 0, {0}, {0, 64, 64, 64, 64, 64, 64, 64}, {0, 16, 16, 16, 16, 16, 16, 16}};
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_begin(void) { _tile_loadconfig(&BF16_TILES); }
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_end(void) { _tile_release(); }
+
+/* 16 rows x 64 keys (four sum tiles, 16 keys = 32 bfloat16 apart in kb's rows) per 32 dimensions */
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_scores(const uint16_t *qb, int rows, const uint16_t *kb,
+                                                                   int64_t d, float *s) {
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t i = 0; i < d; i += 32) {
+      const uint16_t *k = kb + i / 2 * AMX_KEYS * 2; /* pairs i / 2 ..: 16 rows of AMX_KEYS x 2 */
+      _tile_loadd(1, qb + r0 * d + i, d * 2);
+      _tile_loadd(2, k, AMX_KEYS * 4);
+      _tile_dpbf16ps(4, 1, 2);
+      _tile_loadd(3, k + 32, AMX_KEYS * 4);
+      _tile_dpbf16ps(5, 1, 3);
+      _tile_loadd(2, k + 64, AMX_KEYS * 4);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_loadd(3, k + 96, AMX_KEYS * 4);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, s + r0 * AMX_KEYS, AMX_KEYS * 4);
+    _tile_stored(5, s + r0 * AMX_KEYS + 16, AMX_KEYS * 4);
+    _tile_stored(6, s + r0 * AMX_KEYS + 32, AMX_KEYS * 4);
+    _tile_stored(7, s + r0 * AMX_KEYS + 48, AMX_KEYS * 4);
+  }
+}
+
+/* 16 rows x 64 dimensions (four sum tiles) per step, added to o */
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_weigh(float *o, int rows, const float *p, const uint16_t *vb,
+                                                                  int64_t d, uint16_t *pb) {
+  float sums[16][64];
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < AMX_KEYS; c += 16)
+      _mm256_storeu_si256((__m256i *)(pb + r * AMX_KEYS + c), bf16x16(_mm512_loadu_ps(p + r * AMX_KEYS + c)));
+  for (int r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t i = 0; i < d; i += 64) {
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int half = 0; half < 2; half++) { /* keys 32 half .. */
+        const uint16_t *v = vb + half * 16 * d * 2 + i * 2;
+        _tile_loadd(1, pb + r0 * AMX_KEYS + 32 * half, AMX_KEYS * 2);
+        _tile_loadd(2, v, d * 4);
+        _tile_dpbf16ps(4, 1, 2);
+        _tile_loadd(3, v + 32, d * 4);
+        _tile_dpbf16ps(5, 1, 3);
+        _tile_loadd(2, v + 64, d * 4);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_loadd(3, v + 96, d * 4);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      _tile_stored(4, sums[0], 256);
+      _tile_stored(5, sums[0] + 16, 256);
+      _tile_stored(6, sums[0] + 32, 256);
+      _tile_stored(7, sums[0] + 48, 256);
+      for (int r = 0; r < 16; r++)
+        for (int c = 0; c < 64; c += 16) {
+          float *to = o + (r0 + r) * d + i + c;
+          _mm512_storeu_ps(to, _mm512_add_ps(_mm512_loadu_ps(to), _mm512_loadu_ps(sums[r] + c)));
+        }
+    }
+}
 #else
 int amx_ready(void) { return 0; }
+int amx_bf16_ready(void) { return 0; }
+void amx_bf16_begin(void) { abort(); } /* never called: amx_bf16_ready() is 0 */
+void amx_bf16_end(void) { abort(); }
+void amx_bf16_scores(const uint16_t *qb, int rows, const uint16_t *kb, int64_t d, float *s) {
+  (void)qb, (void)rows, (void)kb, (void)d, (void)s;
+  abort();
+}
+void amx_bf16_weigh(float *o, int rows, const float *p, const uint16_t *vb, int64_t d, uint16_t *pb) {
+  (void)o, (void)rows, (void)p, (void)vb, (void)d, (void)pb;
+  abort();
+}
 
 void amx_int8_sums(const uint8_t *x, int64_t stride, int64_t rows, const int8_t *w, int64_t kp, int32_t *sums) {
   (void)x, (void)stride, (void)rows, (void)w, (void)kp, (void)sums;

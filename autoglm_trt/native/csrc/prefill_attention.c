@@ -9,11 +9,22 @@
  * work item takes up to QROWS query rows (tokens) of one query head and walks the keys KEYS at a
  * time: their scores (the queries times the keys, transposed once per call so that a step's keys
  * lie in one run of memory), the bias added, the rows' running maximum, sum and weighted values
- * rescaled as the maximum grows, the weighted values added; the sums divide at the end. A step
+ * rescaled as the maximum grows, the weighted values added; the sums divide at the end. The bias
+ * is read once a call, each block of QROWS rows x KEYS keys classed as all 0, all masked or mixed
+ * (at 4,000 tokens it is 64 MB, which each head read again, a step at a time, before): a step
  * whose bias masks every key for every row of the item (the keys after the last query, in a
- * causal prefill) is skipped: those keys' weights are exp(-1e9) = 0 in float32 anyway. The result
- * is the graph's to float32's rounding, not bit for bit (another order of sums, another exp), which
- * ``tests/native/test_prefill_attention.py`` checks against numpy in float64.
+ * causal prefill) is skipped, those keys' weights being exp(-1e9) = 0 in float32 anyway, and a
+ * block of zeros is not added. The result is the graph's to float32's rounding, not bit for bit
+ * (another order of sums, another exp), which ``tests/native/test_prefill_attention.py`` checks
+ * against numpy in float64.
+ *
+ * PrefillAttentionBf16 is the same operator with the two products in bfloat16 on Intel AMX
+ * (``tdpbf16ps``: 16 rows x 16 columns x 32 pairs an instruction, float32 sums) where the CPU has
+ * AMX-BF16 and Linux grants it (``amx.c``; ``AUTOGLM_TRT_AMX=0`` turns it off), else exactly
+ * PrefillAttention: the queries, the keys and the values and each step's weights rounded to
+ * bfloat16 (8 bits of mantissa), the softmax in float32. The keys and values are copied once a call
+ * into AMX's B-tile layouts. The rewrite gives it to the engines whose activations are rounded to
+ * 8 bits anyway (``passes/prefill_attention.py``).
  *
  * Inputs (Hkv KV heads, G query heads per KV head, B sequences, T new tokens, P past slots, D the
  * head's size, a multiple of 64):
@@ -33,12 +44,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "ort_api.h"
 #include "parallel.h"
 #include "vec.h"
 
 #define QROWS 32          /* query rows a work item takes */
 #define MASKED (-1.0e8f)  /* a bias at or below this masks its key */
+
+enum { OPEN, MIXED, SHUT }; /* a block of the bias: 0 everywhere, anything, at or below MASKED everywhere */
 
 typedef struct {
   const float *q, *k_past, *k_new, *v_past, *v_new, *bias;
@@ -47,6 +61,9 @@ typedef struct {
               * KP) transposed block by block, so that a step's keys are in one run of memory */
   int64_t hkv, b, g, t, p, d, kp;
   int failed; /* a work item found no memory */
+  uint8_t *kind; /* [B, row tiles, key steps]: each block of the bias, OPEN, MIXED or SHUT */
+  uint16_t *kb, *vb; /* bfloat16 (AMX): [Hkv, B, KP / KEYS, D / 2, KEYS, 2] keys and
+                      * [Hkv, B, KP / KEYS, KEYS / 2, D, 2] values, AMX's B tiles; NULL: float32 */
 } Job;
 
 #if defined(__FMA__) && (defined(__AVX512F__) || defined(__AVX2__))
@@ -130,20 +147,60 @@ static void transpose_keys(void *data, size_t item) {
   }
 }
 
-/* whether the bias masks every key [k0, k0 + count) for rows [t0, t0 + rows) */
-static int all_masked(const float *bias, int64_t width, int64_t t0, int rows, int64_t k0, int count) {
-  for (int r = 0; r < rows; r++) {
-    int open = 0;
-#pragma omp simd reduction(| : open)
-    for (int c = 0; c < count; c++) open |= !(bias[(t0 + r) * width + k0 + c] <= MASKED);
-    if (open) return 0;
+/* the kind of each block of the bias, QROWS rows by KEYS keys, of the item's sequence and rows
+ * (item b tiles + tb): read once a call, not once a head (at 4,000 tokens the bias is 64 MB) */
+static void classify(void *data, size_t item) {
+  const Job *j = data;
+  const int64_t width = j->p + j->t, tiles = (j->t + QROWS - 1) / QROWS, steps = (width + KEYS - 1) / KEYS;
+  const int64_t b = (int64_t)item / tiles, t0 = (int64_t)item % tiles * QROWS;
+  const int64_t rows = j->t - t0 < QROWS ? j->t - t0 : QROWS;
+  const float *bias = j->bias + (b * j->t + t0) * width;
+  for (int64_t k0 = 0; k0 < width; k0 += KEYS) {
+    const int64_t count = width - k0 < KEYS ? width - k0 : KEYS;
+    int open = 1, shut = 1;
+    for (int64_t r = 0; r < rows && (open || shut); r++) {
+      const float *row = bias + r * width + k0;
+#pragma omp simd reduction(& : open, shut)
+      for (int64_t c = 0; c < count; c++) {
+        open &= row[c] == 0.0f;
+        shut &= row[c] <= MASKED;
+      }
+    }
+    j->kind[(int64_t)item * steps + k0 / KEYS] = (uint8_t)(open ? OPEN : shut ? SHUT : MIXED);
   }
-  return 1;
 }
 
 /* the scores s of rows [0, rows) and keys [k0, k0 + count) with their bias (row r's at bias + r
- * width), as weights (0 for rows [rows, padded)): the rows' maxima m, sums l and weighted values o
- * rescaled to the new maxima */
+ * width; NULL: 0 everywhere), as weights (0 for rows [rows, padded)): the rows' maxima m, sums l
+ * and weighted values o rescaled to the new maxima */
+#if VL == 16
+static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const float *bias, int64_t width,
+                       int64_t k0, float *m, float *l, float *o, int64_t d) {
+  memset(s[rows], 0, (size_t)(padded - rows) * sizeof s[0]);
+  for (int r = 0; r < rows; r++) {
+    __m512 v[KV], top = _mm512_set1_ps(m[r]), sum = _mm512_setzero_ps();
+    for (int u = 0; u < KV; u++) {
+      const int left = count - u * VL;
+      const __mmask16 open = left >= VL ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+      v[u] = _mm512_loadu_ps(s[r] + u * VL);
+      if (bias != NULL) v[u] = _mm512_add_ps(v[u], _mm512_maskz_loadu_ps(open, bias + r * width + k0 + u * VL));
+      v[u] = _mm512_mask_blend_ps(open, _mm512_set1_ps(-FLT_MAX), v[u]);
+      top = _mm512_max_ps(top, v[u]);
+    }
+    const float new_top = _mm512_reduce_max_ps(top), alpha = exp_nonpositive(m[r] - new_top);
+    for (int u = 0; u < KV; u++) {
+      const __m512 e = mlas_exp16(_mm512_sub_ps(v[u], _mm512_set1_ps(new_top)));
+      _mm512_storeu_ps(s[r] + u * VL, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (alpha != 1.0f)
+      for (int64_t i = 0; i < d; i += VL)
+        _mm512_storeu_ps(o + r * d + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), _mm512_set1_ps(alpha)));
+    l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+    m[r] = new_top;
+  }
+}
+#else
 static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const float *bias, int64_t width,
                        int64_t k0, float *m, float *l, float *o, int64_t d) {
   memset(s[rows], 0, (size_t)(padded - rows) * sizeof s[0]);
@@ -151,7 +208,7 @@ static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const 
     float top = m[r];
 #pragma omp simd reduction(max : top)
     for (int c = 0; c < KEYS; c++) {
-      s[r][c] = c < count ? s[r][c] + bias[r * width + k0 + c] : -FLT_MAX;
+      s[r][c] = c < count ? s[r][c] + (bias != NULL ? bias[r * width + k0 + c] : 0.0f) : -FLT_MAX;
       top = s[r][c] > top ? s[r][c] : top;
     }
     const float alpha = exp_nonpositive(m[r] - top);
@@ -167,6 +224,34 @@ static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const 
     m[r] = top;
   }
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__x86_64__) && defined(__linux__)
+#define BF16_TILES 1 /* AMX is compiled into this build (amx.c) */
+_Static_assert(KEYS == AMX_KEYS, "a step of keys is amx.c's");
+/* the keys and values of head h and sequence b (item h B + b) as bfloat16 B tiles: per step, keys
+ * [D / 2, KEYS, 2] (pairs of the head's dimensions by key), values [KEYS / 2, D, 2] (pairs of keys
+ * by dimension); zeros past the last key */
+static void bf16_keys_values(void *data, size_t item) {
+  const Job *j = data;
+  const int64_t h = (int64_t)item / j->b, b = (int64_t)item % j->b, width = j->p + j->t, d = j->d;
+  uint16_t *kb = j->kb + (int64_t)item * j->kp * d, *vb = j->vb + (int64_t)item * j->kp * d;
+  for (int64_t key = 0; key < j->kp; key++) {
+    const float *k = key < width ? row_of(j, j->k_past, j->k_new, h, b, key) : NULL;
+    const float *v = key < width ? row_of(j, j->v_past, j->v_new, h, b, key) : NULL;
+    uint16_t *ks = kb + key / KEYS * d * KEYS, *vs = vb + key / KEYS * d * KEYS;
+    const int64_t c = key % KEYS;
+    for (int64_t i = 0; i < d; i++) {
+      ks[i / 2 * KEYS * 2 + c * 2 + i % 2] = k != NULL ? bf16_round(k[i]) : 0;
+      vs[c / 2 * d * 2 + i * 2 + c % 2] = v != NULL ? bf16_round(v[i]) : 0;
+    }
+  }
+}
+
+#else
+#define BF16_TILES 0 /* the bfloat16 path is never taken (Job.kb NULL): stubs */
+static void bf16_keys_values(void *data, size_t item) { (void)data, (void)item; }
+#endif
 
 /* query rows (tokens) [QROWS tb, ...) of query head (h, g) and sequence b: item ((h B + b) G + g)
  * tiles + tb */
@@ -175,8 +260,11 @@ static void attend(void *data, size_t item) {
   const int64_t tiles = (j->t + QROWS - 1) / QROWS, tb = (int64_t)item % tiles, rest = (int64_t)item / tiles;
   const int64_t g = rest % j->g, b = rest / j->g % j->b, h = rest / j->g / j->b, d = j->d, width = j->p + j->t;
   const int64_t t0 = tb * QROWS;
-  const int rows = (int)(j->t - t0 < QROWS ? j->t - t0 : QROWS), padded = (rows + PAD - 1) / PAD * PAD;
-  float *q = thread_scratch((size_t)(2 * QROWS * d) * sizeof(float)), *o = q + QROWS * d;
+  const int bf16 = j->kb != NULL, pad = bf16 ? 16 : PAD; /* bfloat16 tiles take 16 rows */
+  const int rows = (int)(j->t - t0 < QROWS ? j->t - t0 : QROWS), padded = (rows + pad - 1) / pad * pad;
+  float *q = thread_scratch((size_t)(2 * QROWS * d) * sizeof(float) + (size_t)(QROWS * (d + KEYS)) * sizeof(uint16_t));
+  float *o = q + QROWS * d;
+  uint16_t *qb = (uint16_t *)(o + QROWS * d), *pb = qb + QROWS * d; /* bfloat16 queries and weights */
   if (q == NULL) {
     __atomic_store_n(&((Job *)data)->failed, 1, __ATOMIC_RELAXED);
     return;
@@ -188,16 +276,30 @@ static void attend(void *data, size_t item) {
   }
   memset(q + rows * d, 0, (size_t)((padded - rows) * d) * sizeof(float)); /* rows that pad the last group */
   memset(o, 0, (size_t)(padded * d) * sizeof(float));
-  const float *kt = j->kt + (h * j->b + b) * d * j->kp, *bias = j->bias + b * j->t * width;
+  const int64_t head = (h * j->b + b) * d * j->kp; /* this head's and sequence's keys, transposed */
+  const float *bias = j->bias + b * j->t * width;
+  if (bf16) {
+    for (int64_t i = 0; i < padded * d; i++) qb[i] = bf16_round(q[i]);
+    amx_bf16_begin();
+  }
+  const uint8_t *kinds = j->kind + (b * tiles + tb) * ((width + KEYS - 1) / KEYS);
   for (int64_t k0 = 0; k0 < width; k0 += KEYS) {
-    const int count = (int)(width - k0 < KEYS ? width - k0 : KEYS);
-    if (all_masked(bias, width, t0, rows, k0, count)) continue;
-    scores(q, padded, kt + k0 * d, d, s);
-    to_weights(s, rows, padded, count, bias + t0 * width, width, k0, m, l, o, d);
+    const int count = (int)(width - k0 < KEYS ? width - k0 : KEYS), kind = kinds[k0 / KEYS];
+    if (kind == SHUT) continue; /* every key masked for every row: weights exp(-1e9) = 0 */
+    if (bf16)
+      amx_bf16_scores(qb, padded, j->kb + head + k0 * d, d, s[0]);
+    else
+      scores(q, padded, j->kt + head + k0 * d, d, s);
+    to_weights(s, rows, padded, count, kind == MIXED ? bias + t0 * width : NULL, width, k0, m, l, o, d);
+    if (bf16) {
+      amx_bf16_weigh(o, padded, s[0], j->vb + head + k0 * d, d, pb);
+      continue;
+    }
     const float *values[KEYS];
     for (int c = 0; c < count; c++) values[c] = row_of(j, j->v_past, j->v_new, h, b, k0 + c);
     weigh(o, padded, (const float(*)[KEYS])s, values, count, d);
   }
+  if (bf16) amx_bf16_end();
   for (int r = 0; r < rows; r++) {
     float *out = j->out + (((h * j->b + b) * j->g + g) * j->t + t0 + r) * d;
     const float inv = m[r] > MASKED ? 1.0f / l[r] : 0.0f; /* else no key was unmasked */
@@ -206,12 +308,16 @@ static void attend(void *data, size_t item) {
 }
 #else
 #define KEYS 16
+#define BF16_TILES 0
 const int prefill_attention_built = 0;
 static void transpose_keys(void *data, size_t item) { (void)data, (void)item; }
+static void bf16_keys_values(void *data, size_t item) { (void)data, (void)item; }
+static void classify(void *data, size_t item) { (void)data, (void)item; }
 static void attend(void *data, size_t item) { (void)data, (void)item; }
 #endif
 
-static const char *run(OrtKernelContext *ctx) {
+/* ``bf16``: PrefillAttentionBf16, which takes the bfloat16 path where AMX has it */
+static const char *run(OrtKernelContext *ctx, int bf16_wanted) {
   int64_t qd[5], kd[5], nd[5], vd[5], wd[5], bd[5];
   void *in[6];
   if (input(ctx, 0, &in[0], qd, 5) || input(ctx, 1, &in[1], kd, 5) || input(ctx, 2, &in[2], nd, 5) ||
@@ -234,19 +340,38 @@ static const char *run(OrtKernelContext *ctx) {
     return "could not allocate the output";
   if (hkv * b * g * t == 0) return NULL;
   const int64_t kp = (p + t + KEYS - 1) / KEYS * KEYS;
-  float *kt = malloc((size_t)(hkv * b * d * kp) * sizeof(float));
-  if (kt == NULL) return "out of memory for the transposed keys";
-  Job job = {in[0], in[1], in[2], in[3], in[4], in[5], out, kt, hkv, b, g, t, p, d, kp, 0};
-  parallel_for(ctx, transpose_keys, (size_t)(hkv * b), 2, &job);
-  parallel_for(ctx, attend, (size_t)(hkv * b * g * ((t + QROWS - 1) / QROWS)), 2, &job);
-  free(kt);
+  const int bf16 = BF16_TILES && bf16_wanted && amx_bf16_ready();
+  const int64_t tiles = (t + QROWS - 1) / QROWS;
+  float *kt = bf16 ? NULL : malloc((size_t)(hkv * b * d * kp) * sizeof(float));
+  uint16_t *kb = bf16 ? malloc((size_t)(2 * hkv * b * d * kp) * sizeof(uint16_t)) : NULL;
+  uint8_t *kind = malloc((size_t)(b * tiles * (kp / KEYS)));
+  if ((kt == NULL && kb == NULL) || kind == NULL) {
+    free(kt), free(kb), free(kind);
+    return "out of memory for the transposed keys";
+  }
+  Job job = {in[0], in[1], in[2], in[3], in[4], in[5], out, kt, hkv, b, g, t, p, d, kp, 0, kind, kb,
+             kb != NULL ? kb + hkv * b * d * kp : NULL};
+  parallel_for(ctx, classify, (size_t)(b * tiles), 2, &job);
+  parallel_for(ctx, bf16 ? bf16_keys_values : transpose_keys, (size_t)(hkv * b), 2, &job);
+  parallel_for(ctx, attend, (size_t)(hkv * b * g * tiles), 2, &job);
+  free(kt), free(kb), free(kind);
   return job.failed ? "out of memory for a work item" : NULL;
 }
 
-static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return op_status("PrefillAttention", run(ctx)); }
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+  (void)kernel;
+  return op_status("PrefillAttention", run(ctx, 0));
+}
+static OrtStatus *compute_bf16(void *kernel, OrtKernelContext *ctx) {
+  (void)kernel;
+  return op_status("PrefillAttentionBf16", run(ctx, 1));
+}
 static const char *op_name(const CustomOp *op) { (void)op; return "PrefillAttention"; }
+static const char *op_name_bf16(const CustomOp *op) { (void)op; return "PrefillAttentionBf16"; }
 static int input_type(const CustomOp *op, size_t i) { (void)op, (void)i; return ELEM_FLOAT; }
 static size_t six_inputs(const CustomOp *op) { (void)op; return 6; }
 
 const CustomOp prefill_attention = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name, input_type, six_inputs,
                                              float_output, one_output, required, compute);
+const CustomOp prefill_attention_bf16 = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name_bf16, input_type,
+                                                  six_inputs, float_output, one_output, required, compute_bf16);

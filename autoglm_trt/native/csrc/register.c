@@ -80,7 +80,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
                                          &int8_weight_linear_skip_norm, &int4_weight_linear,
                                          &int4_weight_linear_split, &int4_weight_linear_silu_mul,
                                          &int4_weight_linear_skip_norm, &int8_block_linear, &int8_block_linear_split,
-                                         &int8_block_linear_silu_mul, &int8_block_linear_skip_norm, &prefill_attention};
+                                         &int8_block_linear_silu_mul, &int8_block_linear_skip_norm, &prefill_attention,
+                                         &prefill_attention_bf16};
   if (domain == NULL) {
     OrtStatus *status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain);
     for (size_t i = 0; status == NULL && i < sizeof ops / sizeof ops[0]; i++)
@@ -95,6 +96,9 @@ __attribute__((visibility("default"))) const char *AutoglmInt8Kernel(void) { ret
 
 /* 1 where Int8Linear runs its batches of 16 rows and more on AMX (amx.c) */
 __attribute__((visibility("default"))) int AutoglmInt8Amx(void) { return amx_ready(); }
+
+/* 1 where PrefillAttentionBf16 takes its bfloat16 path on AMX (prefill_attention.c) */
+__attribute__((visibility("default"))) int AutoglmAttentionBf16(void) { return amx_bf16_ready(); }
 
 /* which instructions Int4WeightLinear's and Int8BlockLinear's dot products use ("avx2" or "portable C") */
 __attribute__((visibility("default"))) const char *AutoglmBlockKernel(void) { return block_linear_kernel; }

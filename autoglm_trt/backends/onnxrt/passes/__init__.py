@@ -9,7 +9,7 @@ native graph was made by other passes is run on its plain graph, with a message 
 
 The passes, in order (one module each):
 
-    attention          PagedAttention for decode steps; PrefillAttention for prefills (or the
+    attention          PagedAttention for decode steps; PrefillAttention (Bf16) for prefills (or the
                        prefill's scores by row, MaskedSoftmax)
     rope_qkv           each layer's QKV split + rope as RopeQKV
     hadamard_quantize  each INT8 linear's rotation + quantization as HadamardQuantize
@@ -38,9 +38,9 @@ from .common import all_nodes
 PASSES_VERSION = 4
 # computed as ONNX Runtime's float nodes are only with fused multiply-add
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
-           "Int8LinearSkipNorm", "Int8WeightLinear", "Int8WeightLinearSplit", "Int8WeightLinearSiluMul",
-           "Int8WeightLinearSkipNorm", "Int4WeightLinearSiluMul", "Int4WeightLinearSkipNorm",
-           "Int8BlockLinearSiluMul", "Int8BlockLinearSkipNorm", "PrefillAttention")
+           "Int8LinearSkipNorm", "Int8WeightLinearSiluMul", "Int8WeightLinearSkipNorm", "Int4WeightLinearSiluMul",
+           "Int4WeightLinearSkipNorm", "Int8BlockLinearSiluMul", "Int8BlockLinearSkipNorm", "PrefillAttention",
+           "PrefillAttentionBf16")
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class Context:
     target: Target
     pack: bool = True
     dynamic_int8: bool = False  # blocked INT8 weights with activations quantized per block (int8-dyn)
+    bf16_attention: bool = False  # a prefill's attention in bfloat16 where AMX has it (PrefillAttentionBf16)
     packed: dict[str, np.ndarray] = field(default_factory=dict)
     done: dict[str, int] = field(default_factory=dict)  # applied count by pass name
     attention_why: str = ""  # why decode steps keep the graph's attention ("" when they do not)
@@ -144,7 +145,7 @@ def _attention(ctx: Context) -> tuple[int, str]:
     if ctx.kv_dtype not in (np.float32, np.int8):
         return 0, f"the KV cache is {ctx.kv_dtype.name} (the native kernel reads float32 or int8)"
     done, why = attention.rewrite(ctx.model, ctx.spec.num_layers, ctx.target.softmax_exact,
-                                  ctx.target.fma and ctx.spec.head_dim % 64 == 0)
+                                  ctx.target.fma and ctx.spec.head_dim % 64 == 0, ctx.bf16_attention)
     return (ctx.spec.num_layers, "") if done else (0, why)
 
 
@@ -210,15 +211,18 @@ PLAIN = ("skip_norm",)  # the passes of the plain graph
 
 
 def rewrite(model_path: Path, spec: ModelSpec, kv_dtype: str | np.dtype, target: Target, pack: bool = True,
-            only: Iterable[str] | None = None, skip: Iterable[str] = (), dynamic_int8: bool = False) -> Rewritten:
+            only: Iterable[str] | None = None, skip: Iterable[str] = (), dynamic_int8: bool = False,
+            bf16_attention: bool = False) -> Rewritten:
     """The engine graph at ``model_path`` (loaded without its weights) through the passes, in order:
     ``only`` these, and not those in ``skip``. ``pack`` False: the nodes only, no weight read or
     packed (the graph is then not loadable; for counting nodes). ``dynamic_int8``: blocked INT8
-    weights become ``Int8BlockLinear`` (activations quantized per block) even without INT4 ones."""
+    weights become ``Int8BlockLinear`` (activations quantized per block) even without INT4 ones.
+    ``bf16_attention``: a prefill's attention is ``PrefillAttentionBf16``."""
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
-    ctx = Context(model, spec, np.dtype(kv_dtype), Path(model_path).parent, target, pack, dynamic_int8)
+    ctx = Context(model, spec, np.dtype(kv_dtype), Path(model_path).parent, target, pack, dynamic_int8,
+                  bf16_attention)
     wanted, skipped = (set(only) if only is not None else None), set(skip)
     results = []
     for name, run in PASSES:

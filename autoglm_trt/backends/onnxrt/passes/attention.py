@@ -71,11 +71,11 @@ def _kv_inputs(i: int, outputs: dict, producer: dict, initializers: set) -> tupl
 
 
 def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False,
-            fused_prefill: bool = False) -> tuple[bool, str]:
+            fused_prefill: bool = False, bf16: bool = False) -> tuple[bool, str]:
     """Rewrite ``model`` in place; (True, "") or (False, why it was left as it was). ``softmax``:
     the library's ``MaskedSoftmax`` gives Softmax's bits, so the prefill branch may use it
     (``prefill_scores.py``); ``fused_prefill``: the prefill branch's attention becomes one
-    ``PrefillAttention`` node (``prefill_attention.py``)."""
+    ``PrefillAttention`` node (``prefill_attention.py``; ``PrefillAttentionBf16`` with ``bf16``)."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list] = {}
@@ -115,7 +115,7 @@ def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False,
         nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node if id(n) in core_ids]
         for n in nodes:
             n.output[:] = [f"{attn}_graph" if o == attn else o for o in n.output]
-        fused = prefill_attention.fuse(nodes, i, f"{attn}_graph") if fused_prefill else None
+        fused = prefill_attention.fuse(nodes, i, f"{attn}_graph", bf16) if fused_prefill else None
         nodes = fused if fused is not None else prefill_scores.by_row(nodes, i, softmax)
         out = lambda name: [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)]
         branch = helper.make_node(

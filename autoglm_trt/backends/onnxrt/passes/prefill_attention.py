@@ -12,6 +12,12 @@ equals the plain graph's to float32's rounding, not bit for bit.
 Only the prefill branch of ``attention.rewrite`` takes it, where the library has fused
 multiply-add and the head size is a multiple of 64 (the kernel's vectors of values); elsewhere the
 branch keeps the graph's attention with ``prefill_scores.by_row``.
+
+``PrefillAttentionBf16`` (the same inputs) computes the two products in bfloat16 on Intel AMX where
+the CPU has it, and is PrefillAttention elsewhere. The build gives it to the engines whose
+activations are rounded to 8 bits anyway (``int8``, ``int8-dyn``, ``int4-awq``:
+``builder.pipeline``), whose answers it does not move beyond their own quantization's noise
+(docs/native.md); ``fp32`` and ``int8-wo``, the engines meant to answer as fp32 does, keep float32.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from ....graph import names
 from .common import DOMAIN, live_nodes
 
 OP = "PrefillAttention"
+BF16_OP = "PrefillAttentionBf16"
 
 
-def fuse(nodes: list[onnx.NodeProto], i: int, output: str) -> list[onnx.NodeProto] | None:
+def fuse(nodes: list[onnx.NodeProto], i: int, output: str, bf16: bool = False) -> list[onnx.NodeProto] | None:
     """Layer ``i``'s prefill attention ``nodes`` (the branch's, whose result is ``output``) with
-    the queries' transpose ... the weighted values' sum as one ``PrefillAttention`` node and the
-    nodes only they read gone; None where the nodes are not the graph's ``layers.<i>.q_t`` ...
-    ``layers.<i>.context``."""
+    the queries' transpose ... the weighted values' sum as one ``PrefillAttention`` node
+    (``PrefillAttentionBf16`` with ``bf16``) and the nodes only they read gone; None where the
+    nodes are not the graph's ``layers.<i>.q_t`` ... ``layers.<i>.context``."""
     p = names.layer(i) + "."
     producer = {o: n for n in nodes for o in n.output}
     q_t, past, new, masked, probs, context = (producer.get(p + name) for name in (
@@ -47,7 +54,8 @@ def fuse(nodes: list[onnx.NodeProto], i: int, output: str) -> list[onnx.NodeProt
             list(probs.input) != [masked.output[0]] or ctx_past.input[0] != p + names.PROBS_PAST or \
             ctx_new.input[0] != p + names.PROBS_NEW:
         return None
-    node = helper.make_node(OP, [q_t.input[0], past.input[0], new.input[0], ctx_past.input[1], ctx_new.input[1],
-                                 masked.input[1]], [context.output[0]], name=p + "prefill_attention", domain=DOMAIN)
+    inputs = [q_t.input[0], past.input[0], new.input[0], ctx_past.input[1], ctx_new.input[1], masked.input[1]]
+    node = helper.make_node(BF16_OP if bf16 else OP, inputs, [context.output[0]], name=p + "prefill_attention",
+                            domain=DOMAIN)
     return live_nodes([node if n is context else n for n in nodes], {output})
 
