@@ -176,28 +176,38 @@ static void classify(void *data, size_t item) {
 #if VL == 16
 static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const float *bias, int64_t width,
                        int64_t k0, float *m, float *l, float *o, int64_t d) {
+  float top[QROWS], alpha[QROWS + VL];
   memset(s[rows], 0, (size_t)(padded - rows) * sizeof s[0]);
-  for (int r = 0; r < rows; r++) {
-    __m512 v[KV], top = _mm512_set1_ps(m[r]), sum = _mm512_setzero_ps();
+  for (int r = 0; r < rows; r++) { /* the scores with their bias, and the rows' new maxima */
+    __m512 high = _mm512_set1_ps(m[r]);
     for (int u = 0; u < KV; u++) {
       const int left = count - u * VL;
       const __mmask16 open = left >= VL ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-      v[u] = _mm512_loadu_ps(s[r] + u * VL);
-      if (bias != NULL) v[u] = _mm512_add_ps(v[u], _mm512_maskz_loadu_ps(open, bias + r * width + k0 + u * VL));
-      v[u] = _mm512_mask_blend_ps(open, _mm512_set1_ps(-FLT_MAX), v[u]);
-      top = _mm512_max_ps(top, v[u]);
+      __m512 v = _mm512_loadu_ps(s[r] + u * VL);
+      if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(open, bias + r * width + k0 + u * VL));
+      v = _mm512_mask_blend_ps(open, _mm512_set1_ps(-FLT_MAX), v);
+      _mm512_storeu_ps(s[r] + u * VL, v);
+      high = _mm512_max_ps(high, v);
     }
-    const float new_top = _mm512_reduce_max_ps(top), alpha = exp_nonpositive(m[r] - new_top);
+    top[r] = _mm512_reduce_max_ps(high);
+  }
+  for (int r = 0; r < rows; r += VL) { /* the old sums' factors, 16 rows at a time (past rows: e^0) */
+    const __mmask16 here = rows - r >= VL ? 0xFFFF : (__mmask16)((1u << (rows - r)) - 1);
+    const __m512 old = _mm512_maskz_loadu_ps(here, m + r), high = _mm512_maskz_loadu_ps(here, top + r);
+    _mm512_storeu_ps(alpha + r, mlas_exp16(_mm512_sub_ps(old, high)));
+  }
+  for (int r = 0; r < rows; r++) {
+    __m512 sum = _mm512_setzero_ps();
     for (int u = 0; u < KV; u++) {
-      const __m512 e = mlas_exp16(_mm512_sub_ps(v[u], _mm512_set1_ps(new_top)));
+      const __m512 e = mlas_exp16(_mm512_sub_ps(_mm512_loadu_ps(s[r] + u * VL), _mm512_set1_ps(top[r])));
       _mm512_storeu_ps(s[r] + u * VL, e);
       sum = _mm512_add_ps(sum, e);
     }
-    if (alpha != 1.0f)
+    if (alpha[r] != 1.0f)
       for (int64_t i = 0; i < d; i += VL)
-        _mm512_storeu_ps(o + r * d + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), _mm512_set1_ps(alpha)));
-    l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-    m[r] = new_top;
+        _mm512_storeu_ps(o + r * d + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), _mm512_set1_ps(alpha[r])));
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    m[r] = top[r];
   }
 }
 #else
