@@ -51,6 +51,9 @@ SECTIONS = (
             "Time to the first token of fresh 1,000- and 4,000-token prompts: the fp32 and int8 engines, and the int8 "
             "engine with Intel AMX off where this CPU has it (its linears' AVX-512 VNNI kernel and float32 "
             "attention, what other CPUs run)."),
+    Section("prefill_accuracy", "Accuracy of the bfloat16 prefill attention", ("benchmarks.prefill_accuracy",),
+            "The int8 engine's perplexity ratio and top-1 agreement against the float32 checkpoint, windows of 1,024 "
+            "tokens prefilled whole, with PrefillAttentionBf16 on AMX and with AMX off (float32 attention)."),
     Section("sampling", "Sampling without sorting the vocabulary", ("benchmarks.bench_sampling", "--rounds", "3")),
     Section("linears", "One linear, every way", ("benchmarks.bench_linears",),
             "SmolLM2's and GLM-4-9B's linear shapes: ONNX Runtime's MatMul and MatMulNBits (8- and 4-bit "

@@ -100,7 +100,8 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_int8_sums(const uint8_t *x
 static inline __m256i bf16x16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 /* tiles 1-3: A and B operands; 4-7: four 16 x 16 float sums. All 16 rows of 64 bytes. A constant

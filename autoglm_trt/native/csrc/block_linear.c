@@ -165,9 +165,12 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
       __m512i d[R][2];                                                                                             \
       for (int r = 0; r < R; r++) d[r][0] = d[r][1] = _mm512_setzero_si512(); /* d[r][1] unused at C = 1 */      \
       for (int p = 0; p < QBLOCK / 2; p++) {                                                                       \
-        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + b * TILE8_BLOCK + 32 * p))); \
-        for (int r = 0; r < R; r++)                                                                                \
-          d[r][p % C] = _mm512_dpwssd_epi32(d[r][p % C], v, _mm512_set1_epi32(j->xp[(row[r] * j->blocks + b) * (QBLOCK / 2) + p])); \
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + b * TILE8_BLOCK + 32 * p));                \
+        const __m512i v = _mm512_cvtepi8_epi16(bytes);                                                             \
+        for (int r = 0; r < R; r++) {                                                                              \
+          const int32_t pair = j->xp[(row[r] * j->blocks + b) * (QBLOCK / 2) + p];                                 \
+          d[r][p % C] = _mm512_dpwssd_epi32(d[r][p % C], v, _mm512_set1_epi32(pair));                              \
+        }                                                                                                          \
       }                                                                                                            \
       const __m512 scale = _mm512_loadu_ps(j->scale + (t * j->blocks + b) * 16);                                   \
       for (int r = 0; r < R; r++) {                                                                                \
@@ -449,16 +452,21 @@ static int int4_type(const CustomOp *op, size_t i) {
 static int int8_type(const CustomOp *op, size_t i) { (void)op; return i == 1 ? ELEM_INT8 : ELEM_FLOAT; }
 
 LINEAR_OP(int4_weight_linear, "Int4WeightLinear", int4_type, 4, 1, run_linear(ctx, constants, PLAIN, NIBBLES))
-LINEAR_OP(int4_weight_linear_split, "Int4WeightLinearSplit", int4_type, 4, 2, run_linear(ctx, constants, SPLIT, NIBBLES))
-LINEAR_OP(int4_weight_linear_silu_mul, "Int4WeightLinearSiluMul", int4_type, 4, 1, run_linear(ctx, constants, GATED, NIBBLES))
+LINEAR_OP(int4_weight_linear_split, "Int4WeightLinearSplit", int4_type, 4, 2,
+          run_linear(ctx, constants, SPLIT, NIBBLES))
+LINEAR_OP(int4_weight_linear_silu_mul, "Int4WeightLinearSiluMul", int4_type, 4, 1,
+          run_linear(ctx, constants, GATED, NIBBLES))
 LINEAR_OP(int4_weight_linear_skip_norm, "Int4WeightLinearSkipNorm", int4_type, 7, 2,
           run_linear(ctx, constants, NORM, NIBBLES))
 LINEAR_OP(int8_block_linear, "Int8BlockLinear", int8_type, 3, 1, run_linear(ctx, constants, PLAIN, BYTES))
 LINEAR_OP(int8_block_linear_split, "Int8BlockLinearSplit", int8_type, 3, 2, run_linear(ctx, constants, SPLIT, BYTES))
-LINEAR_OP(int8_block_linear_silu_mul, "Int8BlockLinearSiluMul", int8_type, 3, 1, run_linear(ctx, constants, GATED, BYTES))
-LINEAR_OP(int8_block_linear_skip_norm, "Int8BlockLinearSkipNorm", int8_type, 6, 2, run_linear(ctx, constants, NORM, BYTES))
+LINEAR_OP(int8_block_linear_silu_mul, "Int8BlockLinearSiluMul", int8_type, 3, 1,
+          run_linear(ctx, constants, GATED, BYTES))
+LINEAR_OP(int8_block_linear_skip_norm, "Int8BlockLinearSkipNorm", int8_type, 6, 2,
+          run_linear(ctx, constants, NORM, BYTES))
 LINEAR_OP(int8_weight_linear, "Int8WeightLinear", int8_type, 3, 1, run_linear(ctx, constants, PLAIN, WIDE))
 LINEAR_OP(int8_weight_linear_split, "Int8WeightLinearSplit", int8_type, 3, 2, run_linear(ctx, constants, SPLIT, WIDE))
 LINEAR_OP(int8_weight_linear_silu_mul, "Int8WeightLinearSiluMul", int8_type, 3, 1,
           run_linear(ctx, constants, GATED, WIDE))
-LINEAR_OP(int8_weight_linear_skip_norm, "Int8WeightLinearSkipNorm", int8_type, 6, 2, run_linear(ctx, constants, NORM, WIDE))
+LINEAR_OP(int8_weight_linear_skip_norm, "Int8WeightLinearSkipNorm", int8_type, 6, 2,
+          run_linear(ctx, constants, NORM, WIDE))

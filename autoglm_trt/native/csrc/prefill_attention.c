@@ -326,7 +326,7 @@ static void classify(void *data, size_t item) { (void)data, (void)item; }
 static void attend(void *data, size_t item) { (void)data, (void)item; }
 #endif
 
-/* ``bf16``: PrefillAttentionBf16, which takes the bfloat16 path where AMX has it */
+/* ``bf16_wanted``: PrefillAttentionBf16, which takes the bfloat16 path where AMX has it */
 static const char *run(OrtKernelContext *ctx, int bf16_wanted) {
   int64_t qd[5], kd[5], nd[5], vd[5], wd[5], bd[5];
   void *in[6];
