@@ -51,6 +51,9 @@ SECTIONS = (
             "Time to the first token of fresh 1,000- and 4,000-token prompts: the fp32 and int8 engines, and the int8 "
             "engine with Intel AMX off where this CPU has it (its linears' AVX-512 VNNI kernel and float32 "
             "attention, what other CPUs run)."),
+    Section("genai_prefill", "Long prompts beside ONNX Runtime GenAI", ("benchmarks.bench_genai_prefill", "--rounds", "3"),
+            "Time to the first token of fresh 1,000- and 4,000-token prompts: ONNX Runtime GenAI's own fp32 and int8 "
+            "models of SmolLM2 against this toolkit's fp32 and int8 engines."),
     Section("prefill_accuracy", "Accuracy of the bfloat16 prefill attention", ("benchmarks.prefill_accuracy",),
             "The int8 engine's perplexity ratio and top-1 agreement against the float32 checkpoint, windows of 1,024 "
             "tokens prefilled whole, with PrefillAttentionBf16 on AMX and with AMX off (float32 attention)."),
