@@ -96,6 +96,9 @@ SECTIONS = (
     Section("chat_agreement", "Greedy answers of each precision against fp32",
             ("benchmarks.chat_agreement", "--show", "0",
              *(f"--engine={p}=engines/smollm2-{p}" for p in ("int8", "int8-wo", "int8-dyn", "int4-awq")))),
+    Section("int8_ceiling", "How close 8-bit weights come to fp32's answers", ("benchmarks.int8_weight_ceiling",),
+            "SmolLM2's 100 chat prompts, 16 greedy tokens, in transformers with its weights rounded several ways "
+            "(fake-quantized), against its float32 answers."),
     Section("peers", "Accuracy beside the peers", ("benchmarks.peer_accuracy",),
             "SmolLM2-135M in each precision of this toolkit and as llama.cpp's Q8_0 / Q4_K_M and ONNX Runtime "
             "GenAI's int8 / int4 of the same checkpoint: held-out text of four kinds against the float32 checkpoint "
