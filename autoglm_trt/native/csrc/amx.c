@@ -62,13 +62,10 @@ int amx_bf16_ready(void) {
 
 /* tiles 0-1: C of two groups of 16 rows; 2-3: their A; 4: B. One tile configuration for all
  * the rows: loading it is not free. */
+static const TileConfig INT8_TILES = {1, 0, {0}, {64, 64, 64, 64, 64}, {16, 16, 16, 16, 16}};
 __attribute__((target("amx-tile,amx-int8"))) void amx_int8_sums(const uint8_t *x, int64_t stride, int64_t rows,
                                                                  const int8_t *w, int64_t kp, int32_t *sums) {
-  TileConfig c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int i = 0; i < 5; i++) c.rows[i] = 16, c.colsb[i] = 64;
-  _tile_loadconfig(&c);
+  _tile_loadconfig(&INT8_TILES);
   int64_t r = 0;
   for (; r + 32 <= rows; r += 32) {
     const uint8_t *x1 = x + r * stride, *x2 = x1 + 16 * stride;
@@ -104,9 +101,9 @@ static inline __m256i bf16x16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* tiles 1-3: A and B operands; 4-7: four 16 x 16 float sums. All 16 rows of 64 bytes. A constant
- * in memory: GCC 12 dropped the stores of such a configuration built on the stack before the load
- * (amx_int8_sums' survive). */
+/* tiles 1-3: A and B operands; 4-7: four 16 x 16 float sums. All 16 rows of 64 bytes. Like
+ * INT8_TILES a constant in memory: GCC 12 dropped the stores of such a configuration built on the
+ * stack before the load. */
 static const TileConfig BF16_TILES = {1, 0, {0}, {0, 64, 64, 64, 64, 64, 64, 64}, {0, 16, 16, 16, 16, 16, 16, 16}};
 __attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_begin(void) { _tile_loadconfig(&BF16_TILES); }
 __attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_end(void) { _tile_release(); }
