@@ -111,10 +111,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_end(void) { _tile_rel
 /* Two groups of 16 rows share each B tile (a step's keys or values, read from the second-level
  * cache): sums 4 and 6 are two 16-column tiles of rows r0, 5 and 7 the same of rows r0 + 16; A
  * tiles 1 (rows r0) and 3 (r0 + 16), B tile 2. A lone group of 16 rows (rows an odd multiple of
- * 16) runs with its second A tile a copy of its first, not stored. Loading each B tile once for 32
- * rows instead of once for 16, with the softmax's factors computed 16 rows at a time
- * (prefill_attention.c), took one layer of SmolLM2's heads over 4,000 tokens from 39.4 to 31.0 ms
- * (ad hoc, this Xeon, two runs each). */
+ * 16) runs with its second A tile a copy of its first, not stored. Sharing halves the B tiles
+ * loaded from the second-level cache, which bound this kernel (docs/native.md). */
 #define PAIR_OF_TILES(b0, b1, stride)                                                                          \
   do {                                                                                                          \
     _tile_loadd(2, b0, stride);                                                                                 \

@@ -11,7 +11,7 @@
  * lie in one run of memory), the bias added, the rows' running maximum, sum and weighted values
  * rescaled as the maximum grows, the weighted values added; the sums divide at the end. The bias
  * is read once a call, each block of QROWS rows x KEYS keys classed as all 0, all masked or mixed
- * (at 4,000 tokens it is 64 MB, which each head read again, a step at a time, before): a step
+ * (at 4,000 tokens it is 64 MB: read by every head, it cost more than the arithmetic): a step
  * whose bias masks every key for every row of the item (the keys after the last query, in a
  * causal prefill) is skipped, those keys' weights being exp(-1e9) = 0 in float32 anyway, and a
  * block of zeros is not added. The result is the graph's to float32's rounding, not bit for bit
