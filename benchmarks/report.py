@@ -78,7 +78,12 @@ SECTIONS = (
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),
-    Section("genai", "Side by side with ONNX Runtime GenAI", ("benchmarks.bench_genai", "--rounds", "3")),
+    Section("genai", "Side by side with ONNX Runtime GenAI", ("benchmarks.bench_genai", "--rounds", "3"),
+            "Batch-1 and batch-8 greedy decode: ONNX Runtime GenAI's own fp32, int8 and int4 models of SmolLM2 "
+            "against this toolkit's fp32, int8 and int4-awq engines."),
+    Section("llamacpp", "Side by side with llama.cpp", ("benchmarks.bench_llamacpp", "--rounds", "3"),
+            "Batch-1 and batch-8 greedy decode and the time to the first token of fresh 1,000- and 4,000-token "
+            "prompts: llama.cpp's Q8_0 and Q4_K_M of SmolLM2 against this toolkit's int8 and int4-awq engines."),
     Section("calibration_cost", "Calibration cost", ("benchmarks.bench_calibration", "--repeats", "3")),
     Section("export_9b", "Exporting the GLM-4-9B shape", ("benchmarks.export_9b_shape",),
             "Random weights of the 9B shape written shard by shard, exported to float16: wall time and peak RSS "
@@ -107,7 +112,9 @@ SECTIONS = (
             "Batch-1 and batch-8 decode and a 1,000-token prefill of the fp32, int8, int8-wo, int8-dyn and int4-awq "
             "engines."),
     Section("int4", "INT4 weights: AWQ, block size, zero points", ("benchmarks.int4_ablation",),
-            "SmolLM2-135M's INT4 variants on held-out text of four kinds against the float32 checkpoint."),
+            "SmolLM2-135M's INT4 variants on held-out text of four kinds against the float32 checkpoint; first, how "
+            "many of the checkpoint's decoder weight blocks of 32 lie on a 16-level grid (it is a dequantized Q4_1 "
+            "GGUF)."),
 )
 
 BEGIN, END = "<!-- section:{} -->", "<!-- /section:{} -->"

@@ -126,10 +126,10 @@ def test_only_4_bit_blocks_of_32_at_accuracy_level_4_are_taken(tmp_path):
     tiles, scales, zeros = (parts[p] for p in nbits.INT4_PARTS)
     assert tiles.shape == (3, 3, 8, 32) and scales.shape == zeros.shape == (3, 3, 16)
     for c in (0, 17, 47):
-        for k in (0, 1, 2, 3, 15, 16, 31, 64, 79):  # input pair p = (k % 32) // 2: chunk p // 2, nibble p % 2
-            pair = k % 32 // 2
-            byte = tiles[c // 16, k // 32, pair // 2, 2 * (c % 16) + k % 2]
-            assert (byte >> 4 if pair % 2 else byte & 0x0F) == qw.q[k, c]
+        for k in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 64, 79):  # input i = k % 32: vector i // 8, high nibble if i % 8 >= 4
+            i = k % 32
+            byte = tiles[c // 16, k // 32].reshape(-1)[64 * (i // 8) + 4 * (c % 16) + i % 4]
+            assert (byte >> 4 if i % 8 >= 4 else byte & 0x0F) == qw.q[k, c]
         np.testing.assert_array_equal(scales[c // 16, :, c % 16], qw.scale[:, c])
         np.testing.assert_array_equal(zeros[c // 16, :, c % 16], qw.zero[:, c])
     for a in node.attribute:

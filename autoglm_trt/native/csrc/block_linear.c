@@ -73,34 +73,33 @@ typedef struct {
   int wide;      /* Int8WeightLinear: 16-bit inputs */
 } Job;
 
-/* a tile's block, 256 bytes: 8 chunks of 32; chunk i's byte m holds in its low nibble the
- * weight of input 2 (2 i) + m % 2 (of the block) and output m / 2 (of the tile), in its high
- * nibble that of input 2 (2 i + 1) + m % 2: so each nibble plane of a chunk is 16 outputs' weights
- * for a pair of inputs, the layout vpmaddubsw multiplies by a broadcast pair of inputs */
+/* a tile's block, 256 bytes: 4 vectors of 64; vector i's byte 4 c + e holds in its low nibble the
+ * weight of output c (of the tile) and input 8 i + e (of the block), in its high nibble that of
+ * input 8 i + 4 + e: each nibble plane of a vector is 16 outputs' 32-bit lanes of 4 inputs' weights,
+ * in the inputs' own order, the operand vpdpbusd multiplies by a broadcast quad of inputs; one AND
+ * takes each plane out */
 static inline int nibble_of(const uint8_t *block, int c, int input) {
-  const int pair = input / 2, byte = block[(pair / 2) * 32 + 2 * c + input % 2];
-  return pair % 2 ? byte >> 4 : byte & 0x0F;
+  const int byte = block[64 * (input / 8) + 4 * c + input % 4];
+  return input % 8 < 4 ? byte & 0x0F : byte >> 4;
 }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-/* vpdpbusd multiplies 4 unsigned bytes by 4 signed ones and adds the 4 products into a 32-bit
- * lane: one lane per output, no horizontal sums, and no overflow (at most 255 x 127 x 32 a block).
- * 4-bit weights: each 32-byte chunk widened to 16 bits a byte, its high nibble moved to the high
- * byte, makes output c's lane (inputs 4i, 4i + 2, 4i + 1, 4i + 3 of chunk i), which
- * ``pack_inputs`` matches with the inputs in that order. 8-bit weights: two pairs' 64 bytes
- * with their 16-bit words interleaved make output c's lane of 4 inputs in order; they are signed,
- * so they go in as w + 128 (w xor 0x80) and 128 times the inputs' sum comes off. */
-#define XP_WORDS(four) ((four) ? QBLOCK / 4 : 0)
-static void pack_inputs(const int8_t *q, int32_t *xp) { /* for 4-bit weights (XP_WORDS) */
-  for (int i = 0; i < QBLOCK / 4; i++)
-    xp[i] = (int32_t)((uint32_t)(uint8_t)q[4 * i] | (uint32_t)(uint8_t)q[4 * i + 2] << 8 |
-                      (uint32_t)(uint8_t)q[4 * i + 1] << 16 | (uint32_t)(uint8_t)q[4 * i + 3] << 24);
-}
+/* four inputs as one 32-bit lane */
 static inline int32_t quad(const int8_t *x) {
   int32_t v;
   memcpy(&v, x, 4);
   return v;
 }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* vpdpbusd multiplies 4 unsigned bytes by 4 signed ones and adds the 4 products into a 32-bit
+ * lane: one lane per output, no horizontal sums, and no overflow (at most 255 x 127 x 32 a block).
+ * 4-bit weights: a vector's low plane (AND 0x0F) against inputs 8i..8i+3, its high plane left in
+ * place (AND 0xF0, 16 times each weight) against 8i+4..8i+7 in a sum of its own that is shifted
+ * right by 4 at the block's end, exactly (every product in it is a multiple of 16, and at most
+ * 240 x 127 x 16 in size). 8-bit weights: two pairs' 64 bytes with their 16-bit words
+ * interleaved make output c's lane of 4 inputs in order; they are signed, so they go in as
+ * w + 128 (w xor 0x80) and 128 times the inputs' sum comes off. */
+#define XP_WORDS(four) ((void)(four), 0)
+static void pack_inputs(const int8_t *q, int32_t *xp) { (void)q, (void)xp; } /* never called */
 /* one block's float terms added to each row's sums: (d - zero xs) * (scale * sx), in that order,
  * d the sum of the row's C chains of dot products */
 static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R, int C, __m512i zero, __m512 scale,
@@ -108,7 +107,8 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
   for (int r = 0; r < R; r++) {
     const int64_t at = row[r] * j->blocks + b;
     const __m512i dot = C == 2 ? _mm512_add_epi32(d[r][0], d[r][1]) : d[r][0];
-    const __m512i dz = _mm512_sub_epi32(dot, _mm512_mullo_epi32(zero, _mm512_set1_epi32(j->xs[at])));
+    /* zero x xs in one vpmaddwd: each lane's low word times xs (|xs| <= 32 x 127 fits 16 bits), high word 0 */
+    const __m512i dz = _mm512_sub_epi32(dot, _mm512_madd_epi16(zero, _mm512_set1_epi32(j->xs[at])));
     a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dz), _mm512_mul_ps(scale, _mm512_set1_ps(j->sx[at]))));
   }
 }
@@ -119,16 +119,22 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
     __m512 a[R];                                                                                                   \
     for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                                        \
     const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * TILE_BLOCK;                                        \
-    const __m512i nibbles = _mm512_set1_epi16(0x0F0F);                                                             \
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);                               \
     for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
-      __m512i d[R][2];                                                                                             \
-      for (int r = 0; r < R; r++) d[r][0] = d[r][1] = _mm512_setzero_si512(); /* d[r][1] unused at C = 1 */      \
-      for (int i = 0; i < 8; i++) {                                                                                \
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + b * TILE_BLOCK + 32 * i))); \
-        const __m512i q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8); /* (v | v << 4) & 0x0F0F */ \
-        for (int r = 0; r < R; r++)                                                                                \
-          d[r][i % C] = _mm512_dpbusd_epi32(d[r][i % C], q, _mm512_set1_epi32(j->xp[(row[r] * j->blocks + b) * 8 + i])); \
+      __m512i d[R][2], h[R][2];                                                                                    \
+      for (int r = 0; r < R; r++) /* [r][1] unused at C = 1 */                                                    \
+        d[r][0] = d[r][1] = h[r][0] = h[r][1] = _mm512_setzero_si512();                                            \
+      for (int i = 0; i < 4; i++) {                                                                                \
+        const __m512i v = _mm512_loadu_si512(w + b * TILE_BLOCK + 64 * i);                                         \
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(v, high);                               \
+        for (int r = 0; r < R; r++) {                                                                              \
+          const int8_t *x = j->xq + (row[r] * j->blocks + b) * QBLOCK + 8 * i;                                    \
+          d[r][i % C] = _mm512_dpbusd_epi32(d[r][i % C], lo, _mm512_set1_epi32(quad(x)));                          \
+          h[r][i % C] = _mm512_dpbusd_epi32(h[r][i % C], hi, _mm512_set1_epi32(quad(x + 4)));                      \
+        }                                                                                                          \
       }                                                                                                            \
+      for (int r = 0; r < R; r++)                                                                                  \
+        for (int c = 0; c < C; c++) d[r][c] = _mm512_add_epi32(d[r][c], _mm512_srai_epi32(h[r][c], 4));           \
       add_block(j, b, row, R, C, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zero + (t * j->blocks + b) * 16))), \
                 _mm512_loadu_ps(j->scale + (t * j->blocks + b) * 16), d, a);                                      \
     }                                                                                                              \
@@ -206,16 +212,11 @@ static void pack_inputs(const int8_t *q, int32_t *xp) { /* for 8-bit weights (XP
   for (int p = 0; p < QBLOCK / 2; p++)
     xp[p] = (int32_t)((uint32_t)(uint16_t)(int16_t)q[2 * p] | (uint32_t)(uint16_t)(int16_t)q[2 * p + 1] << 16);
 }
-/* inputs 2p and 2p + 1 in every 16-bit lane */
-static inline __m256i input_pair(const int8_t *x, int p) {
-  int16_t v;
-  memcpy(&v, x + 2 * p, 2);
-  return _mm256_set1_epi16(v);
-}
-/* R rows (rows past ``rows`` repeat the first, not stored) x the 16 outputs of tile t into sums.
- * Each 16-bit lane holds one output: 8 pairs of products (each at most 15 x 127 x 2 = 3810 in
- * size) summed in 16 bits cannot overflow (30480), so each half block is summed there and widened
- * once; no horizontal sums. */
+/* R rows (rows past ``rows`` repeat the first, not stored) x the 16 outputs of tile t into sums,
+ * 8 outputs (half of each 64-byte vector) at a time. vpmaddubsw puts a pair of products in each
+ * 16-bit lane, two lanes an output: a block's 8 such pairs a lane (each at most 15 x 127 x 2 =
+ * 3810 in size) summed in 16 bits cannot overflow (30480), and one vpmaddwd by 1s adds each
+ * output's two lanes into 32 bits; no horizontal sums. */
 #define ROWS_TILE(R)                                                                                               \
   static void tile4_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
     __m256 a[R][2];                                                                                                \
@@ -223,35 +224,27 @@ static inline __m256i input_pair(const int8_t *x, int p) {
     const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * TILE_BLOCK;                                        \
     const uint8_t *zero = j->zero + t * j->blocks * 16;                                                            \
     const float *scale = j->scale + t * j->blocks * 16;                                                            \
-    const __m256i low = _mm256_set1_epi8(0x0F);                                                                    \
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                      \
     for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
       const int8_t *x[R];                                                                                          \
-      __m256i d[R][2];                                                                                             \
-      for (int r = 0; r < R; r++) {                                                                                \
-        x[r] = j->xq + (row[r] * j->blocks + b) * QBLOCK;                                                          \
-        d[r][0] = d[r][1] = _mm256_setzero_si256();                                                                \
-      }                                                                                                            \
-      for (int half = 0; half < 2; half++) {                                                                       \
-        __m256i v[8];                                                                                              \
-        for (int i = 0; i < 4; i++) {                                                                              \
-          const __m256i c = _mm256_loadu_si256((const __m256i *)(w + b * TILE_BLOCK + (4 * half + i) * 32));      \
-          v[2 * i] = _mm256_and_si256(c, low);                                                                     \
-          v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);                                           \
-        }                                                                                                          \
-        for (int r = 0; r < R; r++) {                                                                              \
-          __m256i s = _mm256_maddubs_epi16(v[0], input_pair(x[r], 8 * half));                                      \
-          for (int p = 1; p < 8; p++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(v[p], input_pair(x[r], 8 * half + p))); \
-          d[r][0] = _mm256_add_epi32(d[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)));                   \
-          d[r][1] = _mm256_add_epi32(d[r][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)));              \
-        }                                                                                                          \
-      }                                                                                                            \
+      for (int r = 0; r < R; r++) x[r] = j->xq + (row[r] * j->blocks + b) * QBLOCK;                                \
       for (int h = 0; h < 2; h++) {                                                                                \
-        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zero + b * 16 + 8 * h)));       \
-        const __m256 s = _mm256_loadu_ps(scale + b * 16 + 8 * h);                                                  \
+        __m256i s[R];                                                                                              \
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();                                                 \
+        for (int i = 0; i < 4; i++) {                                                                              \
+          const __m256i c = _mm256_loadu_si256((const __m256i *)(w + b * TILE_BLOCK + 64 * i + 32 * h));          \
+          const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);       \
+          for (int r = 0; r < R; r++) {                                                                            \
+            s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad(x[r] + 8 * i))));        \
+            s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad(x[r] + 8 * i + 4))));    \
+          }                                                                                                        \
+        }                                                                                                          \
+        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zero + b * 16 + 8 * h)));        \
+        const __m256 sc = _mm256_loadu_ps(scale + b * 16 + 8 * h);                                                 \
         for (int r = 0; r < R; r++) {                                                                              \
           const int64_t at = row[r] * j->blocks + b;                                                               \
-          const __m256i dz = _mm256_sub_epi32(d[r][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(j->xs[at])));      \
-          a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(dz), _mm256_mul_ps(s, _mm256_set1_ps(j->sx[at])))); \
+          const __m256i dz = _mm256_sub_epi32(_mm256_madd_epi16(s[r], ones), _mm256_mullo_epi32(z, _mm256_set1_epi32(j->xs[at]))); \
+          a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(dz), _mm256_mul_ps(sc, _mm256_set1_ps(j->sx[at])))); \
         }                                                                                                          \
       }                                                                                                            \
     }                                                                                                              \

@@ -35,7 +35,7 @@ import numpy as np
 from ....model.spec import ModelSpec
 from .common import all_nodes
 
-PASSES_VERSION = 4
+PASSES_VERSION = 5
 # computed as ONNX Runtime's float nodes are only with fused multiply-add
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
            "Int8LinearSkipNorm", "Int8WeightLinearSiluMul", "Int8WeightLinearSkipNorm", "Int4WeightLinearSiluMul",

@@ -103,11 +103,12 @@ def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array:
     else:
         return None
     # MatMulNBits: byte j of a block holds its inputs 2j (low nibble) and 2j + 1; the operator's
-    # block holds, for each pair of inputs p, a plane of 32 nibbles: outputs c = 0..15, inputs 2p
-    # and 2p + 1 of each, pairs 2i and 2i + 1 sharing the bytes of chunk i (``csrc/block_linear.c``)
-    q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n // 16, 16, blocks, QUANT_BLOCK // 2, 2)
-    planes = q.transpose(0, 2, 3, 1, 4).reshape(n // 16, blocks, QUANT_BLOCK // 2, 32)  # [t, b, pair, 2 c + e]
-    tiles = np.ascontiguousarray(planes[:, :, 0::2] | (planes[:, :, 1::2] << 4)).astype(np.uint8)
+    # block is 4 vectors of 64 bytes, byte 4c + e of vector i holding output c's inputs 8i + e
+    # (low nibble) and 8i + 4 + e (high) (``csrc/block_linear.c``)
+    q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n // 16, 16, blocks, 4, 2, 4)  # [t, c, b, i, half, e]
+    planes = q.transpose(0, 2, 3, 4, 1, 5)  # [t, b, i, half, c, e]
+    tiles = np.ascontiguousarray(planes[:, :, :, 0] | (planes[:, :, :, 1] << 4)).astype(np.uint8).reshape(
+        n // 16, blocks, 8, 32)
 
     def by_tile(a: np.ndarray) -> np.ndarray:  # [N, KB] -> [N/16, KB, 16]
         return np.ascontiguousarray(a.reshape(n // 16, 16, blocks).transpose(0, 2, 1))
