@@ -5,9 +5,9 @@ toolkit's int8 and int4-awq engines, one run.
 
     python -m benchmarks.bench_llamacpp [--rounds 3] [--gen 128] [--tokens 1000,4000]
 
-llama.cpp is llama-cpp-python as ``benchmarks.peer_accuracy`` builds it (``GGML_NATIVE``: every
-instruction set of this CPU, AMX included where it has it) and its GGUFs are that script's
-requantizations of the shipped one. It runs through its C API (``llama_decode`` on a batch of
+llama.cpp is llama-cpp-python as ``benchmarks.peer_accuracy`` builds it (this CPU's instruction
+sets, read from ``/proc/cpuinfo``, but AMX, whose matrix multiply crashed here) and its GGUFs are
+that script's requantizations of the shipped one. It runs through its C API (``llama_decode`` on a batch of
 all sequences' tokens, greedy by argmax over each sequence's logits), 2 threads, a context of
 8,192 cells with 8 sequences, ``n_batch`` 2,048 and ``n_ubatch`` 512 (llama-bench's defaults),
 its own choice of flash attention. This toolkit's engines as ``bench_runtime`` (decode) and
@@ -80,8 +80,10 @@ class LlamaRunner:
         self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
         batch, plen = prompts.shape
         entries = [(int(prompts[s, p]), p, s, p == plen - 1) for s in range(batch) for p in range(plen)]
+        if batch > 1 and len(entries) > 2048:
+            raise ValueError("several prompts must fit one llama_decode call (2,048 tokens) together")
         self._decode(entries)
-        last = [self._argmax(s * plen + plen - 1) if len(entries) <= 2048 else self._argmax(-1) for s in range(batch)]
+        last = [self._argmax(s * plen + plen - 1) if batch > 1 else self._argmax(-1) for s in range(batch)]
         times = [time.perf_counter()]
         for step in range(1, gen):
             self._decode([(last[s], plen + step - 1, s, True) for s in range(batch)])
