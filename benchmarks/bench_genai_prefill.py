@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -45,6 +46,28 @@ def engine_ttft(engine, prompt: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
+def ttft_rows(peer: str, peer_ttft: Callable[[str, np.ndarray], float], ours: dict, lengths: list[int],
+              rounds: int, rng: np.random.Generator, length_key: str = "tokens") -> Iterator[dict]:
+    """Milliseconds to the first token of a peer and of ``ours`` (precision -> Engine): one warm-up
+    of each, then per length ``rounds`` rounds of one new random prompt to all; a row per length
+    with the medians and each precision's median ratio (the peer's time over ours).
+    ``peer_ttft(precision, prompt)``: the peer's seconds."""
+    warm = rng.integers(100, 40000, 64)
+    for p in ours:
+        peer_ttft(p, warm)
+        engine_ttft(ours[p], warm)
+    for n in lengths:
+        measured = []
+        for _ in range(rounds):
+            prompt = rng.integers(100, 40000, n)
+            measured.append({f"{side}_{p}": 1000 * (peer_ttft(p, prompt) if side == peer else engine_ttft(ours[p], prompt))
+                             for p in ours for side in (peer, "ours")})
+        row: dict = {length_key: n, "ms": {k: round(float(np.median([r[k] for r in measured])), 1) for k in measured[0]}}
+        for p in ours:
+            row[f"{peer}_over_ours_{p}"] = round(float(np.median([r[f"{peer}_{p}"] / r[f"ours_{p}"] for r in measured])), 2)
+        yield row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -60,23 +83,9 @@ def main() -> None:
 
     ours = {p: Engine.load(ensure(p), threads=2) for p in ("fp32", "int8")}
     theirs = {p: og.Model(str(genai_model(p, 2))) for p in ("fp32", "int8")}
-    lengths = [int(n) for n in args.tokens.split(",")]
-    rng = np.random.default_rng(0)
-    warm = rng.integers(100, 40000, 64)
-    for p in ("fp32", "int8"):
-        genai_ttft(theirs[p], warm)
-        engine_ttft(ours[p], warm)
     print(machine(), flush=True)
-    for n in lengths:
-        rounds = []
-        for _ in range(args.rounds):
-            prompt = rng.integers(100, 40000, n)
-            rounds.append({f"{side}_{p}": 1000 * (genai_ttft(theirs[p], prompt) if side == "genai"
-                                                  else engine_ttft(ours[p], prompt))
-                           for p in ("fp32", "int8") for side in ("genai", "ours")})
-        row: dict = {"tokens": n, "ms": {k: round(float(np.median([r[k] for r in rounds])), 1) for k in rounds[0]}}
-        for p in ("fp32", "int8"):
-            row[f"genai_over_ours_{p}"] = round(float(np.median([r[f"genai_{p}"] / r[f"ours_{p}"] for r in rounds])), 2)
+    for row in ttft_rows("genai", lambda p, prompt: genai_ttft(theirs[p], prompt), ours,
+                         [int(n) for n in args.tokens.split(",")], args.rounds, np.random.default_rng(0)):
         print(json.dumps(row), flush=True)
     for e in ours.values():
         e.close()

@@ -120,7 +120,7 @@ def main() -> None:
     from autoglm_trt.runtime import Engine
 
     from .bench_genai import decode_rounds
-    from .bench_genai_prefill import engine_ttft
+    from .bench_genai_prefill import ttft_rows
     from .bench_prefill import ensure
     from .bench_runtime import ensure_engine
 
@@ -139,21 +139,8 @@ def main() -> None:
                 "ours_vs_llama": round(float(np.median([r[f"ours_{p}_b{b}"] / r[f"llama_{p}_b{b}"] for r in rounds])), 2)}
             print(json.dumps(row), flush=True)
     prefills = {p: Engine.load(ensure(p), threads=2) for p in PAIRS}
-    rng = np.random.default_rng(1)
-    warm = rng.integers(100, 40000, 64)
-    for p in PAIRS:
-        theirs[p].ttft(warm)
-        engine_ttft(prefills[p], warm)
-    for n in [int(t) for t in args.tokens.split(",")]:
-        rounds = []
-        for _ in range(args.rounds):
-            prompt = rng.integers(100, 40000, n)
-            rounds.append({f"{side}_{p}": 1000 * (theirs[p].ttft(prompt) if side == "llama" else
-                                                  engine_ttft(prefills[p], prompt))
-                           for p in PAIRS for side in ("llama", "ours")})
-        row = {"prefill_tokens": n, "ms": {k: round(float(np.median([r[k] for r in rounds])), 1) for k in rounds[0]}}
-        for p in PAIRS:
-            row[f"llama_over_ours_{p}"] = round(float(np.median([r[f"llama_{p}"] / r[f"ours_{p}"] for r in rounds])), 2)
+    for row in ttft_rows("llama", lambda p, prompt: theirs[p].ttft(prompt), prefills,
+                         [int(t) for t in args.tokens.split(",")], args.rounds, np.random.default_rng(1), "prefill_tokens"):
         print(json.dumps(row), flush=True)
     for e in prefills.values():
         e.close()
