@@ -69,7 +69,9 @@ SECTIONS = (
             "16 concurrent requests free, under a JSON schema, and with Open-AutoGLM's frequency_penalty plus a "
             "repetition penalty."),
     Section("kv", "INT8 KV cache", ("benchmarks.bench_kv",),
-            "Four engines at the same KV memory; accuracy with the held-out text fed through the pool."),
+            "Six engines at the same KV memory (fp32 and int8 weights; float KV, INT8 KV with static per-head "
+            "scales, INT8 KV with per-token scales); accuracy with each kind of held-out text fed 16 tokens a step "
+            "through the pool."),
     Section("agent", "Agent workload and prefix caching", ("benchmarks.bench_agent",),
             "4 agents at once, a 1,000-token system prompt, 8 turns, the whole history resent each turn."),
     Section("agent_images", "The phone agent on a small GLM-4.1V", ("benchmarks.bench_agent", "--images"),

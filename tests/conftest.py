@@ -76,6 +76,16 @@ def int8_kv_engine(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def int8_token_kv_engine(tiny_dir, tmp_path_factory):
+    """The tiny Llama as an fp32 engine with an INT8 KV cache of per-token scales."""
+    return build_tiny_engine(tiny_dir, tmp_path_factory.mktemp("eng") / "int8-token-kv", kv_cache_dtype="int8",
+                             kv_scales="token")
+
+
+KV_ENGINES = {"float": "tiny_engine", "int8": "int8_kv_engine", "int8-token": "int8_token_kv_engine"}
+
+
+@pytest.fixture(scope="session")
 def tiny_int8_engine(tiny_dir, tmp_path_factory):
     """The tiny Llama as an INT8 engine, calibrated on a little English text."""
     data = tmp_path_factory.mktemp("tiny-calib")

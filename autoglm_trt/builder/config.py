@@ -37,7 +37,8 @@ class BuildConfig:
     timing_cache: str | None = None  # path; default engines/.cache/timing.cache
     builder_optimization_level: int = 3
     threads: int = 0  # ONNX Runtime intra-op threads (0: one per core)
-    kv_cache_dtype: str | None = None  # float32 | float16 | int8 (calibrated scales); default: the engine's float dtype
+    kv_cache_dtype: str | None = None  # float32 | float16 | int8; default: the engine's float dtype
+    kv_scales: str = "head"  # int8 KV: "head" (calibrated, static, one per KV head) or "token" (made with each token)
     # image-text models: the most pixels an image is resized to (default: the checkpoint's preprocessor
     # config; a TensorRT vision engine is built for it), and images per prompt (the runtime's defaults)
     max_pixels: int | None = None
@@ -56,6 +57,11 @@ class BuildConfig:
             raise BuildConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})")
         if self.kv_cache_dtype not in (None, "float32", "float16", "int8"):
             raise BuildConfigError(f"kv_cache_dtype must be float32, float16 or int8, got {brief(self.kv_cache_dtype)}")
+        if self.kv_scales not in ("head", "token"):
+            raise BuildConfigError(f"kv_scales must be head or token, got {brief(self.kv_scales)}")
+        if self.kv_scales == "token" and self.kv_cache_dtype != "int8":
+            raise BuildConfigError("kv_scales token is for an INT8 KV cache: add kv_cache_dtype int8 "
+                                   f"(got {brief(self.kv_cache_dtype)})")
         if not 0 <= self.builder_optimization_level <= 5:
             raise BuildConfigError(f"builder_optimization_level must be 0..5, got {self.builder_optimization_level}")
         if self.kv_num_blocks is not None and self.kv_num_blocks < self.blocks_per_seq:
@@ -68,8 +74,10 @@ class BuildConfig:
         return -(-self.max_seq_len // self.kv_block_size)
 
     def block_bytes(self, spec: ModelSpec, kv_bytes_per_elem: int) -> int:
-        """Bytes of one KV block: K and V of every layer."""
-        return 2 * spec.num_layers * self.kv_block_size * spec.num_kv_heads * spec.head_dim * kv_bytes_per_elem
+        """Bytes of one KV block: K and V of every layer (and, with per-token scales, a float32
+        scale per token and KV head)."""
+        row = spec.head_dim * kv_bytes_per_elem + (4 if self.kv_scales == "token" else 0)
+        return 2 * spec.num_layers * self.kv_block_size * spec.num_kv_heads * row
 
     def num_blocks(self, spec: ModelSpec, kv_bytes_per_elem: int) -> int:
         """Pool size: ``kv_num_blocks`` or as many blocks as ``kv_memory_bytes`` holds (K and V, all layers)."""

@@ -167,10 +167,10 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
 def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
                    req: BuildRequest, kv_amax: dict | None) -> tuple[str, dict]:
     """Optimize (ONNX Runtime: then its plain and native graphs, ``loader.write_graphs``) or build
-    (TensorRT) the graph into ``tmp``: (engine file, report). With ``kv_amax`` the graph is first
-    rewritten for an INT8 KV cache."""
+    (TensorRT) the graph into ``tmp``: (engine file, report). For an INT8 KV cache the graph is
+    first rewritten: with the static scales of ``kv_amax``, or per token (``cfg.kv_scales``)."""
     rewritten = None
-    if kv_amax is not None:
+    if kv_amax is not None or cfg.kv_scales == "token":
         import onnx
 
         rewritten = int8_kv_graph(onnx.load(str(graph_file), load_external_data=False), kv_amax)
@@ -235,6 +235,9 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     if out_dir.exists() and not req.force:
         raise AutoGLMError(f"engine directory {out_dir} already exists; pass --force to rebuild it")
     backend = _backend_for(req, log)
+    if cfg.kv_scales == "token" and backend == "tensorrt":
+        raise AutoGLMError("per-token KV scales (kv_scales token) run on the onnxruntime backend; for TensorRT "
+                           "use kv_scales head (static, calibrated), which it builds as explicit quantization")
     t0 = time.perf_counter()
     cache = _cache_dir(req)
     float_dir = _model_dir(req, cache, log)
@@ -253,7 +256,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     profiles = profile_shapes(cfg, record.spec, num_blocks)
     # K/V ranges: the calibration's (int8), else measured on the float model
     kv_source = ExportRecord.read(float_dir) if req.precision in (*WEIGHT_ONLY, "int4-awq") else record
-    kv_amax = _kv_amax(req, kv_source, log) if kv_dtype == "int8" else None
+    kv_amax = _kv_amax(req, kv_source, log) if kv_dtype == "int8" and cfg.kv_scales == "head" else None
 
     with staged_directory(out_dir, req.force) as tmp:
         log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
@@ -270,7 +273,9 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         manifest = _manifest(req, backend, engine_file, record, cfg, profiles, report)
         manifest["kv_cache"] = KVCache(cfg.kv_block_size, num_blocks,
                                        num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), kv_dtype,
-                                       f"{POOL_LAYOUT} per layer, K and V",
+                                       f"{POOL_LAYOUT} per layer, K and V" + (
+                                           ", and a float32 scale per token and KV head" if cfg.kv_scales == "token"
+                                           else ""),
                                        None if kv_amax is None else {n: [a / 127.0 for a in v]
                                                                      for n, v in kv_amax.items()}).as_dict()
         if graphs is not None:

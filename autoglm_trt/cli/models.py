@@ -166,7 +166,10 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
               help="TensorRT builder optimization level (0-5).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (0: all cores).")
 @click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16", "int8"]), default=None,
-              help="KV cache storage [default: the engine's float dtype]; int8 uses calibrated per-head scales.")
+              help="KV cache storage [default: the engine's float dtype].")
+@click.option("--kv-scales", type=click.Choice(["head", "token"]), default=None,
+              help="int8 KV cache: calibrated static scales per KV head (TensorRT builds them), or a scale "
+                   "made with each token and KV head (closer to float; ONNX Runtime) [default: head].")
 @click.option("--max-pixels", type=int, default=None,
               help="Image-text models: the most pixels an image is resized to [default: the checkpoint's "
                    "preprocessor_config.json; Open-AutoGLM serves with 5000000].")

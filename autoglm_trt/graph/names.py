@@ -11,6 +11,9 @@ tensor is renamed for all of them. Per layer ``i``::
     layers.<i>.attn               the attention output, [B, T, heads * D]
     layers.<i>.attn_residual, layers.<i>.mlp_residual   the residual stream after each half
     past_key.<i>, past_value.<i>  the block pools (inputs); new_key.<i>, new_value.<i> (outputs)
+    past_key_scale.<i>, ...       an INT8 KV cache's per-token scales (``kv_int8.py``): their pools
+                                  [kv_heads, num_blocks, block_size] (inputs) and the new tokens'
+                                  new_key_scale.<i>, new_value_scale.<i> [batch, tokens, kv_heads]
 
 and, for each INT8 linear's online rotation, the constants ``hadamard_<b>``, ``blocks_<b>_<rank>``
 and ``unblocks_<rank>``. The quantizable linears are named ``layers.<i>.<kind>`` and ``lm_head``
@@ -19,6 +22,7 @@ and ``unblocks_<rank>``. The quantizable linears are named ``layers.<i>.<kind>``
 
 from __future__ import annotations
 
+from ..kvcache import layout
 from ..model.spec import ModelSpec
 
 INPUT_IDS = "input_ids"
@@ -58,6 +62,9 @@ def new_key(i: int) -> str:
 
 def new_value(i: int) -> str:
     return f"new_value.{i}"
+
+
+scale_of = layout.scale_of  # past_key.3 -> past_key_scale.3 (the kvcache layer names them too)
 
 
 def hadamard(b: int) -> str:

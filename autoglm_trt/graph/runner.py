@@ -16,9 +16,10 @@ import numpy as np
 from ..artifacts import ExportRecord, inside
 from ..errors import AutoGLMError
 from ..kvcache.host_pools import KVPools
-from ..kvcache.layout import blocks_needed
+from ..kvcache.layout import blocks_needed, scale_of
 from ..kvcache.step_inputs import MRope, PromptImages, SeqState, StepImages, step_inputs
 from ..model.spec import ModelSpec
+from . import names
 from .session import make_session, run
 
 
@@ -54,16 +55,16 @@ def text_only(spec: ModelSpec, batch: int) -> dict:
 
 
 def prefill_feeds(spec: ModelSpec, windows: np.ndarray, kv_dtype: str, all_logits: bool = False,
-                  images: WindowImages | None = None) -> dict[str, np.ndarray]:
+                  images: WindowImages | None = None, token_scales: bool = False) -> dict[str, np.ndarray]:
     """Graph inputs for a prefill of equal-length windows with nothing cached (``images``: theirs,
-    for a vision family).
+    for a vision family; ``token_scales``: the graph's INT8 KV cache has per-token scale pools).
 
     One pool block (masked out by ``context_lens`` 0) suffices, and the new K/V outputs are not
     written back.
     """
     batch, seq_len = windows.shape
     block = 16
-    pools = KVPools(spec.num_layers, 1, block, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    pools = KVPools(spec.num_layers, 1, block, spec.num_kv_heads, spec.head_dim, kv_dtype, token_scales)
     states = [SeqState(0, [0] * -(-seq_len // block)) for _ in range(batch)]
     extra = text_only(spec, batch) if images is None else images.step_args(spec.hidden_size)
     feeds, _ = step_inputs([list(map(int, w)) for w in windows], states, block, all_logits=all_logits, **extra)
@@ -83,18 +84,19 @@ class GraphRunner:
         self.spec: ModelSpec = self.record.spec
         self.kv_dtype = self.record.kv_dtype
         self.no_store = no_store
-        if session is not None:
-            self.session = session
-            return
-        path = inside(self.dir, onnx_file, "the ONNX file") if onnx_file else self.record.graph_file
-        if not path.is_file():
-            raise AutoGLMError(f"{path} is missing")
-        # an INT8 Q/DQ graph as the engines compute it (exact integer products), on any CPU
-        self.session = make_session(path, threads=threads, float_qdq=self.record.precision == "int8")
+        if session is None:
+            path = inside(self.dir, onnx_file, "the ONNX file") if onnx_file else self.record.graph_file
+            if not path.is_file():
+                raise AutoGLMError(f"{path} is missing")
+            # an INT8 Q/DQ graph as the engines compute it (exact integer products), on any CPU
+            session = make_session(path, threads=threads, float_qdq=self.record.precision == "int8")
+        self.session = session
+        self.token_scales = scale_of(names.past_key(0)) in {i.name for i in session.get_inputs()}
 
     def logits(self, windows: np.ndarray) -> np.ndarray:
         """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""
-        return run(self.session, self._stored_nowhere(prefill_feeds(self.spec, windows, self.kv_dtype, all_logits=True),
+        return run(self.session, self._stored_nowhere(prefill_feeds(self.spec, windows, self.kv_dtype, all_logits=True,
+                                                                    token_scales=self.token_scales),
                                                       len(windows)))["logits"]
 
     def _stored_nowhere(self, feeds: dict, batch: int) -> dict:
@@ -107,7 +109,7 @@ class GraphRunner:
         batch, seq_len = windows.shape
         per_seq = blocks_needed(seq_len, block_size)
         pools = KVPools(self.spec.num_layers, batch * per_seq, block_size, self.spec.num_kv_heads,
-                        self.spec.head_dim, self.kv_dtype)
+                        self.spec.head_dim, self.kv_dtype, self.token_scales)
         # block ids interleaved between the sequences, so a wrong block table reads another's past
         states = [SeqState(0, [b + batch * k for k in range(per_seq)]) for b in range(batch)]
         out = np.empty((batch, seq_len, self.spec.vocab_size), np.float32)

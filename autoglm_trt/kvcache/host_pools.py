@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing
 
-from .layout import pool_shape
+from .layout import pool_shape, scale_of
 
 
 class KVPools:
@@ -24,19 +24,25 @@ class KVPools:
     assembles huge pages) and 0.06 s when it reuses them."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: np.typing.DTypeLike = np.float32):
+                 dtype: np.typing.DTypeLike = np.float32, token_scales: bool = False):
+        """``token_scales``: an INT8 KV cache with a float32 scale per token and KV head
+        (``graph/kv_int8.py``), kept in ``scales[2, num_layers, kv_heads, num_blocks, block_size]``."""
         shape = pool_shape(num_blocks, block_size, kv_heads, head_dim)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.data = np.empty((2, num_layers, *shape), dtype=dtype)
         self.data.fill(0)  # every page touched now, not during a step (see above)
         self.keys = list(self.data[0])
         self.values = list(self.data[1])
+        self.scales = np.zeros((2, num_layers, *shape[:3]), np.float32) if token_scales else None
 
     def feeds(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             out[f"past_key.{i}"] = k
             out[f"past_value.{i}"] = v
+            if self.scales is not None:
+                out[scale_of(f"past_key.{i}")] = self.scales[0, i]
+                out[scale_of(f"past_value.{i}")] = self.scales[1, i]
         return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -44,18 +50,27 @@ class KVPools:
         if pairs:
             src, dst = (np.array(c, np.int64) for c in zip(*pairs))
             self.data[:, :, :, dst] = self.data[:, :, :, src]
+            if self.scales is not None:
+                self.scales[:, :, :, dst] = self.scales[:, :, :, src]
 
     def write(self, outputs: dict[str, np.ndarray], slots: SlotMap) -> None:
-        """Scatter every layer's new K/V into the pools at the slots of the step."""
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            new_k, new_v = outputs[f"new_key.{i}"], outputs[f"new_value.{i}"]
-            k[:, slots.block, slots.offset] = new_k[slots.batch, slots.token].swapaxes(0, 1)
-            v[:, slots.block, slots.offset] = new_v[slots.batch, slots.token].swapaxes(0, 1)
+        """Scatter every layer's new K/V (and their scales) into the pools at the slots of the step."""
+        for i in range(len(self.keys)):
+            for kind, name in enumerate((f"new_key.{i}", f"new_value.{i}")):
+                pool = self.data[kind, i]
+                pool[:, slots.block, slots.offset] = outputs[name][slots.batch, slots.token].swapaxes(0, 1)
+                if self.scales is not None:
+                    new = outputs[scale_of(name)][slots.batch, slots.token]
+                    self.scales[kind, i][:, slots.block, slots.offset] = new.swapaxes(0, 1)
 
-    def write_stacked(self, new: np.ndarray, slots: SlotMap) -> None:
+    def write_stacked(self, new: np.ndarray, slots: SlotMap, new_scales: np.ndarray | None = None) -> None:
         """``write`` for new K/V stacked as ``[2, num_layers, batch, tokens, kv_heads, head_dim]``
-        (K then V, like ``data``): one scatter for all layers."""
+        (K then V, like ``data``; their scales ``[2, num_layers, batch, tokens, kv_heads]``): one
+        scatter for all layers."""
         self.data[:, :, :, slots.block, slots.offset] = new[:, :, slots.batch, slots.token].swapaxes(2, 3)
+        if self.scales is not None:
+            assert new_scales is not None, "an INT8 KV cache with per-token scales stores them with the K/V"
+            self.scales[:, :, :, slots.block, slots.offset] = new_scales[:, :, slots.batch, slots.token].swapaxes(2, 3)
 
 
 @dataclass(frozen=True)

@@ -25,3 +25,10 @@ def pool_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def scale_of(kv_name: str) -> str:
+    """The per-token scales that go with a pool or new K/V tensor of an INT8 KV cache:
+    ``past_key.3`` -> ``past_key_scale.3``, ``new_value.0`` -> ``new_value_scale.0``."""
+    kind, layer_no = kv_name.split(".")
+    return f"{kind}_scale.{layer_no}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import KV_ENGINES
 
 
 def store_session(library, hq, hkv, d, nb, bs, int8_kv: bool):
@@ -85,13 +86,12 @@ def test_the_operator_stores_each_new_token_at_its_slot(library, int8_kv, t):
         np.testing.assert_array_equal(got, w)
 
 
-@pytest.mark.parametrize("kv", ["float", "int8"])
-def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(tiny_engine, int8_kv_engine, library,
-                                                                            monkeypatch, kv):
+@pytest.mark.parametrize("kv", list(KV_ENGINES))
+def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(request, library, monkeypatch, kv):
     """Two prompts, then 9 greedy decode steps (crossing block boundaries) on two runners of the
     same engine: one whose attention operator stores decode steps' K/V, one that scatters them
-    itself. After every step the logits and the pools are equal bit for bit, and the first runner
-    scattered only the prefill's K/V."""
+    itself. After every step the logits and the pools (and per-token scale pools) are equal bit for
+    bit, and the first runner scattered only the prefill's K/V."""
     from conftest import step_all
 
     from autoglm_trt.artifacts import Manifest
@@ -99,15 +99,15 @@ def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(tiny
     from autoglm_trt.kvcache.step_inputs import SeqState
 
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
-    runners = [open_runner(Manifest.read(tiny_engine if kv == "float" else int8_kv_engine), num_blocks=32, threads=1)
+    runners = [open_runner(Manifest.read(request.getfixturevalue(KV_ENGINES[kv])), num_blocks=32, threads=1)
                for _ in range(2)]
     assert all(r.stores_kv for r in runners)
     runners[1].stores_kv = False
     scatters, scatter = [], runners[0].pools.write_stacked
 
-    def counted(stacked, slots):
+    def counted(stacked, slots, scales=None):
         scatters.append(stacked.shape)
-        scatter(stacked, slots)
+        scatter(stacked, slots, scales)
 
     monkeypatch.setattr(runners[0].pools, "write_stacked", counted)
     states = [[SeqState(0, [0, 1, 2]), SeqState(0, [3, 4, 5])] for _ in runners]
@@ -116,6 +116,8 @@ def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(tiny
         logits = step_all(runners, states, new)
         np.testing.assert_array_equal(*logits)
         np.testing.assert_array_equal(runners[0].pools.data, runners[1].pools.data)
+        if kv == "int8-token":
+            np.testing.assert_array_equal(runners[0].pools.scales, runners[1].pools.scales)
         new = [[int(t)] for t in logits[0].argmax(axis=-1)]
     assert len(scatters) == 1 and scatters[0][3] == 11  # the prefill's, padded to 11 tokens
     assert runners[0].pools.data.any()

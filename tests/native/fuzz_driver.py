@@ -50,11 +50,13 @@ def _paged(rng, int8: bool) -> list[np.ndarray]:
              *(rng.integers(-127, 128, pool).astype(I8) if int8 else rng.standard_normal(pool).astype(F)
                for _ in range(2)),
              tables.astype(I64), ctx.astype(I64), rng.integers(0, t + 1, b).astype(I64)]
+    per_token = int8 and rng.integers(2) == 0  # scale pools [hkv, nb, bs] instead of a scale per head
     if int8:
-        feeds += [rng.uniform(0.01, 0.1, hkv).astype(F) for _ in range(2)]
+        feeds += [rng.uniform(0.01, 0.1, (hkv, nb, bs) if per_token else hkv).astype(F) for _ in range(2)]
     feeds.append(rng.integers(-1, max(1, nb * bs), b).astype(I64))  # slots
     if int8:
         feeds += [rng.integers(-127, 128, (b, 1, hkv, d)).astype(I8) for _ in range(2)]
+        feeds += [rng.uniform(0.01, 0.1, (b, 1, hkv)).astype(F) for _ in range(2)]  # the new tokens' scales
     return feeds
 
 
@@ -90,10 +92,11 @@ def _int4_linear(rng, extra: int) -> list[np.ndarray]:
     return feeds
 
 
-def _block_linear(rng, extra: int) -> list[np.ndarray]:
+def _block_linear(rng, extra: int, quads: bool = False) -> list[np.ndarray]:
+    """Int8BlockLinear's inputs (tiles of pairs), or with ``quads`` Int8WeightLinear's."""
     feeds = _int4_linear(rng, extra)
     n16, kb = feeds[1].shape[:2]
-    feeds[1:4] = [rng.integers(-128, 128, (n16, kb, 16, 32)).astype(I8), feeds[2]]
+    feeds[1:4] = [rng.integers(-128, 128, (n16, kb, 8, 64) if quads else (n16, kb, 16, 32)).astype(I8), feeds[2]]
     return feeds
 
 
@@ -128,10 +131,16 @@ def _prefill_attention(rng) -> list[np.ndarray]:
                                                                for n in (p, t, p, t)), bias]
 
 
+def _kv_rows(rng) -> list[np.ndarray]:
+    shape = [int(rng.integers(1, 4)) for _ in range(int(rng.integers(1, 4)))] + [int(rng.choice([1, 8, 64, 128]))]
+    return [(rng.standard_normal(shape) * rng.choice([1e-9, 1.0, 1e4])).astype(F)]
+
+
+OUTPUT_TYPES = {"HadamardQuantize": [U8], "QuantizeKVRows": [I8, F]}  # float32 for the others
 # name: (inputs that fit, outputs, how many trailing inputs are optional)
 OPS: dict[str, tuple[Callable, int, int]] = {
     "PagedAttention": (lambda r: _paged(r, False), 1, 1),
-    "PagedAttentionInt8KV": (lambda r: _paged(r, True), 1, 3),
+    "PagedAttentionInt8KV": (lambda r: _paged(r, True), 1, 5),
     "HadamardQuantize": (_hadamard, 1, 0),
     "Int8Linear": (lambda r: _int8_linear(r, 0), 1, 0),
     "Int8LinearSplit": (lambda r: _int8_linear(r, 0, True), 2, 0),
@@ -141,10 +150,10 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "FloatLinearSplit": (lambda r: _float_linear(r, 0), 2, 0),
     "FloatLinearSiluMul": (lambda r: _float_linear(r, 0), 1, 0),
     "FloatLinearSkipNorm": (lambda r: _float_linear(r, 1), 2, 0),
-    "Int8WeightLinear": (lambda r: _block_linear(r, 0), 1, 0),
-    "Int8WeightLinearSplit": (lambda r: _block_linear(r, 0), 2, 0),
-    "Int8WeightLinearSiluMul": (lambda r: _block_linear(r, 0), 1, 0),
-    "Int8WeightLinearSkipNorm": (lambda r: _block_linear(r, 1), 2, 0),
+    "Int8WeightLinear": (lambda r: _block_linear(r, 0, True), 1, 0),
+    "Int8WeightLinearSplit": (lambda r: _block_linear(r, 0, True), 2, 0),
+    "Int8WeightLinearSiluMul": (lambda r: _block_linear(r, 0, True), 1, 0),
+    "Int8WeightLinearSkipNorm": (lambda r: _block_linear(r, 1, True), 2, 0),
     "Int4WeightLinear": (lambda r: _int4_linear(r, 0), 1, 0),
     "Int4WeightLinearSplit": (lambda r: _int4_linear(r, 0), 2, 0),
     "Int4WeightLinearSiluMul": (lambda r: _int4_linear(r, 0), 1, 0),
@@ -157,6 +166,7 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "MaskedSoftmax": (_softmax, 2, 0),
     "PrefillAttention": (_prefill_attention, 1, 0),
     "PrefillAttentionBf16": (_prefill_attention, 1, 0),
+    "QuantizeKVRows": (_kv_rows, 2, 0),
 }
 
 
@@ -168,8 +178,8 @@ def session(library: str, op: str, types: list, outputs: int):
     outs = [f"o{i}" for i in range(outputs)]
     graph = helper.make_graph([helper.make_node(op, names, outs, domain="autoglm.trt")], "fuzz",
                               [helper.make_tensor_value_info(n, ONNX_TYPES[t], None) for n, t in zip(names, types)],
-                              [helper.make_tensor_value_info(n, ONNX_TYPES[U8 if op == "HadamardQuantize" else F], None)
-                               for n in outs])
+                              [helper.make_tensor_value_info(n, ONNX_TYPES[OUTPUT_TYPES.get(op, [F] * outputs)[k]], None)
+                               for k, n in enumerate(outs)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)

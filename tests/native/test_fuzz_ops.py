@@ -32,7 +32,7 @@ def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None
         f"exit {done.returncode}; last case: {next((x for x in reversed(lines) if ' case ' in x), '-')}\n"
         + "\n".join(problems[:40]))
     results = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"RESULT (\w+): (\d+) ran, (\d+) refused", done.stdout)}
-    assert len(results) == 27, results
+    assert len(results) == 28, results
     no_fma = "RESULT fma: 0" in done.stdout
     absent = {"MaskedSoftmax": "RESULT softmax exact: 0" in done.stdout, "PrefillAttention": no_fma,
               "PrefillAttentionBf16": no_fma}
@@ -40,7 +40,8 @@ def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None
         if absent.get(op):  # a build without AVX-512F (MaskedSoftmax) or FMA (PrefillAttention): refused by name
             assert ran == 0 and refused == cases, (op, ran, refused)
             continue
-        assert ran >= cases // 4 and refused >= cases // 10, (op, ran, refused)
+        # QuantizeKVRows takes any float tensor of rank 1 to 8 (the mutations rarely leave that)
+        assert ran >= cases // 4 and (refused >= cases // 10 or op == "QuantizeKVRows"), (op, ran, refused)
     return results
 
 

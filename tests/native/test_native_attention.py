@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import cpu_has
+from conftest import KV_ENGINES, cpu_has
 
 from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
@@ -39,6 +39,8 @@ def block_tables(rng, ctx: list[int], nb: int, bs: int) -> np.ndarray:
 
 
 def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
+    """A session of the operator alone; ``int8_kv`` True: int8 pools with a scale per KV head,
+    "token": with a scale per stored token and KV head."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -53,7 +55,7 @@ def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
               helper.make_tensor_value_info("pv", pool, [hkv, nb, bs, d]),
               helper.make_tensor_value_info("bt", i, ["B", "M"]),
               helper.make_tensor_value_info("ctx", i, ["B"]), helper.make_tensor_value_info("ql", i, ["B"])]
-    inputs += [helper.make_tensor_value_info(n, f, [hkv]) for n in names[8:]]
+    inputs += [helper.make_tensor_value_info(n, f, [hkv, nb, bs] if int8_kv == "token" else [hkv]) for n in names[8:]]
     graph = helper.make_graph([node], "paged_attention", inputs, [helper.make_tensor_value_info("out", f, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
     so = ort.SessionOptions()
@@ -61,7 +63,7 @@ def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("int8_kv", [False, True], ids=["float-kv", "int8-kv"])
+@pytest.mark.parametrize("int8_kv", [False, True, "token"], ids=["float-kv", "int8-kv", "int8-token-kv"])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 16), (2, 2, 8)])
 @pytest.mark.parametrize("ctx,qlens,t", [
     ([0, 17, 40, 5], [1, 1, 1, 1], 1),  # decode, ragged contexts (one empty)
@@ -75,10 +77,13 @@ def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t, int8_kv):
     pool_k = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
     pool_v = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
     feeds = {}
-    if int8_kv:  # int8 pools with a scale per KV head; the reference reads them dequantized
-        k_scales, v_scales = (rng.uniform(0.01, 0.05, hkv).astype(np.float32) for _ in range(2))
+    if int8_kv:  # int8 pools with a scale per KV head (or token); the reference reads them dequantized
+        shape = (hkv, nb, bs) if int8_kv == "token" else (hkv, 1, 1)
+        k_scales, v_scales = (rng.uniform(0.01, 0.05, shape).astype(np.float32) for _ in range(2))
         stored = [rng.integers(-127, 128, (hkv, nb, bs, d)).astype(np.int8) for _ in range(2)]
-        pool_k, pool_v = (x * sc[:, None, None, None] for x, sc in zip(stored, (k_scales, v_scales)))
+        pool_k, pool_v = (x * sc[..., None] for x, sc in zip(stored, (k_scales, v_scales)))
+        if int8_kv is True:
+            k_scales, v_scales = k_scales.reshape(hkv), v_scales.reshape(hkv)
         feeds = {"pk": stored[0], "pv": stored[1], "ks": k_scales, "vs": v_scales}
     B = len(ctx)
     q = rng.standard_normal((B, t, hq, d), dtype=np.float32) * 0.3
@@ -93,6 +98,50 @@ def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t, int8_kv):
     np.testing.assert_allclose(out, want, atol=2e-5 if int8_kv else 3e-6, rtol=1e-5)  # int8 K/V values reach 6
     for b, n in enumerate(qlens):
         assert not out[b, n:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("d", [64, 16])
+def test_per_token_scales_on_every_build(kernel_library, d):
+    """Int8 pools with a scale per stored token, on the best, AVX2 and portable builds: the
+    reference over the dequantized pools, for decode and a padded prefill chunk."""
+    rng = np.random.default_rng(d)
+    hq, hkv, nb, bs = 6, 2, 24, 8
+    ctx, qlens, t = [0, 21, 40], [3, 1, 2], 3
+    k_scales, v_scales = (rng.uniform(0.001, 0.1, (hkv, nb, bs)).astype(np.float32) for _ in range(2))
+    stored = [rng.integers(-127, 128, (hkv, nb, bs, d)).astype(np.int8) for _ in range(2)]
+    q = rng.standard_normal((len(ctx), t, hq, d), dtype=np.float32) * 0.3
+    k_new, v_new = (rng.standard_normal((len(ctx), t, hkv, d), dtype=np.float32) for _ in range(2))
+    tables = block_tables(rng, ctx, nb, bs)
+    out = op_session(kernel_library, hq, hkv, d, nb, bs, "token").run(["out"], {
+        "q": q, "k": k_new, "v": v_new, "pk": stored[0], "pv": stored[1], "bt": tables, "ks": k_scales, "vs": v_scales,
+        "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64)})[0]
+    want = reference(q, k_new, v_new, stored[0] * k_scales[..., None], stored[1] * v_scales[..., None], tables, ctx,
+                     qlens)
+    np.testing.assert_allclose(out, want, atol=3e-5, rtol=1e-5)
+
+
+def test_scale_pools_of_another_geometry_fail_the_run(library):
+    """Per-token scale pools must have the int8 pools' blocks and block size: a crafted graph's
+    smaller ones are an error, not a read past their end."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    names = ["q", "k", "v", "pk", "pv", "bt", "ctx", "ql", "ks", "vs"]
+    node = helper.make_node("PagedAttentionInt8KV", names, ["out"], domain="autoglm.trt")
+    types = {"pk": TensorProto.INT8, "pv": TensorProto.INT8, "bt": TensorProto.INT64, "ctx": TensorProto.INT64,
+             "ql": TensorProto.INT64}
+    inputs = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in names]
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(library))
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = {"q": np.ones((1, 1, 1, 8), np.float32), "k": np.ones((1, 1, 1, 8), np.float32),
+             "v": np.ones((1, 1, 1, 8), np.float32), "pk": np.zeros((1, 4, 4, 8), np.int8),
+             "pv": np.zeros((1, 4, 4, 8), np.int8), "bt": np.array([[3, 2]], np.int64), "ctx": np.array([7], np.int64),
+             "ql": np.ones(1, np.int64), "ks": np.ones((1, 1, 4), np.float32), "vs": np.ones((1, 1, 4), np.float32)}
+    with pytest.raises(Exception, match="PagedAttentionInt8KV: shapes do not fit"):
+        sess.run(["out"], feeds)
 
 
 @pytest.mark.parametrize("nb,bs,ctx,table,why", [
@@ -124,13 +173,12 @@ def _runner(engine_dir, monkeypatch, native: bool):
     return open_runner(Manifest.read(engine_dir), num_blocks=32, threads=1)
 
 
-@pytest.mark.parametrize("kv", ["float", "int8"])
-def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine, int8_kv_engine, library,
-                                                                     monkeypatch, kv):
+@pytest.mark.parametrize("kv", list(KV_ENGINES))
+def test_engine_graph_with_the_operator_matches_the_graph_attention(request, library, monkeypatch, kv):
     """The tiny engine's logits with the native operator equal those of its own attention nodes,
     for a prefill of two prompts of different lengths and then two decode steps (float32 and
-    INT8 KV cache)."""
-    engine = tiny_engine if kv == "float" else int8_kv_engine
+    INT8 KV cache, static and per-token scales)."""
+    engine = request.getfixturevalue(KV_ENGINES[kv])
     runners = [_runner(engine, monkeypatch, native) for native in (True, False)]
     assert runners[0].attention == "native"
     assert runners[1].attention == "graph (AUTOGLM_TRT_NATIVE=0)"
@@ -142,14 +190,15 @@ def test_engine_graph_with_the_operator_matches_the_graph_attention(tiny_engine,
         r.close()
 
 
-@pytest.mark.parametrize("kv,op", [("float", "PagedAttention"), ("int8", "PagedAttentionInt8KV")])
-def test_the_rewrite_gives_every_layer_the_operator_for_decode_steps(tiny_engine, int8_kv_engine, kv, op):
+@pytest.mark.parametrize("kv,op", [("float", "PagedAttention"), ("int8", "PagedAttentionInt8KV"),
+                                   ("int8-token", "PagedAttentionInt8KV")])
+def test_the_rewrite_gives_every_layer_the_operator_for_decode_steps(request, kv, op):
     import onnx
 
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends.onnxrt.passes.attention import rewrite
 
-    manifest = Manifest.read(tiny_engine if kv == "float" else int8_kv_engine)
+    manifest = Manifest.read(request.getfixturevalue(KV_ENGINES[kv]))
     model = onnx.load(str(manifest.engine_path), load_external_data=False)
     before = len(model.graph.node)
     done, why = rewrite(model, manifest.spec.num_layers)
@@ -299,9 +348,8 @@ def _preferred_vector_width(cc: str, flags: tuple[str, ...]) -> str:
     return "unknown"
 
 
-@pytest.mark.parametrize("kv", ["float", "int8"])
-def test_one_branch_per_step_gives_the_per_layer_branches_outputs_bit_for_bit(tiny_engine, int8_kv_engine, library,
-                                                                               monkeypatch, kv):
+@pytest.mark.parametrize("kv", list(KV_ENGINES))
+def test_one_branch_per_step_gives_the_per_layer_branches_outputs_bit_for_bit(request, library, monkeypatch, kv):
     """The loaded graph branches once (decode: the operator in every layer; prefill: the graph's
     attention), and its logits and new K/V equal those of the per-layer ``If`` form exactly,
     over a prefill and two decode steps."""
@@ -311,14 +359,16 @@ def test_one_branch_per_step_gives_the_per_layer_branches_outputs_bit_for_bit(ti
     from autoglm_trt.backends.onnxrt import passes
     from autoglm_trt.backends.onnxrt.passes import decode_nodes
 
-    engine = tiny_engine if kv == "float" else int8_kv_engine
+    engine = request.getfixturevalue(KV_ENGINES[kv])
     one = _runner(engine, monkeypatch, native=True)
     per_layer = rewritten_runner(engine, skip={"step_branch"})
     monkeypatch.undo()
-    pools = [r.pools.data for r in (one, per_layer)]
+    pools = [r.pools for r in (one, per_layer)]
     for a, b in logits_over_steps([one, per_layer]):
         np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(*pools)  # the K/V written back
+        np.testing.assert_array_equal(pools[0].data, pools[1].data)  # the K/V written back
+        if kv == "int8-token":
+            np.testing.assert_array_equal(pools[0].scales, pools[1].scales)
 
     manifest = Manifest.read(engine)
     model = passes.rewrite(manifest.engine_path, manifest.spec, one.kv_dtype, passes.Target.here(), pack=False).model

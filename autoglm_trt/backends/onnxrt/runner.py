@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ...graph import names
 from ...graph.session import make_session
 from ...kvcache.host_pools import KVPools, SlotMap
+from ...kvcache.layout import scale_of
 from ...model.spec import ModelSpec
 from . import loader, passes
 from .passes.common import SLOTS
@@ -87,13 +89,16 @@ class OrtRunner:
         self.session, self.attention = open_session(Path(engine_dir), graphs, threads, rewritten)
         self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.token_scales = scale_of(names.past_key(0)) in inputs  # an INT8 KV cache with per-token scales
+        self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype,
+                             self.token_scales)
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
         self._bindings: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray], list[Any]]] = {}
         self._prefill: dict[str, np.ndarray] = {}  # a prefill's output buffers, by what they hold
         # where the graph has ``native.slots`` (``passes/attention.py``), decode steps' attention operator
         # stores their new K/V; with ``stores_kv`` False (tests) it is fed -1s and the runner scatters them
-        self._slots = SLOTS if SLOTS in {i.name for i in self.session.get_inputs()} else None
+        self._slots = SLOTS if SLOTS in inputs else None
         self.stores_kv = self._slots is not None
 
     def _binding(self, batch: int, tokens: int, num_logits: int) -> tuple[Any, dict[str, np.ndarray], list[Any]]:
@@ -111,14 +116,19 @@ class OrtRunner:
         # fresh pages to zero as ONNX Runtime wrote them, 5% of that prefill (ad hoc)
         shapes = {"logits": ((batch, num_logits, s.vocab_size), np.dtype(np.float32)),
                   "kv": ((2, s.num_layers, batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)}
+        if self.token_scales:
+            shapes["kv_scale"] = ((2, s.num_layers, batch, tokens, s.num_kv_heads), np.dtype(np.float32))
         made = {name: np.empty(*shape) if tokens == 1 else self._scratch(name, *shape) for name, shape in shapes.items()}
-        outs, kv = {"logits": made["logits"]}, made["kv"]
+        outs = {"logits": made["logits"]}
         for i in range(s.num_layers):
-            outs[f"new_key.{i}"], outs[f"new_value.{i}"] = kv[0, i], kv[1, i]
+            for kind, name in enumerate((names.new_key(i), names.new_value(i))):
+                outs[name] = made["kv"][kind, i]
+                if self.token_scales:
+                    outs[scale_of(name)] = made["kv_scale"][kind, i]
         values = [self._ort.OrtValue.ortvalue_from_numpy(arr) for arr in outs.values()]
         for name, value in zip(outs, values):
             binding.bind_ortvalue_output(name, value)
-        outs["kv"] = kv
+        outs.update((k, made[k]) for k in ("kv", "kv_scale") if k in made)
         if tokens == 1:  # decode: small, and the same shapes recur every step
             if len(self._bindings) >= self.MAX_BINDINGS:
                 self._bindings.pop(next(iter(self._bindings)))
@@ -146,7 +156,7 @@ class OrtRunner:
             binding.bind_cpu_input(self._slots, where)
         self.session.run_with_iobinding(binding)
         if not stored:
-            self.pools.write_stacked(outs["kv"], slots)
+            self.pools.write_stacked(outs["kv"], slots, outs.get("kv_scale"))
         # not a copy: a decode step's buffer is bound again by the next step of its shape (the
         # contract allows it); a new 3 MB array a 16-sequence step came with fresh pages to zero,
         # ~3% of the fp32 engine's 16-request generate (ad hoc, alternating calls in one process)

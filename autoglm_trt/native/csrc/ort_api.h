@@ -216,7 +216,8 @@ extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, 
     int8_linear_skip_norm, float_linear_skip_norm, masked_softmax, int8_weight_linear, int8_weight_linear_split,
     int8_weight_linear_silu_mul, int8_weight_linear_skip_norm, int4_weight_linear, int4_weight_linear_split,
     int4_weight_linear_silu_mul, int4_weight_linear_skip_norm, int8_block_linear, int8_block_linear_split,
-    int8_block_linear_silu_mul, int8_block_linear_skip_norm, prefill_attention, prefill_attention_bf16;
+    int8_block_linear_silu_mul, int8_block_linear_skip_norm, prefill_attention, prefill_attention_bf16,
+    quantize_kv_rows;
 extern const char int8_linear_kernel[]; /* which dot-product instructions Int8Linear was built for */
 extern const char block_linear_kernel[]; /* and Int4WeightLinear's and Int8BlockLinear's */
 extern const char float_linear_kernel[]; /* and FloatLinear's multiply-adds */

@@ -20,8 +20,10 @@
  * Query head j reads KV head j / (Hq / Hkv), as in the graph's grouped layout.
  *
  * PagedAttentionInt8KV: the same for an INT8 KV cache. Inputs 3 and 4 are int8 pools, and
- *   8 k_scales     [Hkv]           the pools' symmetric scales of each KV head (value = int8 * scale)
- *   9 v_scales     [Hkv]
+ *   8 k_scales     [Hkv]           the pools' symmetric scales of each KV head (value = int8 * scale),
+ *                  or [Hkv, NB, BS] a scale of each stored token and KV head (a per-token cache's
+ *                  scale pools, laid out as the pools without their rows)
+ *   9 v_scales     the same for V
  * The new tokens' K and V (inputs 1 and 2) stay float, as in the graph.
  *
  * Storing a decode step's new K/V (optional inputs, both operators): given ``slots`` (input 8, or
@@ -34,7 +36,9 @@
  * reads, in a block no other sequence holds (the scheduler copies a shared block before a
  * sequence writes to it), so no other work item reads it either.
  * For int8 pools the values stored are inputs 11 and 12 ([B, 1, Hkv, D] int8: the graph's
- * quantized ``new_key.<i>``/``new_value.<i>``, what the runner stored before).
+ * quantized ``new_key.<i>``/``new_value.<i>``, what the runner stored before); with per-token
+ * scales, inputs 13 and 14 ([B, 1, Hkv] float32: ``new_key_scale.<i>``, ``new_value_scale.<i>``)
+ * go into the scale pools at the same slots.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -300,13 +304,33 @@ static void values_pass(float *const *orow, int64_t rows, const float *scores, i
 }
 #endif
 
+/* scores[r * width + p] *= the scale of past position p, for every row r < rows: the head's
+ * ``scale`` where ``token_scales`` is NULL, else the scale stored with position p (this head's
+ * part of a scale pool, read through the block table) */
+static void scale_past(float *scores, int64_t rows, int64_t width, const float *token_scales, float scale,
+                       const int64_t *table, int64_t ctx, int64_t BS) {
+  for (int64_t r = 0; r < rows; r++) {
+    float *row = scores + r * width;
+    if (token_scales == NULL) {
+      for (int64_t p = 0; p < ctx; p++) row[p] *= scale;
+      continue;
+    }
+    for (int64_t m = 0; m * BS < ctx; m++) { /* block by block: its scales are contiguous */
+      const float *s = token_scales + table[m] * BS;
+      const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;
+      for (int64_t k = 0; k < n; k++) row[m * BS + k] *= s[k];
+    }
+  }
+}
+
 /* one sequence, one KV head: ``rows`` query rows (valid new token t = r / G, query head
  * h * G + r % G) at qr[r], their outputs at orow[r]; scores is [rows, ctx + qlen] scratch.
- * The pools hold float32, or int8 with this head's scales k_scale and v_scale. */
+ * The pools hold float32, or int8 with this head's scales k_scale and v_scale, or with the
+ * per-token scales k_ts and v_ts (this head's part of the scale pools; NULL for static scales). */
 static void attend(const float *const *qr, float *const *orow, int64_t rows, int64_t G, const float *k_new,
                    const float *v_new, int64_t new_stride, const void *pool_k, const void *pool_v, int int8,
-                   float k_scale, float v_scale, const int64_t *table, int64_t ctx, int64_t qlen, int64_t BS,
-                   int64_t D, float *scores) {
+                   float k_scale, float v_scale, const float *k_ts, const float *v_ts, const int64_t *table,
+                   int64_t ctx, int64_t qlen, int64_t BS, int64_t D, float *scores) {
   const int64_t width = ctx + qlen;
 #ifdef TURNED
   const int turned = D == 64 || D == 128;
@@ -333,12 +357,14 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
         key_scores_f32(qr, rows, (const float *)pool_k + at, D, scores + m * BS + s, width);
     }
   }
-  if (int8)
-    for (int64_t r = 0; r < rows; r++)
-      for (int64_t p = 0; p < ctx; p++) scores[r * width + p] *= k_scale;
+  if (int8) scale_past(scores, rows, width, k_ts, k_scale, table, ctx, BS);
   for (int64_t j = 0; j < qlen; j++) /* rows of tokens t >= j */
     key_scores_f32(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
   for (int64_t r = 0; r < rows; r++) vec_softmax(scores + r * width, ctx + r / G + 1);
+  if (v_ts != NULL) { /* each past probability takes its value row's scale, and the values pass none */
+    scale_past(scores, rows, width, v_ts, 1.0f, table, ctx, BS);
+    v_scale = 1.0f;
+  }
 #ifdef TURNED
   if (turned) values_pass(orow, rows, scores, width, pool_v, int8, v_scale, table, ctx, BS, D);
 #endif
@@ -366,8 +392,10 @@ typedef struct {
   const int64_t *tables, *ctx_lens, *q_lens;
   int64_t T, Hq, Hkv, D, NB, BS, MB;
   const float *k_scales, *v_scales; /* per KV head, for int8 pools; NULL for float32 pools */
-  const int64_t *slots;          /* each sequence's slot for its new K/V, or NULL: none stored */
-  const void *k_store, *v_store; /* the new K/V to store, [B, 1, Hkv, D] of the pools' type */
+  float *k_ts, *v_ts;               /* per-token scale pools [Hkv, NB, BS], or NULL */
+  const int64_t *slots;             /* each sequence's slot for its new K/V, or NULL: none stored */
+  const void *k_store, *v_store;    /* the new K/V to store, [B, 1, Hkv, D] of the pools' type */
+  const float *ks_store, *vs_store; /* their per-token scales [B, 1, Hkv] (per-token pools) */
   int failed;                    /* a work item found no memory for its scratch */
 } Job;
 
@@ -375,10 +403,14 @@ typedef struct {
 static void store(const Job *j, int64_t b, int64_t h) {
   const int64_t slot = j->slots[b], D = j->D;
   if (slot < 0 || slot >= j->NB * j->BS) return;
-  const size_t size = j->k_scales != NULL ? sizeof(int8_t) : sizeof(float);
+  const size_t size = j->k_scales != NULL || j->k_ts != NULL ? sizeof(int8_t) : sizeof(float);
   const size_t to = (size_t)((h * j->NB * j->BS + slot) * D) * size, from = (size_t)((b * j->Hkv + h) * D) * size;
   memcpy((char *)j->pool_k + to, (const char *)j->k_store + from, (size_t)D * size);
   memcpy((char *)j->pool_v + to, (const char *)j->v_store + from, (size_t)D * size);
+  if (j->k_ts != NULL) {
+    j->k_ts[h * j->NB * j->BS + slot] = j->ks_store[b * j->Hkv + h];
+    j->v_ts[h * j->NB * j->BS + slot] = j->vs_store[b * j->Hkv + h];
+  }
 }
 
 /* work item i: sequence i / Hkv, KV head i % Hkv (each with scratch of its own) */
@@ -402,11 +434,12 @@ static void run_item(void *data, size_t i) {
       qr[r] = j->q + at;
       orow[r] = j->out + at;
     }
-    const int int8 = j->k_scales != NULL;
+    const int int8 = j->k_scales != NULL || j->k_ts != NULL, per_head = j->k_scales != NULL;
     const size_t pool = (size_t)(h * j->NB * j->BS * D) * (int8 ? sizeof(int8_t) : sizeof(float));
-    const int64_t step = (b * T * j->Hkv + h) * D;
+    const int64_t step = (b * T * j->Hkv + h) * D, head_scales = h * j->NB * j->BS;
     attend(qr, orow, n * G, G, j->k_new + step, j->v_new + step, j->Hkv * D, (const char *)j->pool_k + pool,
-           (const char *)j->pool_v + pool, int8, int8 ? j->k_scales[h] : 1.0f, int8 ? j->v_scales[h] : 1.0f,
+           (const char *)j->pool_v + pool, int8, per_head ? j->k_scales[h] : 1.0f, per_head ? j->v_scales[h] : 1.0f,
+           j->k_ts != NULL ? j->k_ts + head_scales : NULL, j->v_ts != NULL ? j->v_ts + head_scales : NULL,
            j->tables + b * j->MB, c, n, j->BS, D, scores);
   }
   if (j->slots != NULL) store(j, b, h);
@@ -426,6 +459,15 @@ static const char *store_inputs(OrtKernelContext *ctx, int int8, Job *job, int64
                memcmp(kd, want, sizeof kd) || memcmp(vd, want, sizeof vd)))
     return reason("with slots, the int8 K and V to store must be [%lld, 1, %lld, %lld]", (long long)B,
                   (long long)job->Hkv, (long long)job->D);
+  if (job->k_ts != NULL) {
+    void *ks, *vs;
+    int64_t ksd[3], vsd[3];
+    if (count <= 14 || input(ctx, 13, &ks, ksd, 3) || input(ctx, 14, &vs, vsd, 3) || memcmp(ksd, want, sizeof ksd) ||
+        memcmp(vsd, want, sizeof vsd))
+      return reason("with slots and per-token scale pools, the scales to store must be [%lld, 1, %lld]",
+                    (long long)B, (long long)job->Hkv);
+    job->ks_store = ks, job->vs_store = vs;
+  }
   job->slots = slots, job->k_store = k_store, job->v_store = v_store;
   return NULL;
 }
@@ -458,13 +500,16 @@ static const char *check_sequences(const Job *j, int64_t B) {
  * scales of each KV head; then the optional store inputs. NULL, or why the inputs do not fit. */
 static const char *run(OrtKernelContext *ctx, int int8) {
   void *p[10];
-  int64_t qd[4], kd[4], vd[4], pk[4], pv[4], bt[2], cl[1], ql[1], ks[1] = {0}, vs[1] = {0};
+  int64_t qd[4], kd[4], vd[4], pk[4], pv[4], bt[2], cl[1], ql[1], ks[3] = {0}, vs[3] = {0};
+  size_t ks_rank = 1, vs_rank = 1;
   if (input(ctx, 0, &p[0], qd, 4) || input(ctx, 1, &p[1], kd, 4) || input(ctx, 2, &p[2], vd, 4) ||
       input(ctx, 3, &p[3], pk, 4) || input(ctx, 4, &p[4], pv, 4) || input(ctx, 5, &p[5], bt, 2) ||
       input(ctx, 6, &p[6], cl, 1) || input(ctx, 7, &p[7], ql, 1) ||
-      (int8 && (input(ctx, 8, &p[8], ks, 1) || input(ctx, 9, &p[9], vs, 1))))
+      (int8 && (input_of_rank(ctx, 8, &p[8], ks, 3, &ks_rank) || input_of_rank(ctx, 9, &p[9], vs, 3, &vs_rank) ||
+                (ks_rank != 1 && ks_rank != 3) || vs_rank != ks_rank)))
     return "an input is missing or has the wrong rank (q, k, v [B, T, H, D], pools [Hkv, NB, BS, D], "
-           "block_tables [B, MB], context_lens and query_lens [B])";
+           "block_tables [B, MB], context_lens and query_lens [B], int8 pools' scales [Hkv] or [Hkv, NB, BS])";
+  const int per_token = int8 && ks_rank == 3;
   const int64_t B = qd[0], T = qd[1], Hq = qd[2], D = qd[3], Hkv = pk[0], NB = pk[1], BS = pk[2], MB = bt[1];
   if (Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || NB < 1 || BS < 1)
     return reason("%lld query heads, %lld KV heads, head size %lld, %lld blocks of %lld: each must be at least 1, "
@@ -472,12 +517,15 @@ static const char *run(OrtKernelContext *ctx, int int8) {
                   (long long)NB, (long long)BS);
   if (kd[0] != B || kd[1] != T || kd[2] != Hkv || kd[3] != D || memcmp(vd, kd, sizeof kd) ||
       memcmp(pv, pk, sizeof pk) || pk[3] != D || bt[0] != B || cl[0] != B || ql[0] != B ||
-      (int8 && (ks[0] != Hkv || vs[0] != Hkv)))
+      (int8 && (ks[0] != Hkv || vs[0] != Hkv)) ||
+      (per_token && (ks[1] != NB || ks[2] != BS || vs[1] != NB || vs[2] != BS)))
     return reason("shapes do not fit q [%lld, %lld, %lld, %lld] and pools [%lld, %lld, %lld, %lld]", (long long)B,
                   (long long)T, (long long)Hq, (long long)D, (long long)Hkv, (long long)NB, (long long)BS,
                   (long long)D);
-  Job job = {p[0], p[1], p[2], p[3], p[4], NULL, p[5], p[6], p[7], T, Hq, Hkv, D, NB, BS, MB,
-             int8 ? p[8] : NULL, int8 ? p[9] : NULL, NULL, NULL, NULL, 0};
+  Job job = {.q = p[0], .k_new = p[1], .v_new = p[2], .pool_k = p[3], .pool_v = p[4], .tables = p[5],
+             .ctx_lens = p[6], .q_lens = p[7], .T = T, .Hq = Hq, .Hkv = Hkv, .D = D, .NB = NB, .BS = BS, .MB = MB,
+             .k_scales = int8 && !per_token ? p[8] : NULL, .v_scales = int8 && !per_token ? p[9] : NULL,
+             .k_ts = per_token ? p[8] : NULL, .v_ts = per_token ? p[9] : NULL};
   const char *why = check_sequences(&job, B);
   if (why == NULL) why = store_inputs(ctx, int8, &job, B);
   if (why != NULL) return why;
@@ -504,9 +552,9 @@ static size_t input_count(const CustomOp *op) { (void)op; return 9; }
 static int optional_store(const CustomOp *op, size_t i) { (void)op; return i >= 8 ? OPTIONAL : 0; }
 static int input_type_int8(const CustomOp *op, size_t i) {
   (void)op;
-  return i == 3 || i == 4 || i >= 11 ? ELEM_INT8 : (i >= 5 && i <= 7) || i == 10 ? ELEM_INT64 : ELEM_FLOAT;
+  return i == 3 || i == 4 || i == 11 || i == 12 ? ELEM_INT8 : (i >= 5 && i <= 7) || i == 10 ? ELEM_INT64 : ELEM_FLOAT;
 }
-static size_t input_count_int8(const CustomOp *op) { (void)op; return 13; }
+static size_t input_count_int8(const CustomOp *op) { (void)op; return 15; }
 static int optional_store_int8(const CustomOp *op, size_t i) { (void)op; return i >= 10 ? OPTIONAL : 0; }
 
 const CustomOp paged_attention = CUSTOM_OP(stateless_kernel, destroy_kernel, op_name, input_type, input_count,

@@ -81,7 +81,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
                                          &int4_weight_linear_split, &int4_weight_linear_silu_mul,
                                          &int4_weight_linear_skip_norm, &int8_block_linear, &int8_block_linear_split,
                                          &int8_block_linear_silu_mul, &int8_block_linear_skip_norm, &prefill_attention,
-                                         &prefill_attention_bf16};
+                                         &prefill_attention_bf16, &quantize_kv_rows};
   if (domain == NULL) {
     OrtStatus *status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain);
     for (size_t i = 0; status == NULL && i < sizeof ops / sizeof ops[0]; i++)

@@ -13,6 +13,7 @@ The passes, in order (one module each):
                        prefill's scores by row, MaskedSoftmax)
     rope_qkv           each layer's QKV split + rope as RopeQKV
     hadamard_quantize  each INT8 linear's rotation + quantization as HadamardQuantize
+    kv_quantize        a per-token INT8 KV cache's quantization of each new K and V as QuantizeKVRows
     linears            Int8Linear / FloatLinear / Int8WeightLinear / Int4WeightLinear / Int8BlockLinear
                        over packed weights; the Split and SiLU * up forms
     skip_norm          residual add + RMSNorm as SkipSimplifiedLayerNormalization (no native code)
@@ -35,7 +36,7 @@ import numpy as np
 from ....model.spec import ModelSpec
 from .common import all_nodes
 
-PASSES_VERSION = 5
+PASSES_VERSION = 6
 # computed as ONNX Runtime's float nodes are only with fused multiply-add
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
            "Int8LinearSkipNorm", "Int8WeightLinearSiluMul", "Int8WeightLinearSkipNorm", "Int4WeightLinearSiluMul",
@@ -164,6 +165,13 @@ def _hadamard(ctx: Context) -> tuple[int, str]:
     return n, "" if n else "no INT8 linear with an online rotation"
 
 
+def _kv_quantize(ctx: Context) -> tuple[int, str]:
+    from . import kv_quantize
+
+    n = kv_quantize.rewrite(ctx.model)
+    return n, "" if n else "no INT8 KV cache with per-token scales"
+
+
 def _linears(ctx: Context) -> tuple[int, str]:
     from . import linears
 
@@ -202,6 +210,7 @@ PASSES: tuple[tuple[str, Callable[[Context], tuple[int, str]]], ...] = (
     ("attention", _native(_attention)),
     ("rope_qkv", _native(_rope)),
     ("hadamard_quantize", _native(_hadamard)),
+    ("kv_quantize", _native(_kv_quantize)),
     ("linears", _native(_linears)),
     ("skip_norm", _skip_norm),
     ("linear_skip_norm", _native(_linear_skip_norm)),

@@ -4,7 +4,7 @@ Input: the ONNX Runtime engine's graph (``model.opt.onnx``, loaded without its w
 the same graph in which each layer's attention (Gather of the past from the pools, scores,
 mask, softmax, weighted sum: about 20 nodes) sits in the else branch of an ``If`` whose then
 branch is one ``autoglm.trt.PagedAttention`` node (``csrc/paged_attention.c``) that reads the
-pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache). The condition is "one new
+pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache, static or per-token scales). The condition is "one new
 token per sequence": decode steps take the operator; prefill steps keep the graph's nodes,
 whose GEMMs are faster over many new tokens than the operator's dot products (a 1,000-token
 prompt took 1.5x as long through the operator): as one ``PrefillAttention`` node where the
@@ -57,16 +57,22 @@ def _attention_nodes(i: int, producer: dict, consumers: dict) -> list | None:
 
 
 def _kv_inputs(i: int, outputs: dict, producer: dict, initializers: set) -> tuple | None:
-    """(operator, new K, new V, [K scales, V scales]) of layer ``i``: float32 K/V, or the INT8 KV
-    cache of ``graph/kv_int8.py`` (float ``new_key.<i>.float`` quantized to the int8 output with
-    per-head scales ``new_key.<i>.kv_scale``), or None."""
+    """(operator, new K, new V, [K scales, V scales], [what to store beside the slots]) of layer
+    ``i``: float32 K/V, or the INT8 KV cache of ``graph/kv_int8.py`` (float ``new_key.<i>.float``
+    quantized to the int8 output with per-head scales ``new_key.<i>.kv_scale``, or with per-token
+    scales ``new_key_scale.<i>`` kept in the scale pools ``past_key_scale.<i>``), or None."""
     k, v = names.new_key(i), names.new_value(i)
     if outputs.get(k) == outputs.get(v) == TensorProto.FLOAT:
-        return OP, k, v, []
-    scales = [f"{k}.kv_scale", f"{v}.kv_scale"]
-    if outputs.get(k) == outputs.get(v) == TensorProto.INT8 and all(s in initializers for s in scales) and \
-            all(producer.get(f"{x}.float") is not None and producer[f"{x}.float"].op_type != "Cast" for x in (k, v)):
-        return OP_INT8_KV, f"{k}.float", f"{v}.float", scales
+        return OP, k, v, [], []
+    if outputs.get(k) != TensorProto.INT8 or outputs.get(v) != TensorProto.INT8 or \
+            not all(producer.get(f"{x}.float") is not None and producer[f"{x}.float"].op_type != "Cast" for x in (k, v)):
+        return None
+    static = [f"{k}.kv_scale", f"{v}.kv_scale"]
+    if all(s in initializers for s in static):
+        return OP_INT8_KV, f"{k}.float", f"{v}.float", static, [k, v]
+    if all(names.scale_of(x) in outputs for x in (k, v)):
+        pools = [names.scale_of(names.past_key(i)), names.scale_of(names.past_value(i))]
+        return OP_INT8_KV, f"{k}.float", f"{v}.float", pools, [k, v, names.scale_of(k), names.scale_of(v)]
     return None
 
 
@@ -105,9 +111,9 @@ def rewrite(model: onnx.ModelProto, num_layers: int, softmax: bool = False,
     graph.input.append(helper.make_tensor_value_info(SLOTS, TensorProto.INT64, ["batch"]))
     branch_of: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
-    for i, q, core, (op, k, v, scales) in plans:
+    for i, q, core, (op, k, v, scales, stored) in plans:
         attn = names.in_layer(i, names.ATTN)
-        store = [SLOTS] + ([names.new_key(i), names.new_value(i)] if scales else [])
+        store = [SLOTS, *stored]
         native = helper.make_node(op, [q, k, v, names.past_key(i), names.past_value(i), names.BLOCK_TABLES,
                                        names.CONTEXT_LENS, names.QUERY_LENS, *scales, *store], [f"{attn}_native"],
                                   name=names.in_layer(i, "paged_attention"), domain=DOMAIN)
