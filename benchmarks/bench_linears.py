@@ -91,9 +91,8 @@ def sessions(k: int, n: int, library) -> dict[str, tuple[object, int]]:
         out["int4_weight_linear"] = (_session([node], [numpy_helper.from_array(a, name) for a, name in
                                                        zip(parts, ("t4", "s4", "z4"))], k, library),
                                      sum(a.nbytes for a in parts))
-        weights = rng.integers(-127, 128, (n // 16, kb, 512), dtype=np.int8)
-        for op, layout in (("Int8WeightLinear", (8, 64)), ("Int8BlockLinear", (16, 32))):  # tiles of quads, of pairs
-            parts = [weights.reshape(n // 16, kb, *layout), parts[1]]
+        parts = [rng.integers(-127, 128, (n // 16, kb, 16, 32), dtype=np.int8), parts[1]]
+        for op in ("Int8WeightLinear", "Int8BlockLinear"):
             node = helper.make_node(op, ["x", "t8", "s8"], ["y"], domain="autoglm.trt")
             key = "int8_weight_linear" if op == "Int8WeightLinear" else "int8_block_linear"
             out[key] = (_session([node], [numpy_helper.from_array(a, name) for a, name in zip(parts, ("t8", "s8"))],

@@ -253,6 +253,25 @@ def logits_over_steps(runners, steps: int = 3):
         new = [[int(t)] for t in logits[-1].argmax(axis=-1)]
 
 
+def same_pools_over_steps(runners, steps: int) -> None:
+    """Two prompts (11 and 3 tokens, three blocks each) and then greedy decode steps on two
+    runners: after every step their logits, pools and per-token scale pools are equal bit for bit."""
+    import numpy as np
+
+    from autoglm_trt.kvcache.step_inputs import SeqState
+
+    states = [[SeqState(0, [0, 1, 2]), SeqState(0, [3, 4, 5])] for _ in runners]
+    new = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
+    for _ in range(steps):
+        logits = step_all(runners, states, new)
+        np.testing.assert_array_equal(*logits)
+        a, b = (r.pools for r in runners)
+        np.testing.assert_array_equal(a.data, b.data)
+        if a.scales is not None or b.scales is not None:
+            np.testing.assert_array_equal(a.scales, b.scales)
+        new = [[int(t)] for t in logits[0].argmax(axis=-1)]
+
+
 def free_port() -> int:
     from autoglm_trt.fileutil import free_port as pick
 

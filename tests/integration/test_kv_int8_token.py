@@ -106,11 +106,10 @@ def test_the_native_graph_quantizes_with_one_operator_and_the_same_bits(engines,
     """The native graph makes each new K and V with one ``QuantizeKVRows`` (no ReduceMax left in a
     decode step); over the same prefill and decode steps, the pools and scale pools of that graph
     and of the same passes without ``kv_quantize`` (the graph's seven nodes) are equal bit for bit."""
-    from conftest import rewritten_runner, step_all
+    from conftest import rewritten_runner, same_pools_over_steps
 
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends.onnxrt.passes import decode_nodes
-    from autoglm_trt.kvcache.step_inputs import SeqState
 
     manifest = Manifest.read(engines["token"])
     native = onnx.load(str(engines["token"] / manifest.ort_graphs["native_graph"]), load_external_data=False)
@@ -118,14 +117,7 @@ def test_the_native_graph_quantizes_with_one_operator_and_the_same_bits(engines,
     assert ops.get("QuantizeKVRows") == 2 * manifest.spec.num_layers and "ReduceMax" not in ops
     runners = [rewritten_runner(engines["token"]), rewritten_runner(engines["token"], skip={"kv_quantize"})]
     assert "ReduceMax" in decode_nodes(rewritten_graph(engines["token"]))
-    states = [[SeqState(0, [0, 1, 2]), SeqState(0, [3, 4, 5])] for _ in runners]
-    new = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
-    for _ in range(4):
-        logits = step_all(runners, states, new)
-        np.testing.assert_array_equal(*logits)
-        np.testing.assert_array_equal(runners[0].pools.data, runners[1].pools.data)
-        np.testing.assert_array_equal(runners[0].pools.scales, runners[1].pools.scales)
-        new = [[int(t)] for t in logits[0].argmax(axis=-1)]
+    same_pools_over_steps(runners, 4)
     for r in runners:
         r.close()
 

@@ -92,11 +92,10 @@ def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(requ
     same engine: one whose attention operator stores decode steps' K/V, one that scatters them
     itself. After every step the logits and the pools (and per-token scale pools) are equal bit for
     bit, and the first runner scattered only the prefill's K/V."""
-    from conftest import step_all
+    from conftest import same_pools_over_steps
 
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.backends import open_runner
-    from autoglm_trt.kvcache.step_inputs import SeqState
 
     monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "1")
     runners = [open_runner(Manifest.read(request.getfixturevalue(KV_ENGINES[kv])), num_blocks=32, threads=1)
@@ -110,15 +109,8 @@ def test_stored_by_the_operator_or_by_the_runner_the_pools_and_logits_agree(requ
         scatter(stacked, slots, scales)
 
     monkeypatch.setattr(runners[0].pools, "write_stacked", counted)
-    states = [[SeqState(0, [0, 1, 2]), SeqState(0, [3, 4, 5])] for _ in runners]
-    new = [[5, 9, 3, 7, 11, 2, 8, 4, 6, 10, 1], [12, 14, 13]]
-    for _ in range(10):
-        logits = step_all(runners, states, new)
-        np.testing.assert_array_equal(*logits)
-        np.testing.assert_array_equal(runners[0].pools.data, runners[1].pools.data)
-        if kv == "int8-token":
-            np.testing.assert_array_equal(runners[0].pools.scales, runners[1].pools.scales)
-        new = [[int(t)] for t in logits[0].argmax(axis=-1)]
+    same_pools_over_steps(runners, 10)
+    assert runners[0].pools.scales is not None or kv != "int8-token"
     assert len(scatters) == 1 and scatters[0][3] == 11  # the prefill's, padded to 11 tokens
     assert runners[0].pools.data.any()
     for r in runners:

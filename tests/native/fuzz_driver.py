@@ -92,11 +92,10 @@ def _int4_linear(rng, extra: int) -> list[np.ndarray]:
     return feeds
 
 
-def _block_linear(rng, extra: int, quads: bool = False) -> list[np.ndarray]:
-    """Int8BlockLinear's inputs (tiles of pairs), or with ``quads`` Int8WeightLinear's."""
+def _block_linear(rng, extra: int) -> list[np.ndarray]:
     feeds = _int4_linear(rng, extra)
     n16, kb = feeds[1].shape[:2]
-    feeds[1:4] = [rng.integers(-128, 128, (n16, kb, 8, 64) if quads else (n16, kb, 16, 32)).astype(I8), feeds[2]]
+    feeds[1:4] = [rng.integers(-128, 128, (n16, kb, 16, 32)).astype(I8), feeds[2]]
     return feeds
 
 
@@ -150,10 +149,10 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "FloatLinearSplit": (lambda r: _float_linear(r, 0), 2, 0),
     "FloatLinearSiluMul": (lambda r: _float_linear(r, 0), 1, 0),
     "FloatLinearSkipNorm": (lambda r: _float_linear(r, 1), 2, 0),
-    "Int8WeightLinear": (lambda r: _block_linear(r, 0, True), 1, 0),
-    "Int8WeightLinearSplit": (lambda r: _block_linear(r, 0, True), 2, 0),
-    "Int8WeightLinearSiluMul": (lambda r: _block_linear(r, 0, True), 1, 0),
-    "Int8WeightLinearSkipNorm": (lambda r: _block_linear(r, 1, True), 2, 0),
+    "Int8WeightLinear": (lambda r: _block_linear(r, 0), 1, 0),
+    "Int8WeightLinearSplit": (lambda r: _block_linear(r, 0), 2, 0),
+    "Int8WeightLinearSiluMul": (lambda r: _block_linear(r, 0), 1, 0),
+    "Int8WeightLinearSkipNorm": (lambda r: _block_linear(r, 1), 2, 0),
     "Int4WeightLinear": (lambda r: _int4_linear(r, 0), 1, 0),
     "Int4WeightLinearSplit": (lambda r: _int4_linear(r, 0), 2, 0),
     "Int4WeightLinearSiluMul": (lambda r: _int4_linear(r, 0), 1, 0),

@@ -136,11 +136,11 @@ def test_only_8_bit_blocks_of_32_with_the_default_zero_point_are_taken(tmp_path)
     q, scales = got
     assert q.shape == (32, 64) and scales.shape == (2, 32)
     np.testing.assert_array_equal(q.T.astype(np.float64) * np.repeat(scales, 32, axis=0), w)
-    tiles, by_tile = (nbits.int8_weight_tiles(q, scales)[part] for part in nbits.INT8_PARTS)
-    assert tiles.shape == (2, 2, 8, 64) and by_tile.shape == (2, 2, 16)
-    for k in (0, 1, 3, 4, 31, 32, 63):
-        for c in (0, 15, 16, 31):  # inputs 4i..4i+3 of block b: bytes 4 (c % 16) + k % 4 of [c // 16, b, i]
-            assert tiles[c // 16, k // 32, k % 32 // 4, 4 * (c % 16) + k % 4] == q[c, k]
+    tiles, by_tile = (nbits.int8_block_tiles(q, scales)[part] for part in nbits.INT8_PARTS)
+    assert tiles.shape == (2, 2, 16, 32) and by_tile.shape == (2, 2, 16)
+    for k in (0, 1, 31, 32, 63):
+        for c in (0, 15, 16, 31):  # input pair p of block b: byte 2 (c % 16) + k % 2 of [c // 16, b, p]
+            assert tiles[c // 16, k // 32, k % 32 // 2, 2 * (c % 16) + k % 2] == q[c, k]
             assert by_tile[c // 16, k // 32, c % 16] == scales[k // 32, c]
     if len(node.input) == 4:
         zeros = inits[node.input[3]]

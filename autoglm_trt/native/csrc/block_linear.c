@@ -23,8 +23,8 @@
  * 8-bit weights are widened to 16 bits for vpmaddwd (AVX2; the AVX-512 build without VNNI runs
  * these kernels too); VNNI's vpdpbusd adds four products into 32 bits, which nothing here can
  * overflow (docs/native.md has what the VNNI kernels gained). 16-bit inputs times 8-bit
- * weights go pairwise into 32 bits (vpmaddwd), or on VNNI as the inputs' two byte planes, each
- * through vpdpbusd (WIDE_TILE): a block's sum is at most 32 x 128 x 32767 < 2^31.
+ * weights go pairwise into 32 bits (vpmaddwd, or VNNI's vpdpwssd): a block's sum is at most
+ * 32 x 128 x 32767 < 2^31.
  *
  * At batch 1 Int4WeightLinear reads 5.25 bits a weight (4, the scale's 32 bits and the zero
  * point's 8 over 32 inputs) against Int8Linear's 8.
@@ -32,11 +32,9 @@
  * Inputs:
  *   0 x      float32 [..., K]
  *   1 tiles  Int4WeightLinear: uint8 [N16, KB, 8, 32], KB = ceil(K / 32), tile t's block b at
- *            [t, b] (``nibble_of`` below); Int8BlockLinear: int8 [N16, KB, 16, 32], tile t's block
+ *            [t, b] (``nibble_of`` below); the 8-bit ones: int8 [N16, KB, 16, 32], tile t's block
  *            b at [t, b], pair of inputs p at [t, b, p], byte 2 c + e the weight of output 16 t + c
- *            and input 32 b + 2 p + e; Int8WeightLinear: int8 [N16, KB, 8, 64], quad of inputs i at
- *            [t, b, i], byte 4 c + e the weight of output 16 t + c and input 32 b + 4 i + e. Past K
- *            anything (x is 0 there).
+ *            and input 32 b + 2 p + e. Past K anything (x is 0 there).
  *   2 scales float32 [N16, KB, 16]
  *   3 zeros  uint8 [N16, KB, 16], 0..15 (Int4WeightLinear only)
  * Output:
@@ -102,19 +100,6 @@ static inline int32_t quad(const int8_t *x) {
  * w + 128 (w xor 0x80) and 128 times the inputs' sum comes off. */
 #define XP_WORDS(four) ((void)(four), 0)
 static void pack_inputs(const int8_t *q, int32_t *xp) { (void)q, (void)xp; } /* never called */
-/* 16-bit inputs as two byte planes (WIDE_TILE): words 0-7 the high bytes hi = x >> 8 (signed),
- * words 8-15 the low bytes lo = x & 255 (unsigned), a quad of inputs a word; returns sum hi */
-static int32_t pack_wide(const int32_t *v, int32_t *xp) {
-  int8_t hi[QBLOCK];
-  uint8_t lo[QBLOCK];
-  int32_t sum = 0;
-  for (int p = 0; p < QBLOCK; p++) {
-    hi[p] = (int8_t)(v[p] >> 8), lo[p] = (uint8_t)(v[p] & 0xFF);
-    sum += hi[p];
-  }
-  memcpy(xp, hi, QBLOCK), memcpy(xp + QBLOCK / 4, lo, QBLOCK);
-  return sum;
-}
 /* one block's float terms added to each row's sums: (d - zero xs) * (scale * sx), in that order,
  * d the sum of the row's C chains of dot products */
 static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R, int C, __m512i zero, __m512 scale,
@@ -175,36 +160,28 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
     }                                                                                                              \
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, a[r]);                                          \
   }
-/* 16-bit inputs x = 256 hi + lo (``pack_wide``), each byte plane one vpdpbusd a quad of inputs:
- * the weights as w + 128 (xor 0x80) times hi's signed quad, lo's unsigned quad times the weights
- * as they are, so that  sum w x = 256 (dh - 128 sum hi) + dl  exactly (|dh| <= 32 x 255 x 128, so
- * 256 dh fits 32 bits); half the instructions of widening the weights for vpdpwssd */
+/* 16-bit inputs: each pair of inputs' 32 bytes widened to 16 bits a weight is 16 outputs x 2
+ * inputs, one vpdpwssd per broadcast pair */
 #define WIDE_TILE(R, C)                                                                                             \
   static void tilew_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
     __m512 a[R];                                                                                                   \
     for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                                        \
     const int8_t *w = (const int8_t *)j->w + t * j->blocks * TILE8_BLOCK;                                          \
-    const __m512i sign = _mm512_set1_epi8(-128);                                                                   \
     for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
-      __m512i dh[R][2], dl[R][2];                                                                                  \
-      for (int r = 0; r < R; r++) /* [r][1] unused at C = 1 */                                                    \
-        dh[r][0] = dh[r][1] = dl[r][0] = dl[r][1] = _mm512_setzero_si512();                                        \
-      for (int i = 0; i < QBLOCK / 4; i++) {                                                                       \
-        const __m512i v = _mm512_loadu_si512(w + b * TILE8_BLOCK + 64 * i), u = _mm512_xor_si512(v, sign);         \
+      __m512i d[R][2];                                                                                             \
+      for (int r = 0; r < R; r++) d[r][0] = d[r][1] = _mm512_setzero_si512(); /* d[r][1] unused at C = 1 */      \
+      for (int p = 0; p < QBLOCK / 2; p++) {                                                                       \
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + b * TILE8_BLOCK + 32 * p));                \
+        const __m512i v = _mm512_cvtepi8_epi16(bytes);                                                             \
         for (int r = 0; r < R; r++) {                                                                              \
-          const int32_t *x = j->xp + (row[r] * j->blocks + b) * (QBLOCK / 2);                                      \
-          dh[r][i % C] = _mm512_dpbusd_epi32(dh[r][i % C], u, _mm512_set1_epi32(x[i]));                            \
-          dl[r][i % C] = _mm512_dpbusd_epi32(dl[r][i % C], _mm512_set1_epi32(x[QBLOCK / 4 + i]), v);               \
+          const int32_t pair = j->xp[(row[r] * j->blocks + b) * (QBLOCK / 2) + p];                                 \
+          d[r][p % C] = _mm512_dpwssd_epi32(d[r][p % C], v, _mm512_set1_epi32(pair));                              \
         }                                                                                                          \
       }                                                                                                            \
       const __m512 scale = _mm512_loadu_ps(j->scale + (t * j->blocks + b) * 16);                                   \
       for (int r = 0; r < R; r++) {                                                                                \
-        const int64_t at = row[r] * j->blocks + b;                                                                 \
-        const __m512i h = C == 2 ? _mm512_add_epi32(dh[r][0], dh[r][1]) : dh[r][0];                                \
-        const __m512i l = C == 2 ? _mm512_add_epi32(dl[r][0], dl[r][1]) : dl[r][0];                                \
-        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l),                         \
-                                             _mm512_set1_epi32(j->xs[at] * 32768));                                \
-        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(j->sx[at]));                                          \
+        const __m512i dot = C == 2 ? _mm512_add_epi32(d[r][0], d[r][1]) : d[r][0];                                 \
+        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(j->sx[row[r] * j->blocks + b]));                      \
         a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), s));                                     \
       }                                                                                                            \
     }                                                                                                              \
@@ -235,7 +212,6 @@ static void pack_inputs(const int8_t *q, int32_t *xp) { /* for 8-bit weights (XP
   for (int p = 0; p < QBLOCK / 2; p++)
     xp[p] = (int32_t)((uint32_t)(uint16_t)(int16_t)q[2 * p] | (uint32_t)(uint16_t)(int16_t)q[2 * p + 1] << 16);
 }
-#define PAIRED_WIDE 1 /* pack_wide: 16-bit inputs as pairs of words */
 /* R rows (rows past ``rows`` repeat the first, not stored) x the 16 outputs of tile t into sums,
  * 8 outputs (half of each 64-byte vector) at a time. vpmaddubsw puts a pair of products in each
  * 16-bit lane, two lanes an output: a block's 8 such pairs a lane (each at most 15 x 127 x 2 =
@@ -313,47 +289,9 @@ ROWS_TILE(4)
   }
 ROWS_TILE8(1)
 ROWS_TILE8(4)
-/* 16-bit inputs and Int8WeightLinear's quads: a half vector's 8 outputs x 4 inputs widened to two
- * vectors of 4 outputs, each times the quad of inputs broadcast (vpmaddwd: two lanes an output),
- * the lanes of each output added at the block's end (vphaddd, and vpermq to put the outputs in
- * order); one half of the outputs after the other, for the registers */
-#define WIDE_TILE8(R)                                                                                              \
-  static void tilew_##R(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {                      \
-    __m256 a[R][2];                                                                                                \
-    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                                           \
-    const int8_t *w = (const int8_t *)j->w + t * j->blocks * TILE8_BLOCK;                                          \
-    const float *scale = j->scale + t * j->blocks * 16;                                                            \
-    for (int64_t b = 0; b < j->blocks; b++)                                                                        \
-      for (int h = 0; h < 2; h++) {                                                                                \
-        __m256i d[R][2];                                                                                           \
-        for (int r = 0; r < R; r++) d[r][0] = d[r][1] = _mm256_setzero_si256();                                    \
-        for (int i = 0; i < QBLOCK / 4; i++) {                                                                     \
-          const __m128i *src = (const __m128i *)(w + b * TILE8_BLOCK + 64 * i + 32 * h);                          \
-          const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(src)), hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1)); \
-          for (int r = 0; r < R; r++) {                                                                            \
-            const int32_t *x = j->xp + (row[r] * j->blocks + b) * (QBLOCK / 2) + 2 * i;                            \
-            const __m256i xq = _mm256_set1_epi64x((int64_t)((uint64_t)(uint32_t)x[0] | (uint64_t)(uint32_t)x[1] << 32)); \
-            d[r][0] = _mm256_add_epi32(d[r][0], _mm256_madd_epi16(lo, xq));                                        \
-            d[r][1] = _mm256_add_epi32(d[r][1], _mm256_madd_epi16(hi, xq));                                        \
-          }                                                                                                        \
-        }                                                                                                          \
-        const __m256 s = _mm256_loadu_ps(scale + b * 16 + 8 * h);                                                  \
-        for (int r = 0; r < R; r++) {                                                                              \
-          const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(d[r][0], d[r][1]), 0xD8);                 \
-          a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(dot),                                  \
-                                                         _mm256_mul_ps(s, _mm256_set1_ps(j->sx[row[r] * j->blocks + b])))); \
-        }                                                                                                          \
-      }                                                                                                            \
-    for (int r = 0; r < rows; r++)                                                                                 \
-      for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + 16 * r + 8 * h, a[r][h]);                                \
-  }
-WIDE_TILE8(1)
-WIDE_TILE8(4)
 static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {
   if (j->zero != NULL)
     (rows == 1 ? tile4_1 : tile4_4)(j, t, row, rows, sums);
-  else if (j->wide)
-    (rows == 1 ? tilew_1 : tilew_4)(j, t, row, rows, sums);
   else
     (rows == 1 ? tile8_1 : tile8_4)(j, t, row, rows, sums);
 }
@@ -361,7 +299,6 @@ const char block_linear_kernel[] = "avx2";
 #else
 #define ROWS 4
 #define XP_WORDS(four) ((void)(four), 0)
-#define PAIRED_WIDE 1
 static void pack_inputs(const int8_t *q, int32_t *xp) { (void)q, (void)xp; } /* never called */
 static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {
   const int four = j->zero != NULL;
@@ -376,9 +313,8 @@ static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *s
         for (int p = 0; p < QBLOCK; p++) {
           const uint32_t pair = j->wide ? (uint32_t)j->xp[at * (QBLOCK / 2) + p / 2] : 0;
           const int32_t x = j->wide ? (int16_t)(uint16_t)(p % 2 ? pair >> 16 : pair & 0xFFFF) : j->xq[at * QBLOCK + p];
-          d += (four         ? nibble_of(w + b * TILE_BLOCK, c, p)
-                : j->wide ? (int8_t)w[b * TILE8_BLOCK + (p / 4) * 64 + 4 * c + p % 4]
-                          : (int8_t)w[b * TILE8_BLOCK + (p / 2) * 32 + 2 * c + p % 2]) * x;
+          d += (four ? nibble_of(w + b * TILE_BLOCK, c, p)
+                     : (int8_t)w[b * TILE8_BLOCK + (p / 2) * 32 + 2 * c + p % 2]) * x;
         }
         if (four) d -= (int32_t)j->zero[t * j->blocks * 16 + b * 16 + c] * j->xs[at];
         const float s = scale[b * 16 + c] * j->sx[at];
@@ -388,18 +324,6 @@ static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *s
     }
 }
 const char block_linear_kernel[] = "portable C";
-#endif
-
-#ifdef PAIRED_WIDE
-/* 16-bit inputs as pairs of words (input 2p low); returns their sum */
-static int32_t pack_wide(const int32_t *v, int32_t *xp) {
-  int32_t sum = 0;
-  for (int p = 0; p < QBLOCK / 2; p++) {
-    xp[p] = (int32_t)((uint32_t)(uint16_t)v[2 * p] | (uint32_t)(uint16_t)v[2 * p + 1] << 16);
-    sum += v[2 * p] + v[2 * p + 1];
-  }
-  return sum;
-}
 #endif
 
 static void quantize_row(void *data, size_t i) {
@@ -418,7 +342,8 @@ static void quantize_row(void *data, size_t i) {
       sum += v[p];
     }
     if (j->wide) {
-      sum = pack_wide(v, j->xp + at * (QBLOCK / 2)); /* the kernel's sum: of the inputs, or of their high bytes */
+      for (int p = 0; p < QBLOCK / 2; p++)
+        j->xp[at * (QBLOCK / 2) + p] = (int32_t)((uint32_t)(uint16_t)v[2 * p] | (uint32_t)(uint16_t)v[2 * p + 1] << 16);
     } else {
       int8_t *q = j->xq + at * QBLOCK;
       for (int p = 0; p < QBLOCK; p++) q[p] = (int8_t)v[p];
@@ -479,22 +404,20 @@ static const char *run_linear(OrtKernelContext *ctx, const Constants *constants,
   if (why != NULL) return why;
   if (fixed_input(ctx, constants, 1, &w, wd, 4) || fixed_input(ctx, constants, 2, &scale, sd, 3) ||
       (four && fixed_input(ctx, constants, 3, &zero, zd, 3)))
-    return four   ? "an input is missing or has the wrong rank (tiles [N16, KB, 8, 32], scales and zeros [N16, KB, 16])"
-           : wide ? "an input is missing or has the wrong rank (tiles [N16, KB, 8, 64], scales [N16, KB, 16])"
-                  : "an input is missing or has the wrong rank (tiles [N16, KB, 16, 32], scales [N16, KB, 16])";
+    return four ? "an input is missing or has the wrong rank (tiles [N16, KB, 8, 32], scales and zeros [N16, KB, 16])"
+                : "an input is missing or has the wrong rank (tiles [N16, KB, 16, 32], scales [N16, KB, 16])";
   const int64_t k = call.k, rows = call.rows, blocks = k / QBLOCK + (k % QBLOCK != 0);
   if (!four) zd[0] = wd[0], zd[1] = blocks;
-  const int64_t vectors = four || wide ? 8 : 16, width = wide ? 64 : 32; /* a block's rows of bytes */
-  const int fits = k >= 1 && wd[0] >= 1 && wd[0] <= INT64_MAX / 16 && wd[1] == blocks && wd[2] == vectors &&
-                   wd[3] == width && sd[0] == wd[0] && sd[1] == blocks && sd[2] == 16 && zd[0] == wd[0] &&
+  const int fits = k >= 1 && wd[0] >= 1 && wd[0] <= INT64_MAX / 16 && wd[1] == blocks && wd[2] == (four ? 8 : 16) &&
+                   wd[3] == 32 && sd[0] == wd[0] && sd[1] == blocks && sd[2] == 16 && zd[0] == wd[0] &&
                    zd[1] == blocks && zd[2] == 16;
   const char *weights =
       fits ? NULL
            : reason("tiles [%lld, %lld, %lld, %lld], scales [%lld, %lld, %lld]%s do not fit inputs of %lld features "
-                    "(want tiles [N16, ceil(K / 32), %lld, %lld], scales%s [N16, ceil(K / 32), 16])",
+                    "(want tiles [N16, ceil(K / 32), %d, 32], scales%s [N16, ceil(K / 32), 16])",
                     (long long)wd[0], (long long)wd[1], (long long)wd[2], (long long)wd[3], (long long)sd[0],
-                    (long long)sd[1], (long long)sd[2], four ? " and zeros" : "", (long long)k, (long long)vectors,
-                    (long long)width, four ? " and zeros" : "");
+                    (long long)sd[1], (long long)sd[2], four ? " and zeros" : "", (long long)k, four ? 8 : 16,
+                    four ? " and zeros" : "");
   if ((why = linear_begin(ctx, constants, &call, fits ? 16 * wd[0] : 0, four ? 4 : 3, weights)) != NULL)
     return why == linear_done ? NULL : why;
   if (rows > INT64_MAX / (blocks * QBLOCK)) return "input 0 has too many rows";

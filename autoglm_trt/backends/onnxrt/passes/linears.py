@@ -173,7 +173,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
             continue
         blocked = nbits.int8_blocks(mm, inits, array) if fma else None
         if blocked is not None:
-            block_weights[mm.input[1]] = (nbits.int8_block_tiles if dynamic_int8 else nbits.int8_weight_tiles)(*blocked)
+            block_weights[mm.input[1]] = nbits.int8_block_tiles(*blocked)
             names = [f"{mm.input[1]}.{part}" for part in nbits.INT8_PARTS]
             _replace_nbits(mm, BLOCK_OP if dynamic_int8 else WEIGHT_OP, names, widths, replaced, added)
             continue

@@ -2,9 +2,8 @@
 replace (``linears.py``): what its optimizer makes of a DequantizeLinear in blocks of 32 + MatMul
 (``graph/quant.py``'s INT8, ``graph/int4.py``'s INT4).
 
-- ``int8_blocks``: an 8-bit node, zero points 128 -> int8 weights and scales;
-  ``int8_block_tiles`` lays them out for ``Int8BlockLinear``, ``int8_weight_tiles`` for
-  ``Int8WeightLinear``.
+- ``int8_blocks``: an 8-bit node, zero points 128 -> ``Int8WeightLinear``'s int8 weights and
+  scales; ``int8_block_tiles`` lays them out for ``Int8BlockLinear``.
 - ``int4_blocks``: a 4-bit node at accuracy level 4 (its activations quantized per block of 32
   to int8 at run time, as ``Int4WeightLinear`` quantizes them) -> that operator's tiles, scales
   and zero points (``csrc/block_linear.c``).
@@ -80,20 +79,6 @@ def int8_block_tiles(q: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]
     by_tile = scales.T.reshape(n // 16, 16, blocks).transpose(0, 2, 1)
     return dict(zip(INT8_PARTS, (np.ascontiguousarray(tiles.reshape(n // 16, blocks, QUANT_BLOCK // 2, 32)),
                                  np.ascontiguousarray(by_tile, dtype=np.float32))))
-
-
-def int8_weight_tiles(q: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
-    """``int8_blocks``' weights ``[N, K]`` and scales ``[KB, N]`` as ``Int8WeightLinear``'s inputs 1-2
-    by ``INT8_PARTS`` suffix: tiles int8 ``[N/16, KB, 8, 64]`` (vector i of tile t's block b at
-    ``[t, b, i]``, byte 4c + e the weight of output 16t + c and input 32b + 4i + e: 16 outputs' lanes
-    of 4 inputs, vpdpbusd's operand; zeros past K) and scales float32 ``[N/16, KB, 16]``."""
-    n, k = q.shape
-    blocks = scales.shape[0]
-    padded = np.zeros((n, blocks * QUANT_BLOCK), np.int8)
-    padded[:, :k] = q
-    tiles = padded.reshape(n // 16, 16, blocks, QUANT_BLOCK // 4, 4).transpose(0, 2, 3, 1, 4)
-    return {INT8_PARTS[0]: np.ascontiguousarray(tiles.reshape(n // 16, blocks, QUANT_BLOCK // 4, 64)),
-            INT8_PARTS[1]: int8_block_tiles(q, scales)[INT8_PARTS[1]]}
 
 
 def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Array) -> dict[str, np.ndarray] | None:
