@@ -9,7 +9,7 @@ the explicit-quantization form TensorRT accepts:
     past_key.<i>  int8 [kv_heads, num_blocks, block_size, head_dim]
                   Gather by block table -> DequantizeLinear(scale[kv_heads], axis=0) -> the attention
 
-Per token (``per_token``): each new token's K (and V) row of each KV head gets its own scale when
+Per token (``kv_amax`` None): each new token's K (and V) row of each KV head gets its own scale when
 it is made, max |row| / 127 (``quantize_rows``, as llama.cpp's q8_0 cache does per block of 32),
 which the runtime stores beside it in a float32 scale pool (``names.scale_of``):
 

@@ -33,7 +33,9 @@ class KVPools:
         self.data.fill(0)  # every page touched now, not during a step (see above)
         self.keys = list(self.data[0])
         self.values = list(self.data[1])
-        self.scales = np.zeros((2, num_layers, *shape[:3]), np.float32) if token_scales else None
+        self.scales = np.empty((2, num_layers, *shape[:3]), np.float32) if token_scales else None
+        if self.scales is not None:
+            self.scales.fill(0)  # touched now too
 
     def feeds(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
