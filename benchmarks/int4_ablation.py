@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""INT4 weights of SmolLM2-135M, one run: AWQ against plain rounding, blocks of 32 and 128 inputs,
-zero points or symmetric, and the down projections kept at INT8.
+"""INT4 weights of SmolLM2-135M, one run: AWQ's scales and GPTQ's rounding each on and off, blocks
+of 32 and 128 inputs, zero points or symmetric, and the down projections kept at INT8.
 
-    python -m benchmarks.int4_ablation [--max-chunks 12] [--json OUT]
+    python -m benchmarks.int4_ablation [--max-chunks 12] [--only TEXT] [--json OUT]
 
 Each variant is ``builder.int4_awq.int4_export`` of the float32 export (the default calibration
-set for AWQ's rows), its graph run by ONNX Runtime as the engine's plain graph computes it (each
-DequantizeLinear + MatMul fused into a 4-bit ``MatMulNBits``, accuracy level 4). Scores: perplexity
-ratio and top-1 agreement against the float32 checkpoint in transformers on each kind of held-out
-text (``calibration/eval``, windows of 256 tokens), as ``autoglm-trt eval``.
+set for AWQ's rows and GPTQ's Gram matrices), its graph run by ONNX Runtime as the engine's plain
+graph computes it (each DequantizeLinear + MatMul fused into a 4-bit ``MatMulNBits``, accuracy
+level 4). Scores: perplexity ratio and top-1 agreement against the float32 checkpoint in
+transformers on each kind of held-out text (``calibration/eval``, windows of 256 tokens), as
+``autoglm-trt eval``. ``--only``: the variants whose names hold TEXT.
 
 First it prints how many of the checkpoint's decoder weight blocks (32 inputs of one output) lie
 exactly on a grid of 16 evenly spaced values from the block's minimum: SmolLM2's float32
@@ -27,11 +28,13 @@ from pathlib import Path
 from .common import ROOT, machine
 from .peer_accuracy import KIND_COLUMNS, KINDS, kind_cells, kind_scores
 
-VARIANTS = {"RTN, blocks of 128, zero points": {"block": 128, "awq": False},
-            "AWQ, blocks of 128, zero points": {"block": 128},
-            "RTN, blocks of 32, zero points": {"block": 32, "awq": False},
-            "AWQ, blocks of 32, symmetric": {"block": 32, "symmetric": True},
-            "AWQ, blocks of 32, zero points (int4-awq's default)": {"block": 32},
+VARIANTS = {"RTN, blocks of 128, zero points": {"block": 128, "awq": False, "gptq": False},
+            "AWQ + GPTQ, blocks of 128, zero points": {"block": 128},
+            "RTN, blocks of 32, zero points": {"block": 32, "awq": False, "gptq": False},
+            "AWQ, blocks of 32, zero points, rounded to nearest": {"block": 32, "gptq": False},
+            "GPTQ, blocks of 32, zero points, no AWQ": {"block": 32, "awq": False},
+            "AWQ + GPTQ, blocks of 32, symmetric": {"block": 32, "symmetric": True},
+            "AWQ + GPTQ, blocks of 32, zero points (int4-awq's default)": {"block": 32},
             "the same, down projections INT8 (--int4-int8 down)": {"block": 32, "int8_kinds": ("down",)}}
 
 
@@ -65,6 +68,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-chunks", type=int, default=12)
+    ap.add_argument("--only", default="", metavar="TEXT")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     smol = ROOT / "models" / "smollm2-135m"
@@ -83,6 +87,8 @@ def main() -> None:
 
     rows = []
     for name, settings in VARIANTS.items():
+        if args.only not in name:
+            continue
         out = int4_export(export, work / name.split(" (")[0].replace(", ", "-").replace(" ", "_"), DEFAULT_DATA,
                           Int4Settings(**settings), log=lambda m: None)
         runner = GraphRunner(out)

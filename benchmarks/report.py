@@ -113,7 +113,7 @@ SECTIONS = (
     Section("precisions", "Speed of each precision", ("benchmarks.bench_precisions", "--rounds", "3"),
             "Batch-1 and batch-8 decode and a 1,000-token prefill of the fp32, int8, int8-wo, int8-dyn and int4-awq "
             "engines."),
-    Section("int4", "INT4 weights: AWQ, block size, zero points", ("benchmarks.int4_ablation",),
+    Section("int4", "INT4 weights: AWQ, GPTQ, block size, zero points", ("benchmarks.int4_ablation",),
             "SmolLM2-135M's INT4 variants on held-out text of four kinds against the float32 checkpoint; first, how "
             "many of the checkpoint's decoder weight blocks of 32 lie on a 16-level grid (it is a dequantized Q4_1 "
             "GGUF)."),

@@ -14,8 +14,11 @@ One batch of calibration windows runs through the float graph for each linear's 
 (``calib.statistics.gather``); for a vision family (GLM-4.1V) one window per calibration image
 follows them, the image's encoder output in its tokens' place (``calib.image_windows``, as the
 INT8 calibration does), so the scales see image tokens' activations too. ``calib.awq`` picks
-each linear's scales on them. ONNX Runtime's optimizer turns each DequantizeLinear + MatMul into
-its 4-bit ``MatMulNBits``.
+each linear's scales on them. More text windows follow in batches of the same size, and every
+row's X^T X is summed per linear (while those Gram matrices fit ``GRAM_BYTES``): GPTQ
+(``graph.gptq``) rounds each weight on its linear's Gram matrix as the AWQ-scaled graph feeds it;
+past the budget, or with ``gptq`` off, weights are rounded to nearest. ONNX Runtime's optimizer
+turns each DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
 """
 
 from __future__ import annotations
@@ -35,20 +38,26 @@ from ..graph.decoder import write_int8_graph
 from ..graph.int4 import quantize_int4_blocks
 from ..graph.names import KINDS, kind_of
 from ..graph.quant import QuantPlan
+from ..graph.runner import WindowImages
 from ..model.spec import ModelSpec
 from ..model.text import token_windows
 
 GRAPH = "model.int4.onnx"
 # What this code writes from the same export and settings; a cached result of another version is redone.
-VERSION = 2
+VERSION = 3
+# The Gram matrices GPTQ needs (float32, in x in per linear) are summed only while they fit this;
+# a larger model's INT4 weights are rounded to nearest, and its record says why.
+GRAM_BYTES = 2 * 1024**3
 
 
 @dataclass(frozen=True)
 class Int4Settings:
     block: int = 32  # inputs per scale (and zero point)
     symmetric: bool = False  # False: uint4 with a zero point per block; True: int4 in [-7, 7]
-    awq: bool = True  # False: plain rounding to nearest (the ablation)
-    windows: int = 8  # calibration windows of ``seq_len`` tokens run for the linears' input rows
+    awq: bool = True  # False: no AWQ scales (the ablation)
+    gptq: bool = True  # False: each weight rounded to nearest, not by GPTQ (the ablation)
+    windows: int = 8  # calibration windows of ``seq_len`` tokens run for the linears' input rows (AWQ's)
+    gram_windows: int = 64  # and for GPTQ's Gram matrices: these too, in batches of ``windows``
     seq_len: int = 128
     int8_kinds: tuple[str, ...] = ()  # kinds of linear (``graph.names.kind_of``) kept at INT8, blocks of 32
 
@@ -73,39 +82,89 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(data, export_dir, settings.windows, settings.seq_len, separator)
     from ..calib.image_windows import calibration_images, image_digest, with_image_windows
+    from ..calib.statistics import quantizable_inputs
 
     images = calibration_images(data) if spec.vision else []
+    inputs = quantizable_inputs(export_dir, False, [])
+    int8_linears = tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds))
+    gptq, rounding = gptq_linears(spec, [n for n in inputs if n != "lm_head" and n not in int8_linears], settings)
+    more = token_windows(data, export_dir, settings.gram_windows, settings.seq_len, separator) if gptq else None
     made = {"source": export.identity(), "version": VERSION, "settings": asdict(settings),
-            "data_sha256": windows.sha256, "images_sha256": [image_digest(i) for i in images]}
+            "data_sha256": windows.sha256, "images_sha256": [image_digest(i) for i in images],
+            "gram_data_sha256": more.sha256 if more else None}
     if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).data.get("int4", {}), made):
         log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
         return out_dir
-    from ..calib.statistics import gather, quantizable_inputs
+    from ..calib.statistics import gather
 
     t0 = time.perf_counter()
-    inputs = quantizable_inputs(export_dir, False, [])
     rows, shown = (windows.windows, None) if not images else with_image_windows(export_dir, windows.windows, images)
-    st = gather(export_dir, spec, rows, inputs, {}, None, len(rows), threads, 1024**3, images=shown)
+    first = len(rows)  # the first batch: AWQ's rows are taken from it
+    if more is not None:
+        rows, shown = then_text(rows, shown, more.windows)
+    st = gather(export_dir, spec, rows, inputs, {}, None, first, threads, 1024**3, images=shown, gram=gptq)
     log(f"linear inputs of {len(rows)} windows ({len(images)} with an image) gathered in "
         f"{time.perf_counter() - t0:.1f} s")
     scales, report = awq_scales(spec, st, settings, log) if settings.awq else ({}, {})
+    if gptq and not st.stats.gram:
+        rounding = "to nearest (the layer-by-layer statistics pass sums no Gram matrices)"
+    log(f"INT4 rounding: {rounding}" + (f"; GPTQ rounds {len(st.stats.gram)} linears as the graph is written"
+                                        if st.stats.gram else ""))
     from ..calib.smooth import SmoothedWeights
 
     weights = SmoothedWeights(st.weights.base, spec, scales)
     plan = QuantPlan.weights_only(sorted([*inputs, "lm_head"]), bits=4, block=settings.block,
-                                  symmetric=settings.symmetric,
-                                  int8_linears=tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds)))
+                                  symmetric=settings.symmetric, int8_linears=int8_linears,
+                                  gram=scaled_grams(st.stats.gram, scales))
     with staged_directory(out_dir, True) as tmp:
+        t1 = time.perf_counter()
         write_int8_graph(tmp, GRAPH, spec, weights, plan, export.max_seq_len)
+        log(f"INT4 graph written in {time.perf_counter() - t1:.1f} s")
         record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq")
         record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
                           "weights": f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, "
                                      f"one scale per {settings.block} inputs of each output; LM head "
                                      + "".join(f"and {k} " for k in settings.int8_kinds) + "int8 per 32",
-                          "awq": report}
+                          "rounding": rounding, "awq": report}
         copy_tokenizer_files(export_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record)
     return out_dir
+
+
+def gptq_linears(spec: ModelSpec, names: list[str], settings: Int4Settings) -> tuple[tuple[str, ...], str]:
+    """The linears whose weights GPTQ rounds (all of ``names``, or none), and how the record says
+    the weights were rounded."""
+    from ..graph.names import input_channels
+
+    if not settings.gptq:
+        return (), "to nearest (gptq off)"
+    need = sum(4 * input_channels(spec, n) ** 2 for n in names)
+    if need > GRAM_BYTES:
+        return (), (f"to nearest (GPTQ's Gram matrices would take {need / 1024**3:.1f} GiB, over "
+                    f"{GRAM_BYTES / 1024**3:.0f} GiB)")
+    return tuple(sorted(names)), (f"GPTQ, Gram matrices over {settings.windows} + {settings.gram_windows} windows "
+                                  f"of {settings.seq_len} calibration tokens")
+
+
+def then_text(rows: np.ndarray, shown: WindowImages | None, text: np.ndarray) -> tuple[np.ndarray, WindowImages | None]:
+    """``rows`` (and their images) followed by the text windows ``text`` (no images)."""
+    if shown is None:
+        return np.concatenate([rows, text]), None
+    n, length = text.shape
+    positions = np.broadcast_to(np.arange(length), (3, n, length))
+    return np.concatenate([rows, text]), WindowImages(shown.items + [None] * n,
+                                                      np.concatenate([shown.positions, positions], axis=1))
+
+
+def scaled_grams(grams: dict[str, np.ndarray], scales: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each Gram matrix X^T X as the INT4 linear sees its input, X / s under AWQ's scales s: divided
+    by s s^T (in place)."""
+    for name, gram in grams.items():
+        if name in scales:
+            inv = (1.0 / scales[name]).astype(np.float32)
+            gram *= inv[:, None]
+            gram *= inv[None, :]
+    return grams
 
 
 def _same(have: dict, made: dict) -> bool:

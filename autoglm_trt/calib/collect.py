@@ -59,6 +59,8 @@ class ActivationStats:
     # new_key.<i> / new_value.<i> -> one histogram per KV head of |K| (after rope) and |V| as the
     # graph stores them (V / s under SmoothQuant)
     kv_hist: dict[str, list[AbsHistogram]] = field(default_factory=dict)
+    # linear name -> X^T X of its input rows, float32 [in, in] (asked for by name: GPTQ's)
+    gram: dict[str, np.ndarray] = field(default_factory=dict)
     batches: int = 0
     tokens: int = 0
 
@@ -74,13 +76,14 @@ def calibration_session(export_dir: Path, outputs: list[str], threads: int | Non
 def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,
             smoothing: Smoothing | None = None, show_progress: bool = True,
             rotate: dict[str, int] | None = None, row_stride: int = 1,
-            images: WindowImages | None = None) -> ActivationStats:
+            images: WindowImages | None = None, gram: tuple[str, ...] = ()) -> ActivationStats:
     """Run all windows through the graph and accumulate the statistics (see ``Accumulator``);
-    ``images``: the windows' images (a vision family's image windows)."""
+    ``images``: the windows' images (a vision family's image windows); ``gram``: the linears
+    whose inputs' Gram matrices to sum."""
     names = list(inputs)
     stats = ActivationStats()
     kv = kv_outputs(spec)
-    acc = Accumulator(stats, spec, names, smoothing, rotate or {}, row_stride)
+    acc = Accumulator(stats, spec, names, smoothing, rotate or {}, row_stride, gram)
     n_batches = -(-len(windows) // batch_size)
     progress = Progress(n_batches, "calibrating") if show_progress else None
     shapes = [_linear_shape(input_channels(spec, n), "lm_head" in n) for n in names]
@@ -111,16 +114,17 @@ class Accumulator:
     ``rotate`` (name -> Hadamard block) are histogrammed and sampled as ``(x / s) R``, which
     is what their quantizer sees in the INT8 graph. These histograms take one token row in
     ``row_stride`` of each window (``_rows``); the first batch's maxima and samples take every row.
+    The linears named in ``gram`` have X^T X of every row of their raw inputs summed (float32).
     The whole graph's pass has one accumulator; the layer-by-layer pass one per group of
     layers, over the same batches.
     """
 
     def __init__(self, stats: ActivationStats, spec: ModelSpec, names: list[str], smoothing: Smoothing | None,
-                 rotate: dict[str, int], row_stride: int = 1):
+                 rotate: dict[str, int], row_stride: int = 1, gram: tuple[str, ...] = ()):
         if not isinstance(row_stride, int) or isinstance(row_stride, bool) or row_stride < 1:
             raise ValueError(f"hist_row_stride must be a whole number >= 1 (1: every token row), got {row_stride!r}")
         self.stats, self.spec, self.names, self.smoothing, self.rotate = stats, spec, names, smoothing, rotate
-        self.row_stride = row_stride
+        self.row_stride, self.gram = row_stride, [n for n in names if n in set(gram)]
         self.windows = 0  # windows added so far (which token rows a window's histograms take)
         for n in names:
             stats.hist[n], stats.raw_hist[n] = AbsHistogram(), AbsHistogram()
@@ -158,6 +162,13 @@ class Accumulator:
 
     def add(self, outs: list[np.ndarray], kv: dict[str, np.ndarray]) -> None:
         """One batch: the inputs of ``names`` in order (used as scratch: overwritten), new K/V by name."""
+        for name in self.gram:  # before the histograms overwrite the inputs
+            x = outs[self.names.index(name)]
+            rows = x.reshape(-1, x.shape[-1])
+            if name in self.stats.gram:
+                self.stats.gram[name] += rows.T @ rows
+            else:
+                self.stats.gram[name] = rows.T @ rows
         if self.first:
             self._first_batch(outs)
         if self.native is not None:

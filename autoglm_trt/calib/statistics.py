@@ -59,9 +59,12 @@ def rotation_blocks(spec: ModelSpec, linears: list[str], kinds: list[str], max_b
 
 def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str], rotate: dict[str, int],
            alpha: float | None, batch_size: int, threads: int | None, max_graph_bytes: int | None = None,
-           device: str = "cpu", row_stride: int = 1, images: WindowImages | None = None) -> Statistics:
+           device: str = "cpu", row_stride: int = 1, images: WindowImages | None = None,
+           gram: tuple[str, ...] = ()) -> Statistics:
     """Run the windows through the float graph once and accumulate the statistics: the whole graph
-    at once, or (when its weights exceed ``max_graph_bytes``) group of layers by group of layers."""
+    at once, or (when its weights exceed ``max_graph_bytes``) group of layers by group of layers.
+    ``gram``: linears whose input Gram matrices to sum (the whole graph's pass only; the layer by
+    layer pass leaves ``stats.gram`` empty)."""
     import time
 
     base = ExportedWeights(export_dir)
@@ -90,7 +93,7 @@ def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[
             return smoothing_scales(spec, w_max["all"], chan_max, alpha)
 
     stats = collect(session, spec, inputs, windows, batch_size, smoothing, rotate=rotate, row_stride=row_stride,
-                    images=images)
+                    images=images, gram=gram)
     seconds = time.perf_counter() - t0
     del session
     return Statistics(inputs, rotate, stats, SmoothedWeights(base, spec, stats.smooth), seconds)

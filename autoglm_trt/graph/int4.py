@@ -46,21 +46,29 @@ def quantize_int4_blocks(w: np.ndarray, block: int, symmetric: bool) -> Int4Bloc
     grouped = padded.reshape(blocks, block, n_out)
     if n_in % block:  # padding rows repeat a real row of the last block, so they widen no range
         grouped[-1, n_in % block:] = grouped[-1, :1]
-    lo, hi = grouped.min(axis=1), grouped.max(axis=1)
+    scale, zero = block_params(grouped, symmetric)
+    q = round_to_grid(grouped, scale, zero, symmetric).astype(np.int8).reshape(-1, n_out)[:n_in]
+    return Int4Blocks(q, scale, None if symmetric else zero.astype(np.uint8), block)
+
+
+def block_params(grouped: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's float32 scale and zero point (0 when symmetric, else 0..15, as float32) for
+    float32 weights ``[..., inputs of a block, out]``: the range (holding 0 when asymmetric)
+    clipped by the factor of ``CLIPS`` with the least squared error, ties to the larger factor."""
+    grouped = np.asarray(grouped, np.float32)
+    lo, hi = grouped.min(axis=-2), grouped.max(axis=-2)
     best: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     for clip in CLIPS:
         scale, zero = _scale_zero(np.float32(clip) * lo, np.float32(clip) * hi, symmetric)
-        q = _round(grouped, scale, zero, symmetric)
-        err = np.sum(np.square((q - zero[:, None]) * scale[:, None] - grouped, dtype=np.float32), axis=1)
+        q = round_to_grid(grouped, scale, zero, symmetric)
+        err = np.sum(np.square((q - zero[..., None, :]) * scale[..., None, :] - grouped, dtype=np.float32), axis=-2)
         if best is None:
             best = (scale, zero, err)
         else:
             better = err < best[2]
             best = (np.where(better, scale, best[0]), np.where(better, zero, best[1]), np.where(better, err, best[2]))
     assert best is not None
-    scale, zero = best[0].astype(np.float32), best[1]
-    q = _round(grouped, scale, zero, symmetric).astype(np.int8).reshape(-1, n_out)[:n_in]
-    return Int4Blocks(q, scale, None if symmetric else zero.astype(np.uint8), block)
+    return best[0].astype(np.float32), best[1].astype(np.float32)
 
 
 def _scale_zero(lo: np.ndarray, hi: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -72,8 +80,10 @@ def _scale_zero(lo: np.ndarray, hi: np.ndarray, symmetric: bool) -> tuple[np.nda
     return scale, np.clip(np.rint(-lo / scale), 0, 15).astype(np.float32)
 
 
-def _round(grouped: np.ndarray, scale: np.ndarray, zero: np.ndarray, symmetric: bool) -> np.ndarray:
-    q = np.rint(grouped / scale[:, None]) + zero[:, None]
+def round_to_grid(grouped: np.ndarray, scale: np.ndarray, zero: np.ndarray, symmetric: bool) -> np.ndarray:
+    """The levels (float32) of weights ``[..., inputs, out]`` on their blocks' grids (``scale``,
+    ``zero``: ``[..., out]``), rounded half to even and clipped."""
+    q = np.rint(grouped / scale[..., None, :]) + zero[..., None, :]
     return np.clip(q, -7, 7) if symmetric else np.clip(q, 0, 15)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import names
 from .builder import GraphBuilder
+from .gptq import gptq_int4_blocks
 from .hadamard import hadamard, rotate_weight, rotate_weight_rows
 from .int4 import int4_weight_dq, quantize_int4_blocks
 
@@ -61,12 +62,16 @@ class QuantPlan:
     weight_block: int = WEIGHT_BLOCK
     weight_symmetric: bool = True
     int8_linears: tuple[str, ...] = ()  # a 4-bit plan's linears kept at 8 bits, as the head
+    # a 4-bit plan's linear name -> the Gram matrix X^T X of its inputs as the graph feeds them
+    # (after AWQ's scaling): its weights rounded by GPTQ (``gptq``) instead of to nearest
+    gram: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def weights_only(cls, linears: list[str], bits: int = 8, block: int = WEIGHT_BLOCK,
-                     symmetric: bool = True, int8_linears: tuple[str, ...] = ()) -> QuantPlan:
+                     symmetric: bool = True, int8_linears: tuple[str, ...] = (),
+                     gram: dict[str, np.ndarray] | None = None) -> QuantPlan:
         return cls(dict.fromkeys(linears, 0.0), weight_only=True, weight_bits=bits, weight_block=block,
-                   weight_symmetric=symmetric, int8_linears=int8_linears)
+                   weight_symmetric=symmetric, int8_linears=int8_linears, gram=gram or {})
 
     @property
     def switch_order(self) -> list[str]:
@@ -86,7 +91,8 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
     in a weight-only plan."""
     if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
-        qw = quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric)
+        qw = (gptq_int4_blocks(w, plan.gram[name], plan.weight_block, plan.weight_symmetric) if name in plan.gram
+              else quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric))
         return g.op("MatMul", [x, int4_weight_dq(g, name, qw)], name)
     if plan.weight_only:
         wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
