@@ -7,8 +7,8 @@ When input i starts a block, the block's scale and zero point are chosen as plai
 chooses them (``int4.block_params``), from the block's weights as corrected so far. Input i's
 row of weights is rounded, and its error divided by U[i, i] times U[i, j] is taken off every
 later input j's row, U the upper Cholesky factor of the inverse Gram matrix (U^T U = H^-1). The
-corrections within ``LAZY`` inputs go row by row, those past them once per ``LAZY`` (the
-paper's lazy batches: the same sums, in another order). With a Gram matrix c I nothing is
+corrections within ``LAZY`` inputs (or one block, if longer) go row by row, those past them once
+per such batch (the paper's lazy batches: the same sums, in another order). With a Gram matrix c I nothing is
 corrected and the result is plain rounding's (test).
 
 The Gram matrix is damped by ``damp`` times its mean diagonal, so that a few hundred rows (fewer
@@ -52,16 +52,15 @@ def gptq_int4_blocks(w: np.ndarray, gram: np.ndarray, block: int, symmetric: boo
     n_in, n_out = w.shape
     if gram.shape != (n_in, n_in):
         raise ValueError(f"a Gram matrix of {gram.shape} does not fit a weight of {n_in} inputs")
-    if LAZY % block:
-        raise ValueError(f"the block size {block} must divide {LAZY}")
+    lazy = block * max(1, LAZY // block)  # whole blocks in a lazy batch
     u, dead = inverse_factor(gram, damp)
     rest = np.array(w, np.float64)
     rest[dead] = 0.0
     blocks = -(-n_in // block)
     q = np.empty((n_in, n_out), np.int8)
     scale, zero = np.empty((blocks, n_out), np.float32), np.empty((blocks, n_out), np.float32)
-    for b0 in range(0, n_in, LAZY):
-        b1 = min(b0 + LAZY, n_in)
+    for b0 in range(0, n_in, lazy):
+        b1 = min(b0 + lazy, n_in)
         part, err = rest[b0:b1].copy(), np.empty((b1 - b0, n_out))
         for i in range(b0, b1):
             r = i - b0

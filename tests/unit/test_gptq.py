@@ -39,12 +39,13 @@ def test_a_gram_matrix_c_times_identity_corrects_nothing(n_in, block, symmetric)
     assert (got.zero is None and plain.zero is None) or np.array_equal(got.zero, plain.zero)
 
 
-def test_lazy_batches_round_as_the_textbook_loop():
-    """300 inputs cross two lazy batches of 128 and end in a short block."""
+@pytest.mark.parametrize("block", [32, 256])
+def test_lazy_batches_round_as_the_textbook_loop(block):
+    """300 inputs cross two lazy batches of 128 (blocks of 32) or one of 256, and end in a short block."""
     rng = np.random.default_rng(1)
     x, w = correlated(rng, 400, 300), rng.standard_normal((300, 7)).astype(np.float32)
-    got = gptq_int4_blocks(w, x.T @ x, 32, False)
-    assert np.array_equal(got.q, textbook(w, x.T @ x, 32, False))
+    got = gptq_int4_blocks(w, x.T @ x, block, False)
+    assert np.array_equal(got.q, textbook(w, x.T @ x, block, False))
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
