@@ -38,7 +38,6 @@ from ..graph.decoder import write_int8_graph
 from ..graph.int4 import quantize_int4_blocks
 from ..graph.names import KINDS, kind_of
 from ..graph.quant import QuantPlan
-from ..graph.runner import WindowImages
 from ..model.spec import ModelSpec
 from ..model.text import token_windows
 
@@ -81,7 +80,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     spec = export.spec
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(data, export_dir, settings.windows, settings.seq_len, separator)
-    from ..calib.image_windows import calibration_images, image_digest, with_image_windows
+    from ..calib.image_windows import calibration_images, image_digest, then_text, with_image_windows
     from ..calib.statistics import quantizable_inputs
 
     images = calibration_images(data) if spec.vision else []
@@ -144,16 +143,6 @@ def gptq_linears(spec: ModelSpec, names: list[str], settings: Int4Settings) -> t
                     f"{GRAM_BYTES / 1024**3:.0f} GiB)")
     return tuple(sorted(names)), (f"GPTQ, Gram matrices over {settings.windows} + {settings.gram_windows} windows "
                                   f"of {settings.seq_len} calibration tokens")
-
-
-def then_text(rows: np.ndarray, shown: WindowImages | None, text: np.ndarray) -> tuple[np.ndarray, WindowImages | None]:
-    """``rows`` (and their images) followed by the text windows ``text`` (no images)."""
-    if shown is None:
-        return np.concatenate([rows, text]), None
-    n, length = text.shape
-    positions = np.broadcast_to(np.arange(length), (3, n, length))
-    return np.concatenate([rows, text]), WindowImages(shown.items + [None] * n,
-                                                      np.concatenate([shown.positions, positions], axis=1))
 
 
 def scaled_grams(grams: dict[str, np.ndarray], scales: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -71,11 +71,25 @@ def with_image_windows(export_dir: Path, text: np.ndarray, images: list[object])
     """The text windows ``[n, T]`` followed by one window per image (``image_windows``), and the
     images of all of them (None for the text windows, whose positions are 0 .. T - 1)."""
     shown, with_images = image_windows(export_dir, text, images)
+    return _joined(text, _text_items(text), shown, with_images)
+
+
+def then_text(rows: np.ndarray, shown: WindowImages | None, text: np.ndarray) -> tuple[np.ndarray, WindowImages | None]:
+    """``rows`` (and their images, if any) followed by the text windows ``text``."""
+    if shown is None:
+        return np.concatenate([rows, text]), None
+    return _joined(rows, shown, text, _text_items(text))
+
+
+def _text_items(text: np.ndarray) -> WindowImages:
+    """Text windows ``[n, T]`` as ``WindowImages``: no image, positions 0 .. T - 1."""
     n, length = text.shape
-    text_rows = np.broadcast_to(np.arange(length), (3, n, length))
-    items: list[tuple[int, np.ndarray] | None] = [None] * n
-    return np.concatenate([text, shown]), WindowImages(items + with_images.items,
-                                                       np.concatenate([text_rows, with_images.positions], axis=1))
+    return WindowImages([None] * n, np.broadcast_to(np.arange(length), (3, n, length)))
+
+
+def _joined(a: np.ndarray, a_images: WindowImages, b: np.ndarray, b_images: WindowImages) -> tuple[np.ndarray, WindowImages]:
+    return np.concatenate([a, b]), WindowImages(a_images.items + b_images.items,
+                                                np.concatenate([a_images.positions, b_images.positions], axis=1))
 
 
 def image_digest(image: object) -> str:
