@@ -9,7 +9,8 @@ Decode rate = tokens after the first / time after the first, summed over the bat
 32 random token ids, EOS ignored); prefill = time to the first token of a new 1,000-token prompt
 (random ids, so no prefix is cached). Rounds interleave every measurement; each figure is the
 median over rounds, each ratio (against int8) the median of the rounds' ratios. Engines are built
-first if missing (``bench_runtime.ensure_engine``).
+first if missing (``bench_runtime.ensure_engine``). ``engine_mb``: the engine directory's files
+on disk (its graphs, their weights, the native operators' packed copy, tokenizer).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    engines = {p: Engine.load(ensure_engine(p)) for p in PRECISIONS}
+    dirs = {p: ensure_engine(p) for p in PRECISIONS}
+    engines = {p: Engine.load(d) for p, d in dirs.items()}
     rng = np.random.default_rng(0)
     vocab = engines["fp32"].spec.vocab_size
     figures: dict[str, dict[str, list[float]]] = {p: {"batch1": [], "batch8": [], "ttft_ms": []} for p in PRECISIONS}
@@ -57,6 +59,7 @@ def main() -> None:
         out[p] = {k: round(float(np.median(v)), 1) for k, v in figures[p].items()}
         out[p].update({f"{k}_vs_int8": round(float(np.median(np.array(v) / np.array(figures["int8"][k]))), 3)
                        for k, v in figures[p].items()})
+        out[p]["engine_mb"] = round(sum(f.stat().st_size for f in dirs[p].iterdir() if f.is_file()) / 1e6)
         print(json.dumps({"precision": p, **out[p]}), flush=True)
     print(machine())
     if args.json:

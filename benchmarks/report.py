@@ -97,6 +97,12 @@ SECTIONS = (
     Section("calibrate_9b", "Calibrating the GLM-4-9B shape", ("benchmarks.calibrate_9b_shape",),
             "The same shape exported to float32 (37.6 GB of weights) and calibrated one layer at a time on a "
             "24 GB machine, without the gate (needs ~90 GB of disk)."),
+    Section("calibrate_9b_int4", "INT4 weights of the GLM-4-9B shape",
+            ("benchmarks.calibrate_9b_shape", "--precision", "int4-awq", "--layers", "4", "--work", "/tmp/glm9b4"),
+            "The same shape cut to 4 of its 40 layers (every width as GLM-4-9B's), exported to float32 and made into "
+            "int4-awq's model with its default settings (AWQ's search and GPTQ's rounding one layer at a time) on a "
+            "24 GB machine: wall time, peak RSS, the INT4 graph's size per layer and outside the layers, and from "
+            "them the 40-layer INT4 graph's size against fp16's (needs ~15 GB of disk)."),
     Section("accuracy", "Calibration and accuracy", ("benchmarks.accuracy_table",)),
     Section("accuracy_kinds", "Accuracy by kind of text", ("benchmarks.accuracy_kinds",)),
     Section("runtime_accuracy", "Accuracy as requests see it", ("benchmarks.runtime_accuracy",)),

@@ -158,8 +158,10 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
 
         if req.calib is None:
             log(f"no --calib given: AWQ searches its scales on the default set {DEFAULT_DATA}")
-        # TensorRT's block-quantized INT4 takes no zero points: symmetric there
-        settings = Int4Settings(block=req.int4_block, symmetric=backend == "tensorrt", int8_kinds=req.int4_int8)
+        # TensorRT's block-quantized INT4 takes no zero points: symmetric there; its embedding stays
+        # float (the INT8 rows' Gather + Cast is untested with TensorRT)
+        trt = backend == "tensorrt"
+        settings = Int4Settings(block=req.int4_block, symmetric=trt, int8_kinds=req.int4_int8, int8_embedding=not trt)
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 GRID = 20
+COLUMNS = 4096  # output columns whose error is computed at a time
 
 
 @dataclass(frozen=True)
@@ -34,21 +35,27 @@ class AwqChoice:
 def awq_scale(x: np.ndarray, w: np.ndarray, dequantized: Callable[[np.ndarray], np.ndarray],
               shared: Callable[[np.ndarray], np.ndarray] | None = None, grid: int = GRID) -> AwqChoice:
     """The search for ``x`` ``[rows, in]`` and ``w`` ``[in, out]``; ``dequantized(w)``: w through the
-    weights' quantization and back; ``shared``: makes the per-channel means equal where the fold
-    needs one scale for several channels."""
+    weights' quantization and back (each output column on its own); ``shared``: makes the
+    per-channel means equal where the fold needs one scale for several channels. The error is
+    summed ``COLUMNS`` outputs at a time, so a wide linear (GLM-4-9B's gate/up: 27,392) holds a
+    few copies of that many columns, not of the whole matrix."""
     x = np.asarray(x, np.float32)
     mean = np.abs(x).mean(axis=0)
     if shared is not None:
         mean = shared(mean)
     mean = np.maximum(mean, np.float32(1e-6))
-    ref = x @ w
+    parts = [slice(c, c + COLUMNS) for c in range(0, w.shape[1], COLUMNS)]
+    refs = [x @ w[:, c] for c in parts]
     best: AwqChoice | None = None
     rtn = 0.0
     for k in range(grid + 1):
         alpha = k / grid
         s = (mean.astype(np.float64) ** alpha)
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-        err = float(np.mean(np.square((x / s) @ dequantized(w * s[:, None]) - ref, dtype=np.float64)))
+        xs = x / s
+        total = sum(float(np.sum(np.square(xs @ dequantized(w[:, c] * s[:, None]) - ref, dtype=np.float64)))
+                    for c, ref in zip(parts, refs))
+        err = total / (x.shape[0] * w.shape[1])
         if k == 0:
             rtn = err
         if best is None or err < best.error:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ..graph.gptq import LARGE
 from ..graph.hadamard import rotate_rows
 from ..graph.names import input_channels
 from ..graph.runner import WindowImages, prefill_feeds
@@ -106,6 +107,22 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
 Smoothing = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
+def add_gram(grams: dict[str, np.ndarray], name: str, rows: np.ndarray) -> None:
+    """``grams[name] += rows^T rows`` (float32). Over ``gptq.LARGE`` inputs (GLM-4-9B's down
+    projection: a 750 MB matrix) by blocks of 2,048 columns, so that no second whole matrix is
+    made for the sum."""
+    n = rows.shape[1]
+    if n <= LARGE:
+        if name in grams:
+            grams[name] += rows.T @ rows
+        else:
+            grams[name] = rows.T @ rows
+        return
+    gram = grams.setdefault(name, np.zeros((n, n), np.float32))
+    for c in range(0, n, 2048):
+        gram[:, c:c + 2048] += rows.T @ rows[:, c:c + 2048]
+
+
 class Accumulator:
     """Adds batches of some linears' inputs (and K/V) to ``ActivationStats``.
 
@@ -164,11 +181,7 @@ class Accumulator:
         """One batch: the inputs of ``names`` in order (used as scratch: overwritten), new K/V by name."""
         for name in self.gram:  # before the histograms overwrite the inputs
             x = outs[self.names.index(name)]
-            rows = x.reshape(-1, x.shape[-1])
-            if name in self.stats.gram:
-                self.stats.gram[name] += rows.T @ rows
-            else:
-                self.stats.gram[name] = rows.T @ rows
+            add_gram(self.stats.gram, name, x.reshape(-1, x.shape[-1]))
         if self.first:
             self._first_batch(outs)
         if self.native is not None:

@@ -137,11 +137,15 @@ def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inp
                      rotate: dict[str, int], smoothing_for: Callable[[list[int]], Smoothing | None], batch_size: int,
                      threads: int | None, max_graph_bytes: int, device: str = "cpu",
                      show_progress: bool = True, row_stride: int = 1,
-                     images: WindowImages | None = None) -> ActivationStats:
+                     images: WindowImages | None = None, gram: tuple[str, ...] = (),
+                     on_group: Callable[[list[str], ActivationStats], None] | None = None) -> ActivationStats:
     """The statistics of ``collect`` over the windows, group of layers by group of layers
     (``images``: the windows' images, whose rows replace the image tokens' embeddings).
 
     ``smoothing_for(layers)`` gives the SmoothQuant callback of those layers' linears (None: off).
+    ``gram``: the linears whose input Gram matrices to sum; ``on_group(linears, stats)``, called
+    when a group's windows are all through, may take its linears' statistics out of ``stats`` (GPTQ
+    rounds them there, so that only one group's Gram matrices are ever held).
     """
     model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
     weights = ExportedWeights(export_dir)
@@ -163,7 +167,7 @@ def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inp
         shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
         runner = _GroupRunner(subgraph(model, [stream], [inputs[n] for n in names] + kv + [out_name]),
                               Path(export_dir), stream, [inputs[n] for n in names] + kv, shapes, threads, device)
-        acc = Accumulator(stats, spec, names, smoothing_for(group), rotate, row_stride)
+        acc = Accumulator(stats, spec, names, smoothing_for(group), rotate, row_stride, gram)
         nxt = np.empty_like(hidden)
         for (a, b), f in zip(batches, feeds):
             outs = runner.run(f, hidden[a:b], {out_name: nxt[a:b]})
@@ -172,6 +176,8 @@ def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inp
                 progress.update()
         hidden, stream = nxt, out_name
         del runner
+        if on_group is not None:
+            on_group(names, stats)
     if "lm_head" in inputs:
         _head_statistics(model, Path(export_dir), spec, stats, inputs, stream, hidden, batches, feeds, rotate,
                          threads, device)

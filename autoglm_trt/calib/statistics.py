@@ -9,6 +9,7 @@ weight maxima SmoothQuant needs are read in a thread while ONNX Runtime runs the
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,11 +61,12 @@ def rotation_blocks(spec: ModelSpec, linears: list[str], kinds: list[str], max_b
 def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str], rotate: dict[str, int],
            alpha: float | None, batch_size: int, threads: int | None, max_graph_bytes: int | None = None,
            device: str = "cpu", row_stride: int = 1, images: WindowImages | None = None,
-           gram: tuple[str, ...] = ()) -> Statistics:
+           gram: tuple[str, ...] = (),
+           on_group: Callable[[list[str], ActivationStats], None] | None = None) -> Statistics:
     """Run the windows through the float graph once and accumulate the statistics: the whole graph
     at once, or (when its weights exceed ``max_graph_bytes``) group of layers by group of layers.
-    ``gram``: linears whose input Gram matrices to sum (the whole graph's pass only; the layer by
-    layer pass leaves ``stats.gram`` empty)."""
+    ``gram``: linears whose input Gram matrices to sum; ``on_group``: the layer by layer pass's
+    call when a group is done (``gather_layerwise``)."""
     import time
 
     base = ExportedWeights(export_dir)
@@ -77,7 +79,8 @@ def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[
             return lambda chan_max: smoothing_scales(spec, weight_row_max(spec, base, layers), chan_max, alpha)
 
         stats = gather_layerwise(export_dir, spec, windows, inputs, rotate, smoothing_for, batch_size, threads,
-                                 max_graph_bytes, device, row_stride=row_stride, images=images)
+                                 max_graph_bytes, device, row_stride=row_stride, images=images, gram=gram,
+                                 on_group=on_group)
         return Statistics(inputs, rotate, stats, SmoothedWeights(base, spec, stats.smooth),
                           time.perf_counter() - t0, layerwise=True)
     session = calibration_session(export_dir, list(inputs.values()), threads, device)

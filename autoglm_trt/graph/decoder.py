@@ -55,7 +55,7 @@ from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
 from . import names
 from .builder import GraphBuilder, row_chunks
-from .quant import QuantPlan, add_bias, quantized_matmul, quantized_rows_matmul
+from .quant import WEIGHT_BLOCK, QuantPlan, add_bias, embedding_rows, quantized_matmul, quantized_rows_matmul
 
 OPSET = 17
 WEIGHT_ONLY_OPSET = 21  # DequantizeLinear in blocks
@@ -172,9 +172,15 @@ class DecoderGraph:
 
         # embedding (chunked: the largest tensor of a 9B model)
         emb_name = self.w.embedding_name()
-        embed = g.weight_chunks("embed_tokens.weight", (s.vocab_size, s.hidden_size), self.wdt,
-                                row_chunks(lambda a, b: self.w.rows(emb_name, a, b), s.vocab_size, EMBED_CHUNK_ROWS))
-        x = self.embed_tokens(embed)
+        if self.int8_embedding():
+            embed = ""  # the LM head reads the checkpoint's rows itself
+            rows = partial(self.int8_embedding_rows, self.int8_embedding_table(emb_name))
+        else:
+            embed = g.weight_chunks("embed_tokens.weight", (s.vocab_size, s.hidden_size), self.wdt,
+                                    row_chunks(lambda a, b: self.w.rows(emb_name, a, b), s.vocab_size,
+                                               EMBED_CHUNK_ROWS))
+            rows = partial(self.float_embedding_rows, embed)
+        x = self.embed_tokens(rows)
 
         # rope tables gathered once by position
         cos_t, sin_t = full_width_tables(*cos_sin_tables(s.rope, o.max_seq_len, s.max_position_embeddings),
@@ -189,17 +195,44 @@ class DecoderGraph:
                 self.progress(i + 1, s.num_layers)
         self.head(x, embed)
 
-    def embed_tokens(self, embed: str) -> str:
-        """``[B, T, hidden]`` float32 (named ``embed``): the tokens' embedding rows; with a vision
-        tower, an image token's row of ``image_embeds`` instead where ``image_index`` points at one."""
+    def embed_tokens(self, rows: Callable[[str], str]) -> str:
+        """``[B, T, hidden]`` float32 (named ``embed``): the tokens' embedding rows (``rows(name)``);
+        with a vision tower, an image token's row of ``image_embeds`` instead where ``image_index``
+        points at one."""
         g = self.g
         if not self.spec.vision:
-            return self.to_f32(g.op("Gather", [embed, names.INPUT_IDS], "embed", axis=0))
-        tokens = self.to_f32(g.op("Gather", [embed, names.INPUT_IDS], "embed_tokens", axis=0))
+            return rows("embed")
+        tokens = rows("embed_tokens")
         images = g.op("Gather", [names.IMAGE_EMBEDS, names.IMAGE_INDEX], "embed_images", axis=0)
         is_image = g.op("Unsqueeze", [g.op("Greater", [names.IMAGE_INDEX, g.const(np.int64(0), "s0")], "image_tokens"),
                                       g.ints([2], "i2")], "image_tokens3")
         return g.op("Where", [is_image, images, tokens], "embed")
+
+    def float_embedding_rows(self, embed: str, name: str) -> str:
+        return self.to_f32(self.g.op("Gather", [embed, names.INPUT_IDS], name, axis=0))
+
+    def int8_embedding(self) -> bool:
+        q = self.opts.quant
+        return (q is not None and q.weight_only and q.int8_embedding and "lm_head" in q.act_amax
+                and self.spec.hidden_size % WEIGHT_BLOCK == 0)
+
+    def int8_embedding_table(self, emb_name: str) -> tuple[str, str]:
+        """The INT8 embedding (``quant.embedding_rows``), quantized chunk by chunk: (rows, scales)."""
+        g, s = self.g, self.spec
+        parts = [embedding_rows(self.w.rows(emb_name, a, min(a + EMBED_CHUNK_ROWS, s.vocab_size)))
+                 for a in range(0, s.vocab_size, EMBED_CHUNK_ROWS)]
+        q = g.weight_chunks("embed_tokens.weight_i8", (s.vocab_size, s.hidden_size), np.dtype(np.int8),
+                            (p[0] for p in parts))
+        return q, g.weight("embed_tokens.weight_scale", np.concatenate([p[1] for p in parts]))
+
+    def int8_embedding_rows(self, table: tuple[str, str], name: str) -> str:
+        """``[B, T, hidden]`` float32: the tokens' rows of the INT8 embedding, each block of
+        ``WEIGHT_BLOCK`` values times its scale."""
+        g, (q, scale) = self.g, table
+        rows = g.op("Cast", [g.op("Gather", [q, names.INPUT_IDS], "embed_q", axis=0)], "embed_qf", to=TensorProto.FLOAT)
+        blocks = g.op("Reshape", [rows, g.ints([0, 0, -1, WEIGHT_BLOCK], "embed_blocks_shape")], "embed_blocks")
+        scaled = g.op("Mul", [blocks, g.op("Gather", [scale, names.INPUT_IDS], "embed_scale", axis=0)], "embed_scaled")
+        return g.op("Reshape", [scaled, g.ints([0, 0, self.spec.hidden_size], "embed_shape")], name)
 
     def rope_rows(self, table: str, name: str) -> str:
         """``[B, T, head_dim]``: the table's rows at each token's position. With M-RoPE (3-D positions

@@ -19,41 +19,116 @@ scale search and each rounding on float32 values as ``quantize_int4_blocks`` doe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .int4 import Int4Blocks, block_params, round_to_grid
 
 DAMP = 0.01
 LAZY = 128
+# a Gram matrix of more inputs than this is factored and inverted by blocks, in place
+# (``_large_inverse_factor``; GLM-4-9B's down projection, 13,696: 3 GB of float64 at a time, not 6)
+LARGE = 8192
 
 
-def inverse_factor(gram: np.ndarray, damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
+def inverse_factor(gram: np.ndarray | Callable[[], np.ndarray], damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
     """(U, dead): the upper Cholesky factor of the damped Gram matrix's inverse, float64, and the
     inputs that are zero on every row. A matrix that float32 sums left not positive definite at
-    that damping is damped 10 and 100 times more."""
-    h = np.array(gram, np.float64)
+    that damping is damped 10 and 100 times more. Each step lets go of the matrix before it, so
+    at most two of H's size are held (GLM-4-9B's down projection: 13,696 inputs, 1.5 GB each) when
+    ``gram`` is a function that hands over a float64 matrix of its own (worked in place)."""
+    h = gram() if callable(gram) else np.array(gram, np.float64)
     if not np.isfinite(h).all():
         raise ValueError("the Gram matrix holds NaN or infinity: the calibration activations were not finite")
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
-    mean = float(np.mean(np.diag(h)))
+    diagonal = np.diag(h).copy()
+    dead = diagonal == 0
+    diagonal[dead] = 1.0
+    mean = float(np.mean(diagonal))
     for k in range(3):
+        np.fill_diagonal(h, diagonal + damp * 10**k * mean)
+        if len(h) > LARGE:
+            held = [h]  # handed over: the factor is computed in this matrix's memory
+            del h
+            try:
+                return _large_inverse_factor(held), dead
+            except np.linalg.LinAlgError:
+                h = gram() if callable(gram) else np.array(gram, np.float64)  # the failed factor overwrote it
+                continue
         try:
-            lower_inv = np.linalg.inv(np.linalg.cholesky(h + damp * 10**k * mean * np.eye(len(h))))  # H^-1 = L^-T L^-1
-            return np.linalg.cholesky(lower_inv.T @ lower_inv).T, dead
+            lower = np.linalg.cholesky(h)
         except np.linalg.LinAlgError:
             continue
+        del h
+        lower_inv = np.linalg.inv(lower)  # H^-1 = L^-T L^-1
+        del lower
+        inverse = lower_inv.T @ lower_inv
+        del lower_inv
+        return np.linalg.cholesky(inverse).T, dead
     raise ValueError("the Gram matrix is not positive definite even damped by 100 times more")
 
 
-def gptq_int4_blocks(w: np.ndarray, gram: np.ndarray, block: int, symmetric: bool, damp: float = DAMP) -> Int4Blocks:
+def _large_inverse_factor(held: list[np.ndarray]) -> np.ndarray:
+    """``inverse_factor``'s U for a damped matrix of more than ``LARGE`` inputs, the only one in
+    ``held``, whose memory the factor takes: numpy's factor and inverse each hold two more copies
+    of their input (LAPACK's work arrays), these at most one: GLM-4-9B's down projection holds
+    3 GB of float64 at a time, not 6."""
+    lower = cholesky_lower(held.pop())
+    inv = lower_inverse(lower)
+    del lower
+    inverse = inv.T @ inv
+    del inv
+    return cholesky_lower(inverse).T
+
+
+def cholesky_lower(a: np.ndarray, block: int = 1024) -> np.ndarray:
+    """The lower Cholesky factor of the symmetric positive definite ``a``, computed in ``a``'s own
+    memory (returned; its upper triangle zeroed) by blocks of columns: each diagonal block
+    factored, the panel below it solved against that factor, the lower part of the rest updated
+    block by block. ``np.linalg.LinAlgError`` where ``a`` is not positive definite."""
+    n = len(a)
+    for i0 in range(0, n, block):
+        i1 = min(i0 + block, n)
+        diag = np.linalg.cholesky(a[i0:i1, i0:i1])
+        a[i0:i1, i0:i1] = diag
+        a[i0:i1, i1:] = 0.0
+        if i1 == n:
+            break
+        panel = a[i1:, i0:i1] @ lower_inverse(diag).T  # A21 D^-T
+        a[i1:, i0:i1] = panel
+        for j0 in range(i1, n, block):
+            j1 = min(j0 + block, n)
+            a[j0:, j0:j1] -= panel[j0 - i1:] @ panel[j0 - i1:j1 - i1].T
+    return a
+
+
+def lower_inverse(lower: np.ndarray, block: int = 1024) -> np.ndarray:
+    """The inverse of a lower triangular matrix by blocks of rows (forward substitution: each
+    diagonal block inverted, each row block below it from the rows before), holding the matrix and
+    its inverse only; ``np.linalg.inv`` holds two more of that size (LAPACK's copy and identity)."""
+    n = len(lower)
+    out = np.zeros_like(lower)
+    for i0 in range(0, n, block):
+        i1 = min(i0 + block, n)
+        diag = np.linalg.inv(lower[i0:i1, i0:i1])
+        out[i0:i1, i0:i1] = diag
+        if i0:
+            out[i0:i1, :i0] = -diag @ (lower[i0:i1, :i0] @ out[:i0, :i0])
+    return out
+
+
+def gptq_int4_blocks(w: np.ndarray, gram: np.ndarray | Callable[[], np.ndarray], block: int, symmetric: bool,
+                     damp: float = DAMP) -> Int4Blocks:
     """``w`` ``[in, out]`` to INT4 in blocks of ``block`` inputs (as ``quantize_int4_blocks``),
-    each input's rounding error made up for in the inputs after it."""
+    each input's rounding error made up for in the inputs after it (``gram``: as ``inverse_factor``'s)."""
     n_in, n_out = w.shape
-    if gram.shape != (n_in, n_in):
-        raise ValueError(f"a Gram matrix of {gram.shape} does not fit a weight of {n_in} inputs")
+    shape = None if callable(gram) else gram.shape
+    if shape is not None and shape != (n_in, n_in):
+        raise ValueError(f"a Gram matrix of {shape} does not fit a weight of {n_in} inputs")
     lazy = block * max(1, LAZY // block)  # whole blocks in a lazy batch
     u, dead = inverse_factor(gram, damp)
+    if u.shape != (n_in, n_in):
+        raise ValueError(f"a Gram matrix of {u.shape} does not fit a weight of {n_in} inputs")
     rest = np.array(w, np.float64)
     rest[dead] = 0.0
     blocks = -(-n_in // block)

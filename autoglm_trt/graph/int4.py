@@ -18,6 +18,7 @@ from onnx import TensorProto
 from .builder import GraphBuilder
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+CHUNK = 1 << 18  # weights of a ``block_params`` chunk (1 MiB of float32)
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,16 @@ class Int4Blocks:
 
     def dequantized(self) -> np.ndarray:
         """``(q - zero) * scale`` as float32 ``[in, out]``."""
-        n_in = self.q.shape[0]
-        zero = 0 if self.zero is None else np.repeat(self.zero.astype(np.float32), self.block, axis=0)[:n_in]
-        return ((self.q.astype(np.float32) - zero) * np.repeat(self.scale, self.block, axis=0)[:n_in]).astype(np.float32)
+        n_in, n_out = self.q.shape
+        if n_in % self.block:
+            zero = 0 if self.zero is None else np.repeat(self.zero.astype(np.float32), self.block, axis=0)[:n_in]
+            return ((self.q.astype(np.float32) - zero) * np.repeat(self.scale, self.block, axis=0)[:n_in]).astype(
+                np.float32)
+        out = self.q.astype(np.float32).reshape(-1, self.block, n_out)  # whole blocks: broadcast, no repeat
+        if self.zero is not None:
+            out -= self.zero.astype(np.float32)[:, None, :]
+        out *= self.scale[:, None, :]
+        return out.reshape(n_in, n_out)
 
 
 def quantize_int4_blocks(w: np.ndarray, block: int, symmetric: bool) -> Int4Blocks:
@@ -49,26 +57,6 @@ def quantize_int4_blocks(w: np.ndarray, block: int, symmetric: bool) -> Int4Bloc
     scale, zero = block_params(grouped, symmetric)
     q = round_to_grid(grouped, scale, zero, symmetric).astype(np.int8).reshape(-1, n_out)[:n_in]
     return Int4Blocks(q, scale, None if symmetric else zero.astype(np.uint8), block)
-
-
-def block_params(grouped: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's float32 scale and zero point (0 when symmetric, else 0..15, as float32) for
-    float32 weights ``[..., inputs of a block, out]``: the range (holding 0 when asymmetric)
-    clipped by the factor of ``CLIPS`` with the least squared error, ties to the larger factor."""
-    grouped = np.asarray(grouped, np.float32)
-    lo, hi = grouped.min(axis=-2), grouped.max(axis=-2)
-    best: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    for clip in CLIPS:
-        scale, zero = _scale_zero(np.float32(clip) * lo, np.float32(clip) * hi, symmetric)
-        q = round_to_grid(grouped, scale, zero, symmetric)
-        err = np.sum(np.square((q - zero[..., None, :]) * scale[..., None, :] - grouped, dtype=np.float32), axis=-2)
-        if best is None:
-            best = (scale, zero, err)
-        else:
-            better = err < best[2]
-            best = (np.where(better, scale, best[0]), np.where(better, zero, best[1]), np.where(better, err, best[2]))
-    assert best is not None
-    return best[0].astype(np.float32), best[1].astype(np.float32)
 
 
 def _scale_zero(lo: np.ndarray, hi: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -104,3 +92,51 @@ def int4_weight_dq(g: GraphBuilder, name: str, qw: Int4Blocks) -> str:
     if qw.zero is not None:
         inputs.append(g.packed_weight(f"{name}.weight_zero", qw.zero.shape, kind, pack_nibbles(qw.zero)))
     return g.op("DequantizeLinear", inputs, f"{name}.weight_dq", axis=0, block_size=qw.block)
+
+
+
+def block_params(grouped: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's float32 scale and zero point (0 when symmetric, else 0..15, as float32) for
+    float32 weights ``[..., inputs of a block, out]``: the range (holding 0 when asymmetric)
+    clipped by the factor of ``CLIPS`` with the least squared error, ties to the larger factor.
+    Worked ``CHUNK`` weights at a time, in place: each output's blocks are independent."""
+    grouped = np.asarray(grouped, np.float32)
+    n_out = grouped.shape[-1]
+    scale = np.empty(grouped.shape[:-2] + (n_out,), np.float32)
+    zero = np.empty_like(scale)
+    cols = max(1, CHUNK // max(1, grouped[..., 0].size))
+
+    def one(c0: int) -> None:
+        part = np.ascontiguousarray(grouped[..., c0:c0 + cols])
+        scale[..., c0:c0 + cols], zero[..., c0:c0 + cols] = _block_params(part, symmetric)
+
+    for c0 in range(0, n_out, cols):
+        one(c0)
+    return scale, zero
+
+
+def _block_params(grouped: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``block_params`` of a contiguous chunk: per clip, the levels and their squared error in one buffer."""
+    lo, hi = grouped.min(axis=-2), grouped.max(axis=-2)
+    t = np.empty_like(grouped)
+    best: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    bounds = (-7, 7) if symmetric else (0, 15)
+    for clip in CLIPS:
+        scale, zero = _scale_zero(np.float32(clip) * lo, np.float32(clip) * hi, symmetric)
+        s, z = scale[..., None, :], zero[..., None, :]
+        np.divide(grouped, s, out=t)
+        np.rint(t, out=t)
+        np.add(t, z, out=t)
+        np.clip(t, *bounds, out=t)
+        np.subtract(t, z, out=t)
+        np.multiply(t, s, out=t)
+        np.subtract(t, grouped, out=t)
+        np.square(t, out=t)
+        err = np.sum(t, axis=-2)
+        if best is None:
+            best = (scale, zero, err)
+        else:
+            better = err < best[2]
+            best = (np.where(better, scale, best[0]), np.where(better, zero, best[1]), np.where(better, err, best[2]))
+    assert best is not None
+    return best[0].astype(np.float32), best[1].astype(np.float32)

@@ -24,7 +24,7 @@ from . import names
 from .builder import GraphBuilder
 from .gptq import gptq_int4_blocks
 from .hadamard import hadamard, rotate_weight, rotate_weight_rows
-from .int4 import int4_weight_dq, quantize_int4_blocks
+from .int4 import Int4Blocks, int4_weight_dq, quantize_int4_blocks
 
 WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
 # clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
@@ -65,13 +65,20 @@ class QuantPlan:
     # a 4-bit plan's linear name -> the Gram matrix X^T X of its inputs as the graph feeds them
     # (after AWQ's scaling): its weights rounded by GPTQ (``gptq``) instead of to nearest
     gram: dict[str, np.ndarray] = field(default_factory=dict)
+    # a 4-bit plan's linear name -> its weights already rounded (GPTQ layer by layer), read when written
+    rounded: dict[str, Callable[[], Int4Blocks]] = field(default_factory=dict)
+    # a weight-only plan's token embedding as INT8 rows in blocks of ``WEIGHT_BLOCK`` (the LM head's
+    # quantization; ``embedding_rows``), gathered and scaled in the graph; else float
+    int8_embedding: bool = False
 
     @classmethod
     def weights_only(cls, linears: list[str], bits: int = 8, block: int = WEIGHT_BLOCK,
                      symmetric: bool = True, int8_linears: tuple[str, ...] = (),
-                     gram: dict[str, np.ndarray] | None = None) -> QuantPlan:
+                     gram: dict[str, np.ndarray] | None = None, int8_embedding: bool = False,
+                     rounded: dict[str, Callable[[], Int4Blocks]] | None = None) -> QuantPlan:
         return cls(dict.fromkeys(linears, 0.0), weight_only=True, weight_bits=bits, weight_block=block,
-                   weight_symmetric=symmetric, int8_linears=int8_linears, gram=gram or {})
+                   weight_symmetric=symmetric, int8_linears=int8_linears, gram=gram or {},
+                   int8_embedding=int8_embedding, rounded=rounded or {})
 
     @property
     def switch_order(self) -> list[str]:
@@ -91,9 +98,7 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
     in a weight-only plan."""
     if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
-        qw = (gptq_int4_blocks(w, plan.gram[name], plan.weight_block, plan.weight_symmetric) if name in plan.gram
-              else quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric))
-        return g.op("MatMul", [x, int4_weight_dq(g, name, qw)], name)
+        return g.op("MatMul", [x, int4_weight_dq(g, name, _int4_weight(w, name, plan))], name)
     if plan.weight_only:
         wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
         return g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws, name)], name)
@@ -108,6 +113,19 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
         wdq = g.op("Where", [g.op("Greater", [on, g.const(np.float32(0.5), "half")]), wdq,
                              g.weight(f"{name}.weight", w.astype(np.float32))], f"{name}.switch_w")
     return g.op("MatMul", [xdq, wdq], name)
+
+
+def _int4_weight(w: np.ndarray, name: str, plan: QuantPlan) -> Int4Blocks:
+    """A 4-bit plan's rounding of ``w``: rounded already, by GPTQ on its Gram matrix, or to nearest."""
+    if name in plan.rounded:
+        qw = plan.rounded[name]()
+        if qw.q.shape != w.shape or qw.block != plan.weight_block:
+            raise ValueError(f"{name}: weights rounded as {qw.q.shape} in blocks of {qw.block}, "
+                             f"written as {w.shape} in blocks of {plan.weight_block}")
+        return qw
+    if name in plan.gram:
+        return gptq_int4_blocks(w, plan.gram[name], plan.weight_block, plan.weight_symmetric)
+    return quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric)
 
 
 def add_bias(g: GraphBuilder, y: str, b: np.ndarray | None, name: str, plan: QuantPlan) -> str:
@@ -150,6 +168,14 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
         return g.op("MatMul", [x, _weight_dq(g, wq, scale, name)], name)
     xdq, wdq = _qdq(g, x, wq, scale, name, plan)
     return g.op("MatMul", [xdq, wdq], name)
+
+
+def embedding_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Embedding rows ``[n, hidden]`` as a weight-only LM head quantizes them (one scale per
+    ``WEIGHT_BLOCK`` of a row's values, ``quantize_weight_blocks``): (int8 ``[n, hidden]``, float32
+    scales ``[n, hidden / WEIGHT_BLOCK, 1]``). A tied model's embedding and head get the same values."""
+    q, scale = quantize_weight_blocks(np.asarray(rows, np.float32).T, WEIGHT_BLOCK)
+    return np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T)[:, :, None]
 
 
 def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: QuantPlan) -> tuple[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -103,7 +104,7 @@ def test_the_native_int4_graph_gives_the_plain_graphs_answers(int4_engines, monk
 def test_awq_scales_leave_the_float_model_unchanged(int4_engines):
     """The AWQ scales folded into norms and linears, with every weight float: the export's logits."""
     from autoglm_trt.artifacts import Manifest
-    from autoglm_trt.builder.int4_awq import Int4Settings, awq_scales
+    from autoglm_trt.builder.int4_rounding import AwqSearch
     from autoglm_trt.calib.smooth import SmoothedWeights
     from autoglm_trt.calib.statistics import gather, quantizable_inputs
     from autoglm_trt.graph.decoder import write_int8_graph
@@ -117,7 +118,10 @@ def test_awq_scales_leave_the_float_model_unchanged(int4_engines):
     spec = Manifest.read(int4).spec
     windows = token_windows(DATA, export, 4, 32, None).windows
     st = gather(export, spec, windows, quantizable_inputs(export, False, []), {}, None, 4, None)
-    scales, _ = awq_scales(spec, st, Int4Settings(), lambda m: None)
+    awq = AwqSearch(spec, 32, False, 4 * spec.num_layers, lambda m: None)
+    awq.add(st.stats.sample, st.weights, [n for n in st.stats.sample if n != "lm_head"])
+    scales = awq.scales
+    assert len(scales) == 4 * spec.num_layers
     assert any(np.abs(s - 1).max() > 0.05 for s in scales.values())
     out = int4.parent / "awq-float"
     out.mkdir()
@@ -153,6 +157,39 @@ def test_gptq_gets_each_linears_gram_matrix_and_a_budget(int4_engines, monkeypat
     monkeypatch.setattr(int4_awq, "GRAM_BYTES", 1000)
     chosen, how = int4_awq.gptq_linears(spec, names, int4_awq.Int4Settings())
     assert chosen == () and "Gram matrices would take" in how and "to nearest" in how
+
+
+def test_gptq_layer_by_layer_rounds_as_the_whole_model_pass(int4_engines, tmp_path, monkeypatch):
+    """The statistics pass forced to go one layer at a time: each layer's AWQ scales and GPTQ
+    rounding as its windows are through, the rounded weights kept in a scratch folder until the
+    graph is written (then removed). The same rows through other sessions: the same AWQ exponents
+    and the INT4 weights of the whole model's pass but for a few roundings."""
+    from onnx import numpy_helper
+
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.builder import int4_awq
+
+    _, int4 = int4_engines
+    export = next((int4.parent / ".cache").glob("*/export-float32"))
+    whole = Path(Manifest.read(int4).data["source"]["model_dir"])
+    monkeypatch.setattr(int4_awq, "GRAPH_BYTES", 1)
+    logs: list[str] = []
+    out = int4_awq.int4_export(export, tmp_path / "int4", DATA, int4_awq.Int4Settings(), log=logs.append)
+    rec, ref = (json.loads((d / "export.json").read_text())["int4"] for d in (out, whole))
+    assert rec["rounding"].startswith("GPTQ layer by layer, Gram matrices over 8 + 64 windows")
+    assert ref["rounding"].startswith("GPTQ, Gram matrices")
+    assert any("GPTQ rounded 8 linears layer by layer" in m for m in logs), logs
+    assert rec["awq"]["alpha"] == ref["awq"]["alpha"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int4"]  # the scratch folder is gone
+
+    def int4_weights(d: Path) -> dict[str, np.ndarray]:
+        model = onnx.load(str(d / "model.int4.onnx"))
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith(".weight_i4")}
+
+    got, want = int4_weights(out), int4_weights(whole)
+    assert sorted(got) == sorted(want) and len(got) == 8
+    same = np.mean(np.concatenate([(got[n] == want[n]).ravel() for n in got]))
+    assert same >= 0.99, same
 
 
 def test_a_second_build_reuses_the_int4_model_and_a_bad_block_is_refused(tiny_dir, int4_engines):
@@ -195,3 +232,34 @@ def test_kinds_kept_at_int8_run_as_int8_block_linears(tiny_dir, int4_engines):
     bad = run_cli("build", str(tiny_dir("glm")), "--precision", "int4-awq", "--int4-int8", "mlp", *args,
                   "-o", str(int4.parent / "bad-kind"))
     assert bad.returncode == 1 and "unknown kind of linear mlp" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_int4_engines_embedding_is_int8_rows_the_lm_head_quantization(tiny_dir, int4_engines, tmp_path):
+    """The INT4 model's token embedding: INT8 in blocks of 32 along each row (no float table left),
+    gathered and scaled in the graph to exactly the numpy dequantization of ``embedding_rows``,
+    within half a step of the float rows; the fp32 engine's stays float."""
+    from safetensors.numpy import load_file
+
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.graph.quant import embedding_rows
+
+    fp32, int4 = int4_engines
+    source = json.loads((int4 / "export.json").read_text())
+    assert source["int4"]["settings"]["int8_embedding"] and "token embedding int8" in source["int4"]["weights"]
+    graph = f"{Manifest.read(int4).data['source']['model_dir']}/model.int4.onnx"
+    inits = {t.name: t for t in onnx.load(graph, load_external_data=False).graph.initializer}
+    assert "embed_tokens.weight" not in inits and inits["embed_tokens.weight_i8"].data_type == onnx.TensorProto.INT8
+    assert "embed_tokens.weight" in {t.name for t in onnx.load(str(fp32 / "model.opt.onnx"),
+                                                                load_external_data=False).graph.initializer}
+    onnx.utils.extract_model(graph, str(tmp_path / "embed.onnx"), ["input_ids"], ["embed"])
+    from autoglm_trt.graph.session import make_session
+
+    ids = np.array([[0, 5, 255, 5], [17, 3, 3, 200]], np.int64)
+    got = make_session(tmp_path / "embed.onnx", optimize=False).run(None, {"input_ids": ids})[0]
+    table = next(v for k, v in load_file(str(tiny_dir("glm") / "model.safetensors")).items()
+                 if k.endswith("embed_tokens.weight")).astype(np.float32)
+    q, scale = embedding_rows(table)
+    want = (q.astype(np.float32).reshape(len(q), -1, 32) * scale).reshape(table.shape)[ids]
+    np.testing.assert_array_equal(got, want)
+    step = np.repeat(scale[..., 0], 32, axis=1)[ids]
+    assert np.all(np.abs(got - table[ids]) <= step / 2 + 1e-7) and np.abs(got - table[ids]).max() > 0

@@ -67,6 +67,21 @@ def test_an_input_that_is_always_zero_gets_zero_weights():
     assert np.all(np.isfinite(got.dequantized()))
 
 
+def test_the_inverse_factor_is_upper_and_inverts_the_damped_gram_matrix():
+    """U upper triangular with U^T U = (H + d I)^-1, d 1 % of the mean diagonal; a dead input's
+    diagonal counts as 1."""
+    rng = np.random.default_rng(3)
+    x = correlated(rng, 300, 48)
+    x[:, 5] = 0
+    gram = (x.T @ x).astype(np.float64)
+    u, dead = inverse_factor(gram)
+    assert np.array_equal(np.flatnonzero(dead), [5]) and np.array_equal(u, np.triu(u))
+    h = gram.copy()
+    h[5, 5] = 1.0
+    h += 0.01 * np.mean(np.diag(h)) * np.eye(48)
+    np.testing.assert_allclose(u.T @ u @ h, np.eye(48), atol=1e-9)
+
+
 def test_the_gram_matrix_must_fit_the_weights():
     with pytest.raises(ValueError, match="does not fit a weight of 8 inputs"):
         gptq_int4_blocks(np.zeros((8, 2), np.float32), np.eye(9), 8, False)
@@ -81,3 +96,77 @@ def test_a_gram_matrix_that_is_not_positive_semidefinite_is_damped_more_or_refus
         inverse_factor(np.full((4, 4), np.nan))
     with pytest.raises(ValueError, match="not positive definite"):
         inverse_factor(np.diag([1.0, 1.0, -100.0, 1.0]))
+
+
+@pytest.mark.parametrize(("n_in", "symmetric"), [(80, False), (81, True), (64, True)])
+def test_rounded_weights_saved_for_the_graph_writer_read_back_exactly(tmp_path, n_in, symmetric):
+    """GPTQ's layer-by-layer rounding keeps each linear's INT4 weights in a scratch ``.npz`` (values
+    two to a byte, no pickles) until the graph is written: read back, the same blocks."""
+    from autoglm_trt.builder.int4_rounding import load_blocks, save_blocks
+
+    rng = np.random.default_rng(n_in)
+    blocks = quantize_int4_blocks(rng.standard_normal((n_in, 6)).astype(np.float32), 32, symmetric)
+    back = load_blocks(save_blocks(tmp_path / "w.npz", blocks))
+    assert back.block == 32 and back.q.dtype == np.int8 and np.array_equal(back.q, blocks.q)
+    assert np.array_equal(back.scale, blocks.scale)
+    assert (back.zero is None) == symmetric and (symmetric or np.array_equal(back.zero, blocks.zero))
+    assert np.array_equal(back.dequantized(), blocks.dequantized())
+
+
+def test_the_blocked_lower_inverse_inverts_a_cholesky_factor():
+    """``lower_inverse`` (the path of Gram matrices over ``LARGE`` inputs) against numpy's inverse,
+    over blocks that do not divide the size."""
+    from autoglm_trt.graph.gptq import lower_inverse
+
+    x = correlated(np.random.default_rng(4), 400, 300).astype(np.float64)
+    lower = np.linalg.cholesky(x.T @ x + 3 * np.eye(300))
+    got = lower_inverse(lower, block=64)
+    assert np.array_equal(got, np.tril(got))
+    np.testing.assert_allclose(got, np.linalg.inv(lower), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got @ lower, np.eye(300), atol=1e-10)
+
+
+def test_a_large_gram_matrix_is_factored_in_place_by_blocks(monkeypatch):
+    """Over ``LARGE`` inputs, U comes from the blocked in-place factor and inverse: the same as
+    numpy's (to float64 rounding), dead inputs found, and a matrix left indefinite is read again
+    from its source and damped more."""
+    from autoglm_trt.graph import gptq
+
+    rng = np.random.default_rng(6)
+    x = correlated(rng, 500, 300)
+    x[:, 7] = 0
+    gram = (x.T @ x).astype(np.float64)
+    small, dead = inverse_factor(gram)
+    monkeypatch.setattr(gptq, "LARGE", 100)
+    reads = []
+
+    def source():
+        reads.append(1)
+        return gram.copy()
+
+    large, large_dead = inverse_factor(source)
+    assert np.array_equal(dead, large_dead) and np.array_equal(large, np.triu(large))
+    np.testing.assert_allclose(large, small, rtol=1e-7, atol=1e-9 * np.abs(small).max())
+    lower = gptq.cholesky_lower(gram + np.eye(300), block=64)
+    np.testing.assert_allclose(lower, np.linalg.cholesky(gram + np.eye(300)), rtol=1e-9, atol=1e-9)
+    bent = np.diag(np.r_[np.ones(150), [-0.02], np.ones(149)])
+    u, _ = inverse_factor(lambda: reads.append(1) or bent.copy())
+    assert np.all(np.isfinite(u)) and len(reads) == 3  # once above, twice here (damped 10x more)
+
+
+def test_a_wide_inputs_gram_matrix_is_summed_by_blocks_of_columns(monkeypatch):
+    """``add_gram`` over ``LARGE`` inputs: the same sums as one product, batch after batch."""
+    from autoglm_trt.calib import collect
+
+    rng = np.random.default_rng(8)
+    batches = [rng.standard_normal((64, 2100)).astype(np.float32) for _ in range(2)]
+    whole: dict = {}
+    for rows in batches:
+        collect.add_gram(whole, "down", rows)
+    monkeypatch.setattr(collect, "LARGE", 1000)
+    blocked: dict = {}
+    for rows in batches:
+        collect.add_gram(blocked, "down", rows)
+    np.testing.assert_allclose(blocked["down"], whole["down"], rtol=1e-5, atol=1e-3)
+    x = np.concatenate(batches).astype(np.float64)
+    np.testing.assert_allclose(blocked["down"], x.T @ x, rtol=1e-4, atol=1e-2)
