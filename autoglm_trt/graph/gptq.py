@@ -35,9 +35,10 @@ LARGE = 8192
 def inverse_factor(gram: np.ndarray | Callable[[], np.ndarray], damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
     """(U, dead): the upper Cholesky factor of the damped Gram matrix's inverse, float64, and the
     inputs that are zero on every row. A matrix that float32 sums left not positive definite at
-    that damping is damped 10 and 100 times more. Each step lets go of the matrix before it, so
-    at most two of H's size are held (GLM-4-9B's down projection: 13,696 inputs, 1.5 GB each) when
-    ``gram`` is a function that hands over a float64 matrix of its own (worked in place)."""
+    that damping is damped 10 and 100 times more. Each step lets go of the matrix before it; over
+    ``LARGE`` inputs at most two of H's size are held (GLM-4-9B's down projection: 13,696 inputs,
+    1.5 GB each) when ``gram`` is a function that hands over a float64 matrix of its own (worked
+    in place, and asked for again if it must be damped more)."""
     h = gram() if callable(gram) else np.array(gram, np.float64)
     if not np.isfinite(h).all():
         raise ValueError("the Gram matrix holds NaN or infinity: the calibration activations were not finite")
