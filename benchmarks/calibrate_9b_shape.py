@@ -18,7 +18,7 @@ Prints one JSON line: ``seconds`` and ``peak_rss_gb`` of the child, ``model_gb``
 export's weights), the export's own time and peak RSS, and the quantized graph's size (for
 int4-awq also against the fp16 weights' size: every float32 weight at two bytes).
 
-    python -m benchmarks.calibrate_9b_shape [--precision int8|int4-awq] [--work /tmp/glm9b-calib] [--keep]
+    python -m benchmarks.calibrate_9b_shape [--precision int8|int4-awq] [--layers N] [--work DIR] [--keep]
 
 Needs ~60 GB of free disk (``--layers 4``: ~15 GB) and about 20 minutes (int8); int4-awq takes about
 7.5 minutes a layer on a 2-core machine (``--layers 4``: about 35 minutes). Not a CI test.
