@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +60,7 @@ def staged_directory(out_dir: Path, force: bool) -> Iterator[Path]:
     if out_dir.exists() and not force:
         raise AutoGLMError(f"output directory {out_dir} already exists; choose another or pass --force to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -75,6 +77,41 @@ def staged_directory(out_dir: Path, force: bool) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out_dir)
+
+
+def scratch_prefix(out_dir: Path) -> str:
+    """The name prefix of a scratch folder beside ``out_dir`` (``tempfile``'s ``prefix``) that
+    ``remove_stale_siblings`` removes once this process is gone."""
+    return f".{Path(out_dir).name}-scratch-{os.getpid()}-"
+
+
+def remove_stale_siblings(out_dir: Path) -> list[Path]:
+    """Remove the folders beside ``out_dir`` that a run writing it left when it was killed (SIGKILL,
+    the out-of-memory killer; SIGTERM and errors clean up after themselves): its staged copy, the
+    previous copy it was replacing, its scratch folders, each named with the process id, whose
+    process no longer runs on this machine. Returns them."""
+    out_dir = Path(out_dir)
+    if not out_dir.parent.is_dir():
+        return []
+    name = re.escape(out_dir.name)
+    pattern = re.compile(rf"\.{name}(?:\.partial-|\.old-|-scratch-)(\d+)(?:-.*)?")
+    removed = []
+    for path in out_dir.parent.iterdir():
+        found = pattern.fullmatch(path.name)
+        if found and path.is_dir() and not path.is_symlink() and not _running(int(found.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or a number no process has: left alone
+    return True
 
 
 def available_memory_bytes() -> int | None:

@@ -40,7 +40,7 @@ import numpy as np
 from ..artifacts import EXPORT_RECORD, ExportRecord, copy_tokenizer_files
 from ..calib.smooth import SmoothedWeights
 from ..errors import AutoGLMError
-from ..fileutil import staged_directory, write_json
+from ..fileutil import remove_stale_siblings, scratch_prefix, staged_directory, write_json
 from ..graph.decoder import write_int8_graph
 from ..graph.names import KINDS, kind_of
 from ..graph.quant import QuantPlan
@@ -112,7 +112,9 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     if more is not None:
         rows, shown = then_text(rows, shown, more.windows)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}-rounded-") as scratch:
+    for stale in remove_stale_siblings(out_dir):
+        log(f"removed {stale}, left by a run that was killed")
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=scratch_prefix(out_dir)) as scratch:
         weights, plan, report = _round(export_dir, spec, inputs, (rows, shown, first), gptq, int8_linears, settings,
                                        Path(scratch) if layers else None, threads, log)
         log(f"linear inputs of {len(rows)} windows ({len(images)} with an image) gathered and rounded in "
@@ -141,7 +143,7 @@ def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: t
     rows, shown, first = batches
     decoder = [n for n in inputs if n != "lm_head"]
     awq = AwqSearch(spec, settings.block, settings.symmetric, len(decoder), log) if settings.awq else None
-    rounder = LayerRounding(export_dir, spec, awq, settings.block, settings.symmetric, scratch, log) \
+    rounder = LayerRounding(export_dir, spec, awq, settings.block, settings.symmetric, scratch) \
         if scratch is not None else None
     st = gather(export_dir, spec, rows, inputs, {}, None, first, threads, GRAPH_BYTES, images=shown, gram=gptq,
                 on_group=rounder)

@@ -73,9 +73,9 @@ class LayerRounding:
     graph feeds the linear) and saved in ``folder``; the group's rows and Gram matrices dropped."""
 
     def __init__(self, export_dir: Path, spec: ModelSpec, awq: AwqSearch | None, block: int, symmetric: bool,
-                 folder: Path, log: Callable[[str], None]):
+                 folder: Path):
         self.base, self.spec, self.awq = ExportedWeights(export_dir), spec, awq
-        self.block, self.symmetric, self.folder, self.log = block, symmetric, folder, log
+        self.block, self.symmetric, self.folder = block, symmetric, folder
         self.files: dict[str, Path] = {}
         self.seconds = 0.0
 

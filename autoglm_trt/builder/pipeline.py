@@ -151,7 +151,8 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
 
         if req.calib is not None:
             log(f"{req.precision} quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
-        return weight_only_export(float_dir, cache / "int8-wo", log)
+        # the token embedding's INT8 rows (a Gather + Cast) are untested with TensorRT: float there
+        return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=backend != "tensorrt")
     if req.precision == "int4-awq":
         from ..calib.pipeline import DEFAULT_DATA
         from .int4_awq import Int4Settings, int4_export

@@ -5,7 +5,9 @@ Input: a float32 export directory. Output directory (the build's cache)::
     model.int8wo.onnx, model.int8wo.onnx.data   every linear (the LM head too) as a
                                                 DequantizeLinear of its INT8 weight (symmetric,
                                                 one scale per 32 inputs of each output; opset
-                                                21) into a float MatMul
+                                                21) into a float MatMul; the token embedding
+                                                INT8 the same way (rows gathered, then scaled),
+                                                unless ``int8_embedding`` is off (TensorRT)
     export.json                                 the export's record, pointing at that graph;
                                                 ``weight_only.source`` is the export's identity
     tokenizer (and vision encoder) files
@@ -32,24 +34,28 @@ from ..graph.quant import WEIGHT_BLOCK, QuantPlan
 
 GRAPH = "model.int8wo.onnx"
 # What this code writes from the same export; a cached result of another version is redone.
-VERSION = 1
+VERSION = 2
 
 
-def _reusable(out_dir: Path, source: str) -> bool:
+def _reusable(out_dir: Path, source: str, int8_embedding: bool) -> bool:
     if not (out_dir / EXPORT_RECORD).is_file():
         return False
     made = ExportRecord.read(out_dir).data.get("weight_only", {})
-    return made.get("source") == source and made.get("version") == VERSION
+    return (made.get("source") == source and made.get("version") == VERSION
+            and made.get("int8_embedding") == int8_embedding)
 
 
-def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], None] = print) -> Path:
-    """Write (or reuse) the weight-only INT8 model of ``export_dir`` in ``out_dir``; returns ``out_dir``."""
+def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], None] = print,
+                       int8_embedding: bool = True) -> Path:
+    """Write (or reuse) the weight-only INT8 model of ``export_dir`` in ``out_dir``; returns ``out_dir``.
+    ``int8_embedding``: the token embedding as INT8 rows in blocks of 32 (as the LM head's weights;
+    a quarter of float32's bytes), else float32."""
     export = ExportRecord.read(export_dir)
     if export.dtype != "float32" or export.precision != "fp32":
         raise AutoGLMError(f"{export_dir} is not a float32 export; int8-wo is made from one "
                            "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
     source = export.identity()
-    if _reusable(out_dir, source):
+    if _reusable(out_dir, source, int8_embedding):
         log(f"reusing the weight-only INT8 model in {out_dir} (its export matches)")
         return out_dir
     import onnx
@@ -59,11 +65,13 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
     linears = sorted(linear_inputs(onnx.load(str(export.graph_file), load_external_data=False)))
     log(f"quantizing {len(linears)} linears' weights to INT8 (blocks of {WEIGHT_BLOCK} inputs) from {export_dir}")
     with staged_directory(out_dir, True) as tmp:
-        write_int8_graph(tmp, GRAPH, export.spec, ExportedWeights(export_dir), QuantPlan.weights_only(linears),
-                         export.max_seq_len)
+        write_int8_graph(tmp, GRAPH, export.spec, ExportedWeights(export_dir),
+                         QuantPlan.weights_only(linears, int8_embedding=int8_embedding), export.max_seq_len)
         record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int8-wo")
         record["weight_only"] = {"source": source, "version": VERSION, "linears": len(linears),
-                                 "weights": f"int8, symmetric, one scale per {WEIGHT_BLOCK} inputs of each output"}
+                                 "int8_embedding": int8_embedding,
+                                 "weights": f"int8, symmetric, one scale per {WEIGHT_BLOCK} inputs of each output"
+                                 + ("; token embedding int8 per 32" if int8_embedding else "")}
         copy_tokenizer_files(export_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record)
     return out_dir

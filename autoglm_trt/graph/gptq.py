@@ -28,17 +28,18 @@ from .int4 import Int4Blocks, block_params, round_to_grid
 DAMP = 0.01
 LAZY = 128
 # a Gram matrix of more inputs than this is factored and inverted by blocks, in place
-# (``_large_inverse_factor``; GLM-4-9B's down projection, 13,696: 3 GB of float64 at a time, not 6)
+# (``_large_inverse_factor``; GLM-4-9B's down projection, 13,696: 1.5 GB of float64 at a time, not 6)
 LARGE = 8192
+BLOCK = 1024  # the rows and columns of one step of the large path's factor and inverse
 
 
 def inverse_factor(gram: np.ndarray | Callable[[], np.ndarray], damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
     """(U, dead): the upper Cholesky factor of the damped Gram matrix's inverse, float64, and the
     inputs that are zero on every row. A matrix that float32 sums left not positive definite at
     that damping is damped 10 and 100 times more. Each step lets go of the matrix before it; over
-    ``LARGE`` inputs at most two of H's size are held (GLM-4-9B's down projection: 13,696 inputs,
-    1.5 GB each) when ``gram`` is a function that hands over a float64 matrix of its own (worked
-    in place, and asked for again if it must be damped more)."""
+    ``LARGE`` inputs one of H's size is held (GLM-4-9B's down projection: 13,696 inputs, 1.5 GB)
+    when ``gram`` is a function that hands over a float64 matrix of its own (worked in place, and
+    asked for again if it must be damped more)."""
     h = gram() if callable(gram) else np.array(gram, np.float64)
     if not np.isfinite(h).all():
         raise ValueError("the Gram matrix holds NaN or infinity: the calibration activations were not finite")
@@ -71,18 +72,31 @@ def inverse_factor(gram: np.ndarray | Callable[[], np.ndarray], damp: float = DA
 
 def _large_inverse_factor(held: list[np.ndarray]) -> np.ndarray:
     """``inverse_factor``'s U for a damped matrix of more than ``LARGE`` inputs, the only one in
-    ``held``, whose memory the factor takes: numpy's factor and inverse each hold two more copies
-    of their input (LAPACK's work arrays), these at most one: GLM-4-9B's down projection holds
-    3 GB of float64 at a time, not 6."""
-    lower = cholesky_lower(held.pop())
-    inv = lower_inverse(lower)
-    del lower
-    inverse = inv.T @ inv
-    del inv
-    return cholesky_lower(inverse).T
+    ``held``, computed in that matrix's memory: with P the reversal of the inputs' order and
+    L L^T = P H P, U = P L^-1 P is upper triangular and U^T U = P (P H P)^-1 P = H^-1. So the
+    reversal, the factor and the inverse each work in place, and nothing else of H's size is held
+    (GLM-4-9B's down projection: 1.5 GB of float64, where numpy's factor and inverse each hold two
+    more copies of their input, LAPACK's work arrays)."""
+    a = held.pop()
+    reverse_in_place(a)
+    lower_inverse(cholesky_lower(a, BLOCK), BLOCK, in_place=True)
+    return reverse_in_place(a)
 
 
-def cholesky_lower(a: np.ndarray, block: int = 1024) -> np.ndarray:
+def reverse_in_place(a: np.ndarray) -> np.ndarray:
+    """``a[::-1, ::-1]`` written into ``a`` (returned), a pair of rows at a time."""
+    n = len(a)
+    for i in range(n // 2):
+        j = n - 1 - i
+        row = a[i, ::-1].copy()
+        a[i] = a[j, ::-1]
+        a[j] = row
+    if n % 2:
+        a[n // 2] = a[n // 2, ::-1].copy()
+    return a
+
+
+def cholesky_lower(a: np.ndarray, block: int = BLOCK) -> np.ndarray:
     """The lower Cholesky factor of the symmetric positive definite ``a``, computed in ``a``'s own
     memory (returned; its upper triangle zeroed) by blocks of columns: each diagonal block
     factored, the panel below it solved against that factor, the lower part of the rest updated
@@ -103,12 +117,14 @@ def cholesky_lower(a: np.ndarray, block: int = 1024) -> np.ndarray:
     return a
 
 
-def lower_inverse(lower: np.ndarray, block: int = 1024) -> np.ndarray:
-    """The inverse of a lower triangular matrix by blocks of rows (forward substitution: each
-    diagonal block inverted, each row block below it from the rows before), holding the matrix and
-    its inverse only; ``np.linalg.inv`` holds two more of that size (LAPACK's copy and identity)."""
+def lower_inverse(lower: np.ndarray, block: int = BLOCK, in_place: bool = False) -> np.ndarray:
+    """The inverse of a lower triangular matrix (zeros above its diagonal) by blocks of rows
+    (forward substitution: each diagonal block inverted, each row block below it from the rows of
+    the inverse before it), in a new matrix or, ``in_place``, in ``lower``'s memory (each row block
+    replaced once the rows before it are); ``np.linalg.inv`` holds two more of that size (LAPACK's
+    copy and identity)."""
     n = len(lower)
-    out = np.zeros_like(lower)
+    out = lower if in_place else np.zeros_like(lower)
     for i0 in range(0, n, block):
         i1 = min(i0 + block, n)
         diag = np.linalg.inv(lower[i0:i1, i0:i1])

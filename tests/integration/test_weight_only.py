@@ -51,7 +51,8 @@ def wo_engines(tiny_dir, tmp_path_factory):
 
 def test_the_engine_computes_what_its_graph_says(wo_engines):
     """The engine (its native graph where this machine runs one: Int8WeightLinear over every
-    linear, its activations rounded to 16 bits per block) gives the logits of its weight-only
+    linear, its activations rounded to 16 bits per block; the token embedding INT8 rows, no float
+    table) gives the logits of its weight-only
     graph run by ONNX Runtime with no optimization, where DequantizeLinear and MatMul run as
     written in float32: within 1e-4 of the largest, far closer than either is to the fp32
     engine; and doctor names the operator."""
@@ -66,6 +67,10 @@ def test_the_engine_computes_what_its_graph_says(wo_engines):
     source = manifest.data["source"]["model_dir"]
     record = json.loads((wo / "export.json").read_text())
     assert record["graph"]["precision"] == "int8-wo" and record["weight_only"]["linears"] > 0
+    assert record["weight_only"]["int8_embedding"] and "token embedding int8" in record["weight_only"]["weights"]
+    model = onnx.load(f"{source}/model.int8wo.onnx", load_external_data=False)
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    assert "embed_tokens.weight" not in inits and inits["embed_tokens.weight_i8"] == onnx.TensorProto.INT8
     from autoglm_trt.backends.onnxrt.passes.common import all_nodes
 
     graph = onnx.load(str(wo / "model.opt.onnx"), load_external_data=False)
