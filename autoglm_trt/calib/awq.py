@@ -8,6 +8,10 @@ is folded into whatever produces x exactly as SmoothQuant's vectors are
 linear, ``s = m^a`` normalized to ``s / sqrt(max s * min s)``, m the mean |x| per channel over
 calibration rows, and ``a`` from a grid of ``GRID + 1`` points in [0, 1] the one of least
 ``||x W - (x / s) Q(diag(s) W)||^2`` over those rows (``a = 0``: plain rounding to nearest).
+A linear of more than ``SAMPLED`` outputs is judged on ``SAMPLED`` of them, evenly spaced: the
+weights are quantized one output column at a time, so each sampled column's error is the one
+the whole search would compute, and the search's cost (a quantization of the linear per point of
+the grid) no longer grows with the width (GLM-4-9B's gate/up: 27,392 outputs, 8,192 judged).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 GRID = 20
 COLUMNS = 4096  # output columns whose error is computed at a time
+SAMPLED = 8192  # the most output columns a search is judged on
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,11 @@ def awq_scale(x: np.ndarray, w: np.ndarray, dequantized: Callable[[np.ndarray], 
     weights' quantization and back (each output column on its own); ``shared``: makes the
     per-channel means equal where the fold needs one scale for several channels. The error is
     summed ``COLUMNS`` outputs at a time, so a wide linear (GLM-4-9B's gate/up: 27,392) holds a
-    few copies of that many columns, not of the whole matrix."""
+    few copies of that many columns, not of the whole matrix; over ``SAMPLED`` outputs, on
+    ``judged_columns`` of them (the errors are means over the columns judged)."""
     x = np.asarray(x, np.float32)
+    if w.shape[1] > SAMPLED:
+        w = w[:, judged_columns(w.shape[1])]
     mean = np.abs(x).mean(axis=0)
     if shared is not None:
         mean = shared(mean)
@@ -62,3 +70,9 @@ def awq_scale(x: np.ndarray, w: np.ndarray, dequantized: Callable[[np.ndarray], 
             best = AwqChoice(s, alpha, err, rtn)
     assert best is not None
     return AwqChoice(best.scale, best.alpha, best.error, rtn)
+
+
+def judged_columns(n: int, k: int | None = None) -> np.ndarray:
+    """``k`` (default ``SAMPLED``) of ``n`` output columns, evenly spaced from the first to the last."""
+    k = SAMPLED if k is None else k
+    return np.unique(np.linspace(0, n - 1, min(k, n)).round().astype(np.int64))

@@ -69,3 +69,31 @@ def test_awq_shields_the_weights_of_a_large_activation():
     choice = awq_scale(x, w, lambda m: quantize_int4_blocks(m, 32, False).dequantized())
     assert choice.alpha > 0 and choice.error < 0.8 * choice.rtn_error
     assert choice.scale[5] == choice.scale.max()
+
+
+def test_awq_judges_a_wide_linear_on_evenly_spaced_columns(monkeypatch):
+    """Over ``SAMPLED`` outputs the search sees only the judged columns: its errors are those of the
+    same search on those columns alone (quantization is per column), and on a weight with an
+    outlier channel it picks the exponent the whole search picks. At or below, every column."""
+    from autoglm_trt.calib import awq
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    x[:, 9] *= 40
+    w = rng.standard_normal((64, 300)).astype(np.float32)
+
+    def rounded(m):
+        return quantize_int4_blocks(m, 32, False).dequantized()
+
+    full = awq_scale(x, w, rounded)
+    cols = awq.judged_columns(300, 40)
+    assert len(cols) == 40 and cols[0] == 0 and cols[-1] == 299 and np.all(np.diff(cols) > 0)
+    assert np.array_equal(awq.judged_columns(30, 40), np.arange(30))
+    monkeypatch.setattr(awq, "SAMPLED", 40)
+    sampled = awq_scale(x, w, rounded)
+    alone = awq_scale(x, w[:, cols], rounded)
+    assert (sampled.alpha, sampled.error, sampled.rtn_error) == (alone.alpha, alone.error, alone.rtn_error)
+    assert np.array_equal(sampled.scale, alone.scale)
+    assert sampled.alpha == full.alpha and np.array_equal(sampled.scale, full.scale)
+    monkeypatch.setattr(awq, "SAMPLED", 300)
+    assert awq_scale(x, w, rounded).error == full.error
