@@ -21,7 +21,7 @@ int4-awq also against the fp16 weights' size: every float32 weight at two bytes)
     python -m benchmarks.calibrate_9b_shape [--precision int8|int4-awq] [--layers N] [--work DIR] [--keep]
 
 Needs ~60 GB of free disk (``--layers 4``: ~15 GB) and about 20 minutes (int8); int4-awq takes about
-7.5 minutes a layer on a 2-core machine (``--layers 4``: about 35 minutes). Not a CI test.
+6 minutes a layer on a 2-core machine (``--layers 4``: about 30 minutes). Not a CI test.
 """
 
 from __future__ import annotations
