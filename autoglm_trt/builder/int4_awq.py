@@ -184,10 +184,8 @@ def gptq_linears(spec: ModelSpec, names: list[str], settings: Int4Settings,
 
     if not settings.gptq:
         return (), "to nearest (gptq off)"
-    need = {}
-    for group in layers or [list(range(spec.num_layers))]:
-        need[tuple(group)] = sum(4 * input_channels(spec, n) ** 2 for n in names if int(n.split(".")[1]) in group)
-    held = max(need.values())
+    held = max(sum(4 * input_channels(spec, n) ** 2 for n in names if int(n.split(".")[1]) in group)
+               for group in layers or [list(range(spec.num_layers))])
     if held > GRAM_BYTES:
         return (), (f"to nearest (GPTQ's Gram matrices would take {held / 1024**3:.1f} GiB"
                     + (" for one group of layers" if layers else "") + f", over {GRAM_BYTES / 1024**3:.0f} GiB)")

@@ -105,13 +105,9 @@ def block_params(grouped: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.n
     scale = np.empty(grouped.shape[:-2] + (n_out,), np.float32)
     zero = np.empty_like(scale)
     cols = max(1, CHUNK // max(1, grouped[..., 0].size))
-
-    def one(c0: int) -> None:
+    for c0 in range(0, n_out, cols):
         part = np.ascontiguousarray(grouped[..., c0:c0 + cols])
         scale[..., c0:c0 + cols], zero[..., c0:c0 + cols] = _block_params(part, symmetric)
-
-    for c0 in range(0, n_out, cols):
-        one(c0)
     return scale, zero
 
 
