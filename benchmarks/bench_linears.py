@@ -85,8 +85,8 @@ def sessions(k: int, n: int, library) -> dict[str, tuple[object, int]]:
         out["int8_linear"] = (_session([node], inits, k, library), packed8.nbytes)
         kb = -(-k // 32)
         parts = [rng.integers(0, 256, (n // 16, kb, 8, 32), dtype=np.uint8),
-                 rng.uniform(1e-3, 1e-2, (n // 16, kb, 16)).astype(np.float32),
-                 rng.integers(0, 16, (n // 16, kb, 16), dtype=np.uint8)]
+                 rng.uniform(1e-3, 1e-2, (n // 16, kb, 16)).astype(np.float16),
+                 rng.integers(0, 256, (n // 16, kb, 8), dtype=np.uint8)]
         node = helper.make_node("Int4WeightLinear", ["x", "t4", "s4", "z4"], ["y"], domain="autoglm.trt")
         out["int4_weight_linear"] = (_session([node], [numpy_helper.from_array(a, name) for a, name in
                                                        zip(parts, ("t4", "s4", "z4"))], k, library),

@@ -50,7 +50,7 @@ from .int4_rounding import AwqSearch, LayerRounding, scaled
 
 GRAPH = "model.int4.onnx"
 # What this code writes from the same export and settings; a cached result of another version is redone.
-VERSION = 4
+VERSION = 5
 # The Gram matrices GPTQ needs (float32, in x in per linear) are summed only while they fit this;
 # a larger model's INT4 weights are rounded to nearest, and its record says why.
 GRAM_BYTES = 2 * 1024**3
@@ -160,9 +160,10 @@ def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: t
 
 
 def _weights_text(settings: Int4Settings) -> str:
-    return (f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, one scale per "
-            f"{settings.block} inputs of each output; LM head " + "".join(f"and {k} " for k in settings.int8_kinds)
-            + "int8 per 32" + ("; token embedding int8 per 32" if settings.int8_embedding else ""))
+    return (f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, one scale (a float16 "
+            f"value) per {settings.block} inputs of each output; LM head "
+            + "".join(f"and {k} " for k in settings.int8_kinds) + "int8 per 32"
+            + ("; token embedding int8 per 32" if settings.int8_embedding else ""))
 
 
 def layer_groups(export_dir: Path, spec: ModelSpec) -> list[list[int]] | None:
@@ -180,11 +181,11 @@ def gptq_linears(spec: ModelSpec, names: list[str], settings: Int4Settings,
     """The linears whose weights GPTQ rounds (all of ``names``, or none), and how the record says
     the weights were rounded. ``layers``: the layer by layer pass's groups, whose Gram matrices are
     held one group at a time (None: all at once)."""
-    from ..graph.names import input_channels
+    from ..graph.names import input_channels, layer_of
 
     if not settings.gptq:
         return (), "to nearest (gptq off)"
-    held = max(sum(4 * input_channels(spec, n) ** 2 for n in names if int(n.split(".")[1]) in group)
+    held = max(sum(4 * input_channels(spec, n) ** 2 for n in names if layer_of(n) in group)
                for group in layers or [list(range(spec.num_layers))])
     if held > GRAM_BYTES:
         return (), (f"to nearest (GPTQ's Gram matrices would take {held / 1024**3:.1f} GiB"

@@ -4,7 +4,8 @@ Input: a float32 export directory. Output directory (the build's cache)::
 
     model.int8wo.onnx, model.int8wo.onnx.data   every linear (the LM head too) as a
                                                 DequantizeLinear of its INT8 weight (symmetric,
-                                                one scale per 32 inputs of each output; opset
+                                                one scale per 32 inputs of each output, a
+                                                float16 value (``graph.int4.half_scales``); opset
                                                 21) into a float MatMul; the token embedding
                                                 INT8 the same way (rows gathered, then scaled),
                                                 unless ``int8_embedding`` is off (TensorRT)
@@ -34,7 +35,7 @@ from ..graph.quant import WEIGHT_BLOCK, QuantPlan
 
 GRAPH = "model.int8wo.onnx"
 # What this code writes from the same export; a cached result of another version is redone.
-VERSION = 2
+VERSION = 3
 
 
 def _reusable(out_dir: Path, source: str, int8_embedding: bool) -> bool:
@@ -70,7 +71,8 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
         record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int8-wo")
         record["weight_only"] = {"source": source, "version": VERSION, "linears": len(linears),
                                  "int8_embedding": int8_embedding,
-                                 "weights": f"int8, symmetric, one scale per {WEIGHT_BLOCK} inputs of each output"
+                                 "weights": f"int8, symmetric, one scale (a float16 value) per {WEIGHT_BLOCK} "
+                                            "inputs of each output"
                                  + ("; token embedding int8 per 32" if int8_embedding else "")}
         copy_tokenizer_files(export_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record)

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 
 from ..errors import AutoGLMError
 from ..graph.exported_weights import ExportedWeights
-from ..graph.names import input_channels
+from ..graph.names import input_channels, layer_of
 from ..graph.runner import WindowImages, prefill_feeds
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
@@ -160,7 +160,7 @@ def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inp
     progress = Progress(len(groups) * len(batches), "calibrating, layer by layer") if show_progress else None
     stream = EMBED_OUTPUT
     for group in groups:
-        names = [n for n in inputs if n != "lm_head" and int(n.split(".")[1]) in group]
+        names = [n for n in inputs if layer_of(n) in group]
         kv = [f"new_{kind}.{i}" for i in group for kind in ("key", "value")]
         out_name = residual_name(group[-1])
         shapes = [_shape(input_channels(spec, n)) for n in names]

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..graph.decoder import LM_HEAD_STREAM_BYTES
 from ..graph.hadamard import rotate_weight, rotate_weight_rows
+from ..graph.names import kind_of, layer_of
 from ..graph.quant import ROW_CHUNK
 from .histogram import METHODS, percentile_amax
 from .sensitivity import mean_output_error, output_error, output_error_norms
@@ -30,8 +31,8 @@ def linear_matrix(weights: SmoothedWeights, name: str, rotate: dict[str, int]) -
         src = weights.lm_head_name() or weights.embedding_name()
         w = np.asarray(weights.rows(src, 0, weights.spec.vocab_size), np.float32).T
     else:
-        i, kind = name.split(".")[1], name.split(".")[2]
-        w = getattr(weights, kind)(int(i))
+        kind = kind_of(name)
+        w = getattr(weights, kind)(layer_of(name))
         w = w[0] if kind in ("qkv", "o_proj") else w
     return rotate_weight(w, rotate[name]) if name in rotate else w
 

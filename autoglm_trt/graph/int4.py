@@ -4,7 +4,9 @@ A ``[in, out]`` weight gets one scale (and, asymmetric, one 4-bit zero point) pe
 inputs of each output; ``w ≈ (q - zero) * scale``. Symmetric: q in [-7, 7] as ``int4``, no zero
 point (TensorRT's block-quantized INT4 takes no other). Asymmetric: q in [0, 15] as ``uint4``
 with a zero point per block. Each block's range is clipped by the factor of ``CLIPS`` with the
-least squared error. ONNX stores 4-bit tensors two to a byte, the first element in the low
+least squared error. Every block scale (these and ``graph/quant.py``'s 8-bit ones) is a float16
+value held in float32 (``half_scales``): the native operators read them as float16 and compute
+what the graph does. ONNX stores 4-bit tensors two to a byte, the first element in the low
 nibble; ONNX Runtime turns the DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
 """
 
@@ -19,6 +21,13 @@ from .builder import GraphBuilder
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 CHUNK = 1 << 18  # weights of a ``block_params`` chunk (1 MiB of float32)
+HALF_RANGE = (2.0 ** -24, 65504.0)  # float16's smallest and largest positive values
+
+
+def half_scales(scale: np.ndarray) -> np.ndarray:
+    """Positive float32 block scales rounded to the nearest float16 value (ties to even), within
+    float16's positive range: float32 numbers that float16 holds exactly."""
+    return np.clip(np.asarray(scale, np.float32), *HALF_RANGE).astype(np.float16).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -62,9 +71,9 @@ def quantize_int4_blocks(w: np.ndarray, block: int, symmetric: bool) -> Int4Bloc
 def _scale_zero(lo: np.ndarray, hi: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
     if symmetric:
         amax = np.maximum(np.abs(lo), np.abs(hi))
-        return np.where(amax > 0, amax / np.float32(7.0), np.float32(1.0)).astype(np.float32), np.zeros_like(lo)
+        return half_scales(np.where(amax > 0, amax / np.float32(7.0), np.float32(1.0))), np.zeros_like(lo)
     lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)  # the range holds 0, so zero is a level
-    scale = np.where(hi > lo, (hi - lo) / np.float32(15.0), np.float32(1.0)).astype(np.float32)
+    scale = half_scales(np.where(hi > lo, (hi - lo) / np.float32(15.0), np.float32(1.0)))
     return scale, np.clip(np.rint(-lo / scale), 0, 15).astype(np.float32)
 
 
@@ -96,7 +105,7 @@ def int4_weight_dq(g: GraphBuilder, name: str, qw: Int4Blocks) -> str:
 
 
 def block_params(grouped: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's float32 scale and zero point (0 when symmetric, else 0..15, as float32) for
+    """Each block's scale (``half_scales``) and zero point (0 when symmetric, else 0..15, as float32) for
     float32 weights ``[..., inputs of a block, out]``: the range (holding 0 when asymmetric)
     clipped by the factor of ``CLIPS`` with the least squared error, ties to the larger factor.
     Worked ``CHUNK`` weights at a time, in place: each output's blocks are independent."""

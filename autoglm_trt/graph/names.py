@@ -88,6 +88,12 @@ def kind_of(linear: str) -> str:
     return linear.rsplit(".", 1)[-1]
 
 
+def layer_of(linear: str) -> int | None:
+    """``layers.3.down`` -> 3; ``lm_head`` -> None."""
+    parts = linear.split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "layers" else None
+
+
 def all_linears(spec: ModelSpec) -> list[str]:
     return [in_layer(i, k) for i in range(spec.num_layers) for k in KINDS[:-1]] + ["lm_head"]
 

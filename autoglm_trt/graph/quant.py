@@ -24,7 +24,7 @@ from . import names
 from .builder import GraphBuilder
 from .gptq import gptq_int4_blocks
 from .hadamard import hadamard, rotate_weight, rotate_weight_rows
-from .int4 import Int4Blocks, int4_weight_dq, quantize_int4_blocks
+from .int4 import Int4Blocks, half_scales, int4_weight_dq, quantize_int4_blocks
 
 WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
 # clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
@@ -223,8 +223,8 @@ def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_weight_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric INT8 of a ``[in, out]`` matrix with one scale per ``block`` inputs of each output
     (the last block may be shorter): (int8 weights ``[in, out]``, float32 scales ``[blocks, out]``).
-    Each block's scale is ``c * amax / 127`` with the clip ``c`` of ``CLIPS`` that gives the least
-    squared error over the block (ties: the larger ``c``)."""
+    Each block's scale is ``c * amax / 127`` rounded to a float16 value (``int4.half_scales``), with
+    the clip ``c`` of ``CLIPS`` that gives the least squared error over the block (ties: the larger ``c``)."""
     n_in, n_out = w.shape
     blocks = -(-n_in // block)
     padded = np.zeros((blocks * block, n_out), np.float32)
@@ -233,7 +233,7 @@ def quantize_weight_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.nd
     amax = np.max(np.abs(grouped), axis=1)
     best_scale = best_err = None
     for clip in CLIPS:
-        scale = np.where(amax > 0, np.float32(clip) * amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+        scale = half_scales(np.where(amax > 0, np.float32(clip) * amax / np.float32(127.0), np.float32(1.0)))
         q = np.clip(np.rint(grouped / scale[:, None]), -127, 127)
         err = np.sum(np.square(q * scale[:, None] - grouped, dtype=np.float32), axis=1)
         if best_scale is None:

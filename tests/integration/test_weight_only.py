@@ -14,6 +14,7 @@ from autoglm_trt.graph.quant import WEIGHT_BLOCK, quantize_weight_blocks
 
 
 def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
+    from autoglm_trt.graph.int4 import half_scales
     from autoglm_trt.graph.quant import CLIPS
 
     rng = np.random.default_rng(3)
@@ -25,7 +26,7 @@ def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
     q, scale = quantize_weight_blocks(w, WEIGHT_BLOCK)
     assert q.dtype == np.int8 and q.shape == (70, 3) and scale.shape == (3, 3) and scale.dtype == np.float32
     assert scale[1, 0] == 1.0 and not q[32:64, 0].any()
-    np.testing.assert_array_equal(scale[:, 2], np.float32([2.0 / 127] * 3))  # exact: any clip < 1 adds error
+    np.testing.assert_array_equal(scale[:, 2], half_scales(np.float32([2.0 / 127] * 3)))  # any clip < 1 adds error
     np.testing.assert_array_equal(q[:, 2], 127)
     for b, (lo, hi) in enumerate(((0, 32), (32, 64), (64, 70))):
         for c in range(2):
@@ -33,10 +34,10 @@ def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
             amax = np.abs(x).max()
             if amax == 0:
                 continue
-            errors = {clip: float(np.sum((np.clip(np.rint(x / (np.float32(clip) * amax / 127)), -127, 127)
-                                          * (np.float32(clip) * amax / 127) - x) ** 2)) for clip in CLIPS}
+            steps = {clip: half_scales(np.float32(clip) * amax / np.float32(127)) for clip in CLIPS}
+            errors = {clip: float(np.sum((np.clip(np.rint(x / s), -127, 127) * s - x) ** 2)) for clip, s in steps.items()}
             best = min(errors.values())
-            assert any(np.float32(clip) * amax / np.float32(127) == scale[b, c] for clip in CLIPS)
+            assert scale[b, c] in steps.values()
             got = float(np.sum((q[lo:hi, c] * scale[b, c] - x) ** 2))
             assert got <= best * (1 + 1e-5), (b, c, got, errors)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 F, I64, I32, I8, U8 = np.float32, np.int64, np.int32, np.int8, np.uint8
-ONNX_TYPES = {F: 1, U8: 2, I8: 3, I32: 6, I64: 7}  # TensorProto's element types
+ONNX_TYPES = {F: 1, U8: 2, I8: 3, I32: 6, I64: 7, np.float16: 10}  # TensorProto's element types
 HUGE = 2**40
 
 
@@ -87,8 +87,8 @@ def _int4_linear(rng, extra: int) -> list[np.ndarray]:
     feeds = _float_linear(rng, extra)
     k, n16 = feeds[1].shape[1], feeds[1].shape[0]
     kb = -(-k // 32)
-    feeds[1:2] = [rng.integers(0, 256, (n16, kb, 8, 32)).astype(U8), rng.uniform(1e-3, 1e-2, (n16, kb, 16)).astype(F),
-                  rng.integers(0, 16, (n16, kb, 16)).astype(U8)]
+    feeds[1:2] = [rng.integers(0, 256, (n16, kb, 8, 32)).astype(U8),
+                  rng.uniform(1e-3, 1e-2, (n16, kb, 16)).astype(np.float16), rng.integers(0, 256, (n16, kb, 8)).astype(U8)]
     return feeds
 
 
@@ -215,7 +215,7 @@ def mutate(rng, feeds: list[np.ndarray]) -> tuple[list[np.ndarray], str]:
         return feeds, f"input {i} holds {bad}"
     if kind == 3 and a.size and a.dtype.kind == "f":  # a value: scales, epsilon, scores
         b = a.copy().reshape(-1)
-        b[int(rng.integers(b.size))] = rng.choice([0.0, -1.0, np.nan, np.inf, -np.inf, 1e38])
+        b[int(rng.integers(b.size))] = rng.choice([0.0, -1.0, np.nan, np.inf, -np.inf, float(np.finfo(a.dtype).max)])
         feeds[i] = b.reshape(a.shape)
         return feeds, f"input {i} holds an extreme value"
     if kind == 4 and a.size:  # another rank

@@ -114,8 +114,9 @@ def test_the_skip_norm_form_adds_the_residual_and_normalizes(kernel_library, tmp
 
 
 def test_only_4_bit_blocks_of_32_at_accuracy_level_4_are_taken(tmp_path):
-    """The operator's tiles, scales and zero points are the graph's, in its layout; a node that
-    computes its activations in float (another accuracy level) is left to ONNX Runtime."""
+    """The operator's tiles, scales (float16) and zero points (two to a byte) are the graph's, in
+    its layout; a node that computes its activations in float (another accuracy level) or whose
+    scales are not float16 values is left to ONNX Runtime."""
     from onnx import helper, numpy_helper
 
     model, qw = _optimized(80, 48, "MatMul", tmp_path)
@@ -124,14 +125,22 @@ def test_only_4_bit_blocks_of_32_at_accuracy_level_4_are_taken(tmp_path):
     parts = nbits.int4_blocks(node, inits, numpy_helper.to_array)
     assert parts is not None
     tiles, scales, zeros = (parts[p] for p in nbits.INT4_PARTS)
-    assert tiles.shape == (3, 3, 8, 32) and scales.shape == zeros.shape == (3, 3, 16)
+    assert tiles.shape == (3, 3, 8, 32) and scales.shape == (3, 3, 16) and zeros.shape == (3, 3, 8)
+    assert scales.dtype == np.float16 and zeros.dtype == np.uint8
     for c in (0, 17, 47):
         for k in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 64, 79):  # input i = k % 32: vector i // 8, high nibble if i % 8 >= 4
             i = k % 32
             byte = tiles[c // 16, k // 32].reshape(-1)[64 * (i // 8) + 4 * (c % 16) + i % 4]
             assert (byte >> 4 if i % 8 >= 4 else byte & 0x0F) == qw.q[k, c]
-        np.testing.assert_array_equal(scales[c // 16, :, c % 16], qw.scale[:, c])
-        np.testing.assert_array_equal(zeros[c // 16, :, c % 16], qw.zero[:, c])
+        np.testing.assert_array_equal(scales[c // 16, :, c % 16].astype(F32), qw.scale[:, c])
+        np.testing.assert_array_equal(zeros[c // 16, :, c % 16 // 2] >> 4 * (c % 2) & 0x0F, qw.zero[:, c])
+    scale_init = inits[node.input[2]]
+    off_half = numpy_helper.to_array(scale_init).copy()
+    off_half.flat[5] = np.nextafter(off_half.flat[5], F32(1))  # a float32 scale float16 does not hold
+    inits[node.input[2]] = numpy_helper.from_array(off_half, scale_init.name)
+    assert nbits.int4_blocks(node, inits, numpy_helper.to_array) is None
+    inits[node.input[2]] = scale_init
+    assert nbits.int4_blocks(node, inits, numpy_helper.to_array) is not None
     for a in node.attribute:
         if a.name == "accuracy_level":
             a.CopyFrom(helper.make_attribute("accuracy_level", 0))
@@ -167,3 +176,56 @@ def test_int8_block_linear_computes_the_reference_bit_for_bit(kernel_library, k,
     for a, b in zip([y[:, : n // 2], y[:, n // 2:]] if split else [y], got):
         assert b.shape == a.shape
         np.testing.assert_array_equal(b, a)
+
+
+# float16 subnormals (its smallest, and its largest), its smallest normal, ordinary and large scales
+HALF_SCALES = np.array([2.0 ** -24, 1023 * 2.0 ** -24, 2.0 ** -14, 0.0078125, 0.3330078125, 1000.0], F32)
+
+
+def _int4_parts(q: np.ndarray, zero: np.ndarray, scale: np.ndarray) -> dict[str, np.ndarray]:
+    """``Int4WeightLinear``'s inputs, through ``nbits.int4_blocks``, for levels ``q [K, N]`` (K a
+    multiple of 32), zero points and scales ``[K / 32, N]``, written as a 4-bit ``MatMulNBits``
+    holds them (two inputs, and two blocks' zero points, to a byte, the first low)."""
+    from onnx import helper, numpy_helper
+
+    (k, n), kb = q.shape, q.shape[0] // 32
+    pairs = q.T.astype(np.uint8).reshape(n, kb, 16, 2)
+    zeros = np.zeros((n, 2 * -(-kb // 2)), np.uint8)
+    zeros[:, :kb] = zero.T
+    inits = {name: numpy_helper.from_array(a, name) for name, a in (
+        ("b", pairs[..., 0] | pairs[..., 1] << 4), ("s", np.ascontiguousarray(scale.T).reshape(-1)),
+        ("z", zeros[:, 0::2] | zeros[:, 1::2] << 4))}
+    node = helper.make_node("MatMulNBits", ["x", "b", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=32, accuracy_level=4)
+    parts = nbits.int4_blocks(node, inits, numpy_helper.to_array)
+    assert parts is not None
+    return {f"w.{p}": a for p, a in parts.items()}
+
+
+@pytest.mark.parametrize("op", ["Int4WeightLinear", "Int8BlockLinear", "Int8WeightLinear"])
+def test_float16_scales_of_every_size_are_read_exactly(kernel_library, op):
+    """Subnormal, smallest normal, ordinary and large float16 scales (and zero points of both
+    nibbles): each build's conversion to float32 (vcvtph2ps, or the portable code) gives numpy's
+    arithmetic bit for bit."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from autoglm_trt.graph.session import make_session
+
+    k, n, rows = 96, 48, 5
+    rng = np.random.default_rng(len(op))
+    scale = rng.choice(HALF_SCALES, (k // 32, n)).astype(F32)
+    if op == "Int4WeightLinear":
+        q, zero = rng.integers(0, 16, (k, n)).astype(np.int8), rng.integers(0, 16, (k // 32, n)).astype(np.uint8)
+        parts = _int4_parts(q, zero, scale)
+    else:
+        q, zero = rng.integers(-127, 128, (k, n)).astype(np.int8), None
+        parts = nbits.int8_block_tiles(np.ascontiguousarray(q.T), scale)
+    node = helper.make_node(op, ["x", *parts], ["y"], domain="autoglm.trt")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(a, name) for name, a in parts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("autoglm.trt", 1)])
+    x = rng.standard_normal((rows, k)).astype(F32)
+    got = make_session(model.SerializeToString(), threads=2, custom_ops=kernel_library).run(None, {"x": x})[0]
+    want = reference(x, Int4Blocks(q, scale, zero, 32), 32767 if op == "Int8WeightLinear" else 127)
+    np.testing.assert_array_equal(got, want)

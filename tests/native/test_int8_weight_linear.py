@@ -124,8 +124,8 @@ def test_the_skip_norm_form_adds_the_residual_and_normalizes(kernel_library, tmp
 
 
 def test_only_8_bit_blocks_of_32_with_the_default_zero_point_are_taken(tmp_path):
-    """A MatMulNBits of other zero points is left to ONNX Runtime; the weights and scales the
-    operator gets are the graph's own, in its layout."""
+    """A MatMulNBits of other zero points, or of scales that are not float16 values, is left to
+    ONNX Runtime; the weights and scales (float16) the operator gets are the graph's own, in its layout."""
     from onnx import numpy_helper
 
     model, w, _ = _optimized(64, 32, "MatMul", tmp_path)
@@ -134,7 +134,7 @@ def test_only_8_bit_blocks_of_32_with_the_default_zero_point_are_taken(tmp_path)
     got = nbits.int8_blocks(node, inits, numpy_helper.to_array)
     assert got is not None
     q, scales = got
-    assert q.shape == (32, 64) and scales.shape == (2, 32)
+    assert q.shape == (32, 64) and scales.shape == (2, 32) and scales.dtype == np.float16
     np.testing.assert_array_equal(q.T.astype(np.float64) * np.repeat(scales, 32, axis=0), w)
     tiles, by_tile = (nbits.int8_block_tiles(q, scales)[part] for part in nbits.INT8_PARTS)
     assert tiles.shape == (2, 2, 16, 32) and by_tile.shape == (2, 2, 16)
@@ -142,6 +142,12 @@ def test_only_8_bit_blocks_of_32_with_the_default_zero_point_are_taken(tmp_path)
         for c in (0, 15, 16, 31):  # input pair p of block b: byte 2 (c % 16) + k % 2 of [c // 16, b, p]
             assert tiles[c // 16, k // 32, k % 32 // 2, 2 * (c % 16) + k % 2] == q[c, k]
             assert by_tile[c // 16, k // 32, c % 16] == scales[k // 32, c]
+    scale_init = inits[node.input[2]]
+    off_half = numpy_helper.to_array(scale_init).copy()
+    off_half.flat[3] = np.nextafter(off_half.flat[3], np.float32(1))  # a float32 scale float16 does not hold
+    inits[node.input[2]] = numpy_helper.from_array(off_half, scale_init.name)
+    assert nbits.int8_blocks(node, inits, numpy_helper.to_array) is None
+    inits[node.input[2]] = scale_init
     if len(node.input) == 4:
         zeros = inits[node.input[3]]
         zeros.CopyFrom(numpy_helper.from_array(np.full(numpy_helper.to_array(zeros).shape, 127, np.uint8), zeros.name))

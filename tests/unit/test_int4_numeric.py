@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from autoglm_trt.calib.awq import awq_scale
-from autoglm_trt.graph.int4 import pack_nibbles, quantize_int4_blocks
+from autoglm_trt.graph.gptq import gptq_int4_blocks
+from autoglm_trt.graph.int4 import half_scales, pack_nibbles, quantize_int4_blocks
+from autoglm_trt.graph.quant import quantize_weight_blocks
 
 
 def test_a_block_on_the_asymmetric_grid_is_exact():
@@ -46,6 +48,30 @@ def test_an_outlier_is_clipped_when_that_lowers_the_blocks_error():
     assert np.sum((qw.dequantized() - w) ** 2) < np.sum((full - w) ** 2)
 
 
+def test_scales_are_rounded_to_float16_values():
+    """Nearest float16 value, ties to even (2049 / 2048 is halfway between 1 and 1 + 2^-10), and
+    float16's positive range: its smallest subnormal below, its largest value above."""
+    got = half_scales(np.array([1.0, 2049 / 2048, 2051 / 2048, 0.1, 1e-9, 3.0e-8, 1e6], np.float32))
+    assert got.dtype == np.float32
+    assert got.tolist() == [1.0, 1.0, 1 + 2 ** -9, float(np.float16(0.1)), 2.0 ** -24, 2.0 ** -24, 65504.0]
+
+
+def test_every_quantizer_gives_float16_scales_and_levels_on_them():
+    """INT4 (asymmetric, symmetric, GPTQ's) and blocked INT8 scales are float16 values, and each
+    weight's level is the one its block's rounded scale gives (not the unrounded one)."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((96, 40)) * 0.03).astype(np.float32)
+    gram = np.cov(rng.standard_normal((96, 200))).astype(np.float64) + np.eye(96)
+    blocks = [quantize_int4_blocks(w, 32, False), quantize_int4_blocks(w, 32, True), gptq_int4_blocks(w, gram, 32, False)]
+    q8, s8 = quantize_weight_blocks(w, 32)
+    for scale in [qw.scale for qw in blocks] + [s8]:
+        assert np.array_equal(scale.astype(np.float16).astype(np.float32), scale)
+    assert np.array_equal(q8, np.clip(np.rint(w / np.repeat(s8, 32, axis=0)), -127, 127))
+    qw = blocks[0]
+    levels = np.rint(w / np.repeat(qw.scale, 32, axis=0)) + np.repeat(qw.zero, 32, axis=0)
+    assert np.array_equal(qw.q, np.clip(levels, 0, 15))
+
+
 @pytest.mark.parametrize(("values", "packed"), [([1, 2, 3], [0x21, 0x03]), ([-1, 7], [0x7F]),
                                                 ([15, 0, 8, 9], [0x0F, 0x98]), ([-8], [0x08])])
 def test_nibbles_pack_low_first(values, packed):
@@ -54,7 +80,7 @@ def test_nibbles_pack_low_first(values, packed):
 
 def test_awq_prefers_no_scaling_when_rounding_loses_nothing():
     x = np.ones((4, 16), np.float32)
-    w = (np.arange(16 * 2).reshape(16, 2) % 16 * 0.25).astype(np.float32)
+    w = (np.stack([np.arange(16), np.arange(16) - 6], axis=1) * 0.25).astype(np.float32)  # both on a grid of 0.25
     choice = awq_scale(x, w, lambda m: quantize_int4_blocks(m, 16, False).dequantized())
     assert choice.alpha == 0.0 and choice.error == choice.rtn_error == 0.0
     assert np.array_equal(choice.scale, np.ones(16, np.float32))

@@ -3,12 +3,14 @@
  * accuracy level 4) or to int16: each block's products summed exactly in integers, then scaled in
  * float.
  *
- * Int4WeightLinear: 4-bit weights, one float scale and one 4-bit zero point per block of each
- * output (4-bit MatMulNBits). Int8BlockLinear: 8-bit weights, symmetric, one scale per block
- * (8-bit MatMulNBits, whose zero point 128 is taken off). Int8WeightLinear: the same weights,
- * activations in 16 bits (L = 32767 below, L = 127 for the others): what an ``int8-wo`` engine
- * runs, whose activations' rounding (2^-16 of each block's largest) is far below its weights'
- * (2^-8 of each block's largest weight) and below float16's.
+ * Int4WeightLinear: 4-bit weights, one scale and one 4-bit zero point per block of each output
+ * (4-bit MatMulNBits). Int8BlockLinear: 8-bit weights, symmetric, one scale per block (8-bit
+ * MatMulNBits, whose zero point 128 is taken off). Int8WeightLinear: the same weights, activations
+ * in 16 bits (L = 32767 below, L = 127 for the others): what an ``int8-wo`` engine runs, whose
+ * activations' rounding (2^-16 of each block's largest) is far below its weights' (2^-8 of each
+ * block's largest weight) and below float16's. Every scale is a float16, turned into float32
+ * exactly before use: the quantizers round each block's scale to a float16 value
+ * (``graph/int4.py``'s ``half_scales``), so the graph's float32 scales are the same numbers.
  *
  * For row x and output n, with xq[b] = rint(x[b] * L / max|x[b]|) (sx[b] = max|x[b]| / L,
  * xs[b] = sum xq[b]; all zero where the block is) and the weights' q[b][n], zero[b][n] (0 for
@@ -26,8 +28,8 @@
  * weights go pairwise into 32 bits (vpmaddwd, or VNNI's vpdpwssd): a block's sum is at most
  * 32 x 128 x 32767 < 2^31.
  *
- * At batch 1 Int4WeightLinear reads 5.25 bits a weight (4, the scale's 32 bits and the zero
- * point's 8 over 32 inputs) against Int8Linear's 8.
+ * At batch 1 Int4WeightLinear reads 4.625 bits a weight (4, and the scale's 16 bits and the zero
+ * point's 4 over 32 inputs), the 8-bit ones 8.5, Int8Linear 8 (a float32 scale per output).
  *
  * Inputs:
  *   0 x      float32 [..., K]
@@ -35,8 +37,9 @@
  *            [t, b] (``nibble_of`` below); the 8-bit ones: int8 [N16, KB, 16, 32], tile t's block
  *            b at [t, b], pair of inputs p at [t, b, p], byte 2 c + e the weight of output 16 t + c
  *            and input 32 b + 2 p + e. Past K anything (x is 0 there).
- *   2 scales float32 [N16, KB, 16]
- *   3 zeros  uint8 [N16, KB, 16], 0..15 (Int4WeightLinear only)
+ *   2 scales float16 [N16, KB, 16]
+ *   3 zeros  uint8 [N16, KB, 8] (Int4WeightLinear only): byte i of tile t's block b holds the zero
+ *            points (0..15) of outputs 16 t + 2 i (low nibble) and 16 t + 2 i + 1 (high nibble)
  * Output:
  *   0 y      float32 [..., 16 N16]
  * The Split, SiluMul and SkipNorm forms (their skip, gamma and epsilon inputs after the weights')
@@ -66,8 +69,8 @@ typedef struct {
   int32_t *xp;      /* rows x blocks x XP_WORDS: the quantized inputs as the kernel reads them, or NULL;
                        16-bit inputs are only here, rows x blocks x 16 words of two (input 2p low) */
   const void *w;    /* the tiles */
-  const float *scale;
-  const uint8_t *zero; /* 4-bit weights' zero points; NULL for 8-bit weights */
+  const uint16_t *scale; /* float16 */
+  const uint8_t *zero;   /* 4-bit weights' zero points, two to a byte; NULL for 8-bit weights */
   int64_t n;
   float *y, *y2; /* the Split forms: columns from n / 2 on go to y2, and each output row has n / 2 */
   int wide;      /* Int8WeightLinear: 16-bit inputs */
@@ -82,6 +85,28 @@ static inline int nibble_of(const uint8_t *block, int c, int input) {
   const int byte = block[64 * (input / 8) + 4 * c + input % 4];
   return input % 8 < 4 ? byte & 0x0F : byte >> 4;
 }
+/* float16 to float32, exactly (zero, subnormals, infinities, NaN included) */
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1F, man = h & 0x3FF;
+  if (exp == 0) { /* zero or subnormal: man x 2^-24, exact in float32 */
+    const float v = ldexpf((float)man, -24);
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | man << 13;
+  float v;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+/* output c's zero point in a block's 8 bytes of them */
+static inline int zero_of(const uint8_t *zeros, int c) { return zeros[c / 2] >> 4 * (c % 2) & 0x0F; }
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* a block's 8 bytes of zero points as 16 bytes, one an output */
+static inline __m128i zeros16(const uint8_t *zeros) {
+  const __m128i p = _mm_loadl_epi64((const __m128i *)zeros), low = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(p, low), _mm_and_si128(_mm_srli_epi16(p, 4), low));
+}
+#endif
 /* four inputs as one 32-bit lane */
 static inline int32_t quad(const int8_t *x) {
   int32_t v;
@@ -89,7 +114,8 @@ static inline int32_t quad(const int8_t *x) {
   return v;
 }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
+/* a block's 16 float16 scales as float32 (vcvtph2ps, exact) */
+static inline __m512 scales16(const uint16_t *s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)); }
 /* vpdpbusd multiplies 4 unsigned bytes by 4 signed ones and adds the 4 products into a 32-bit
  * lane: one lane per output, no horizontal sums, and no overflow (at most 255 x 127 x 32 a block).
  * 4-bit weights: a vector's low plane (AND 0x0F) against inputs 8i..8i+3, its high plane left in
@@ -135,8 +161,8 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
       }                                                                                                            \
       for (int r = 0; r < R; r++)                                                                                  \
         for (int c = 0; c < C; c++) d[r][c] = _mm512_add_epi32(d[r][c], _mm512_srai_epi32(h[r][c], 4));           \
-      add_block(j, b, row, R, C, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zero + (t * j->blocks + b) * 16))), \
-                _mm512_loadu_ps(j->scale + (t * j->blocks + b) * 16), d, a);                                      \
+      add_block(j, b, row, R, C, _mm512_cvtepu8_epi32(zeros16(j->zero + (t * j->blocks + b) * 8)),                \
+                scales16(j->scale + (t * j->blocks + b) * 16), d, a);                                             \
     }                                                                                                              \
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, a[r]);                                          \
   }                                                                                                                \
@@ -156,7 +182,7 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
         for (int r = 0; r < R; r++)                                                                                \
           d[r][i % C] = _mm512_dpbusd_epi32(d[r][i % C], q, _mm512_set1_epi32(quad(j->xq + (row[r] * j->blocks + b) * QBLOCK + 4 * i))); \
       }                                                                                                            \
-      add_block(j, b, row, R, C, _mm512_set1_epi32(128), _mm512_loadu_ps(j->scale + (t * j->blocks + b) * 16), d, a); \
+      add_block(j, b, row, R, C, _mm512_set1_epi32(128), scales16(j->scale + (t * j->blocks + b) * 16), d, a);     \
     }                                                                                                              \
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, a[r]);                                          \
   }
@@ -178,7 +204,7 @@ static inline void add_block(const Job *j, int64_t b, const int64_t *row, int R,
           d[r][p % C] = _mm512_dpwssd_epi32(d[r][p % C], v, _mm512_set1_epi32(pair));                              \
         }                                                                                                          \
       }                                                                                                            \
-      const __m512 scale = _mm512_loadu_ps(j->scale + (t * j->blocks + b) * 16);                                   \
+      const __m512 scale = scales16(j->scale + (t * j->blocks + b) * 16);                                          \
       for (int r = 0; r < R; r++) {                                                                                \
         const __m512i dot = C == 2 ? _mm512_add_epi32(d[r][0], d[r][1]) : d[r][0];                                 \
         const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(j->sx[row[r] * j->blocks + b]));                      \
@@ -204,8 +230,9 @@ static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *s
 }
 const char block_linear_kernel[] = "avx512-vnni";
 #elif defined(__AVX2__)
-#include <immintrin.h>
 #define ROWS 4
+/* 8 float16 scales as float32 (F16C's vcvtph2ps, exact) */
+static inline __m256 scales8(const uint16_t *s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)); }
 /* 8-bit weights: each pair of quantized inputs widened to two int16 (vpmaddwd's operand) */
 #define XP_WORDS(four) ((four) ? 0 : QBLOCK / 2)
 static void pack_inputs(const int8_t *q, int32_t *xp) { /* for 8-bit weights (XP_WORDS) */
@@ -222,12 +249,13 @@ static void pack_inputs(const int8_t *q, int32_t *xp) { /* for 8-bit weights (XP
     __m256 a[R][2];                                                                                                \
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                                           \
     const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * TILE_BLOCK;                                        \
-    const uint8_t *zero = j->zero + t * j->blocks * 16;                                                            \
-    const float *scale = j->scale + t * j->blocks * 16;                                                            \
+    const uint8_t *zero = j->zero + t * j->blocks * 8;                                                             \
+    const uint16_t *scale = j->scale + t * j->blocks * 16;                                                         \
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                      \
     for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
       const int8_t *x[R];                                                                                          \
       for (int r = 0; r < R; r++) x[r] = j->xq + (row[r] * j->blocks + b) * QBLOCK;                                \
+      const __m128i zb = zeros16(zero + b * 8);                                                                    \
       for (int h = 0; h < 2; h++) {                                                                                \
         __m256i s[R];                                                                                              \
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();                                                 \
@@ -239,8 +267,8 @@ static void pack_inputs(const int8_t *q, int32_t *xp) { /* for 8-bit weights (XP
             s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad(x[r] + 8 * i + 4))));    \
           }                                                                                                        \
         }                                                                                                          \
-        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zero + b * 16 + 8 * h)));        \
-        const __m256 sc = _mm256_loadu_ps(scale + b * 16 + 8 * h);                                                 \
+        const __m256i z = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(zb, 8) : zb);                                    \
+        const __m256 sc = scales8(scale + b * 16 + 8 * h);                                                         \
         for (int r = 0; r < R; r++) {                                                                              \
           const int64_t at = row[r] * j->blocks + b;                                                               \
           const __m256i dz = _mm256_sub_epi32(_mm256_madd_epi16(s[r], ones), _mm256_mullo_epi32(z, _mm256_set1_epi32(j->xs[at]))); \
@@ -260,7 +288,7 @@ ROWS_TILE(4)
     __m256 a[R][2];                                                                                                \
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                                           \
     const int8_t *w = (const int8_t *)j->w + t * j->blocks * TILE8_BLOCK;                                          \
-    const float *scale = j->scale + t * j->blocks * 16;                                                            \
+    const uint16_t *scale = j->scale + t * j->blocks * 16;                                                         \
     for (int64_t b = 0; b < j->blocks; b++) {                                                                      \
       const int32_t *x[R];                                                                                         \
       __m256i d[R][2];                                                                                             \
@@ -278,7 +306,7 @@ ROWS_TILE(4)
         }                                                                                                          \
       }                                                                                                            \
       for (int h = 0; h < 2; h++) {                                                                                \
-        const __m256 s = _mm256_loadu_ps(scale + b * 16 + 8 * h);                                                  \
+        const __m256 s = scales8(scale + b * 16 + 8 * h);                                                          \
         for (int r = 0; r < R; r++)                                                                                \
           a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(d[r][h]),                              \
                                                          _mm256_mul_ps(s, _mm256_set1_ps(j->sx[row[r] * j->blocks + b])))); \
@@ -303,7 +331,7 @@ static void pack_inputs(const int8_t *q, int32_t *xp) { (void)q, (void)xp; } /* 
 static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {
   const int four = j->zero != NULL;
   const uint8_t *w = (const uint8_t *)j->w + t * j->blocks * (four ? TILE_BLOCK : TILE8_BLOCK);
-  const float *scale = j->scale + t * j->blocks * 16;
+  const uint16_t *scale = j->scale + t * j->blocks * 16;
   for (int r = 0; r < rows; r++)
     for (int c = 0; c < 16; c++) {
       float acc = 0.0f;
@@ -316,8 +344,8 @@ static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *s
           d += (four ? nibble_of(w + b * TILE_BLOCK, c, p)
                      : (int8_t)w[b * TILE8_BLOCK + (p / 2) * 32 + 2 * c + p % 2]) * x;
         }
-        if (four) d -= (int32_t)j->zero[t * j->blocks * 16 + b * 16 + c] * j->xs[at];
-        const float s = scale[b * 16 + c] * j->sx[at];
+        if (four) d -= (int32_t)zero_of(j->zero + (t * j->blocks + b) * 8, c) * j->xs[at];
+        const float s = half_to_float(scale[b * 16 + c]) * j->sx[at];
         acc = acc + (float)d * s;
       }
       sums[16 * r + c] = acc;
@@ -398,26 +426,26 @@ enum { BYTES, NIBBLES, WIDE }; /* Int8BlockLinear, Int4WeightLinear, Int8WeightL
 static const char *run_linear(OrtKernelContext *ctx, const Constants *constants, int mode, int kind) {
   const int four = kind == NIBBLES, wide = kind == WIDE;
   LinearCall call;
-  int64_t wd[4], sd[3], zd[3] = {0, 0, 16};
+  int64_t wd[4], sd[3], zd[3] = {0, 0, 8};
   void *w, *scale, *zero = NULL;
   const char *why = linear_input(ctx, mode, &call);
   if (why != NULL) return why;
   if (fixed_input(ctx, constants, 1, &w, wd, 4) || fixed_input(ctx, constants, 2, &scale, sd, 3) ||
       (four && fixed_input(ctx, constants, 3, &zero, zd, 3)))
-    return four ? "an input is missing or has the wrong rank (tiles [N16, KB, 8, 32], scales and zeros [N16, KB, 16])"
+    return four ? "an input is missing or has the wrong rank (tiles [N16, KB, 8, 32], scales [N16, KB, 16], zeros [N16, KB, 8])"
                 : "an input is missing or has the wrong rank (tiles [N16, KB, 16, 32], scales [N16, KB, 16])";
   const int64_t k = call.k, rows = call.rows, blocks = k / QBLOCK + (k % QBLOCK != 0);
   if (!four) zd[0] = wd[0], zd[1] = blocks;
   const int fits = k >= 1 && wd[0] >= 1 && wd[0] <= INT64_MAX / 16 && wd[1] == blocks && wd[2] == (four ? 8 : 16) &&
                    wd[3] == 32 && sd[0] == wd[0] && sd[1] == blocks && sd[2] == 16 && zd[0] == wd[0] &&
-                   zd[1] == blocks && zd[2] == 16;
+                   zd[1] == blocks && zd[2] == 8;
   const char *weights =
       fits ? NULL
            : reason("tiles [%lld, %lld, %lld, %lld], scales [%lld, %lld, %lld]%s do not fit inputs of %lld features "
-                    "(want tiles [N16, ceil(K / 32), %d, 32], scales%s [N16, ceil(K / 32), 16])",
+                    "(want tiles [N16, ceil(K / 32), %d, 32], scales [N16, ceil(K / 32), 16]%s)",
                     (long long)wd[0], (long long)wd[1], (long long)wd[2], (long long)wd[3], (long long)sd[0],
                     (long long)sd[1], (long long)sd[2], four ? " and zeros" : "", (long long)k, four ? 8 : 16,
-                    four ? " and zeros" : "");
+                    four ? ", zeros [N16, ceil(K / 32), 8]" : "");
   if ((why = linear_begin(ctx, constants, &call, fits ? 16 * wd[0] : 0, four ? 4 : 3, weights)) != NULL)
     return why == linear_done ? NULL : why;
   if (rows > INT64_MAX / (blocks * QBLOCK)) return "input 0 has too many rows";
@@ -440,9 +468,9 @@ static const char *run_linear(OrtKernelContext *ctx, const Constants *constants,
 
 static int int4_type(const CustomOp *op, size_t i) {
   (void)op; /* the SkipNorm form's skip, gamma and epsilon (inputs 4-6) are float */
-  return i == 1 || i == 3 ? ELEM_UINT8 : ELEM_FLOAT;
+  return i == 1 || i == 3 ? ELEM_UINT8 : i == 2 ? ELEM_FLOAT16 : ELEM_FLOAT;
 }
-static int int8_type(const CustomOp *op, size_t i) { (void)op; return i == 1 ? ELEM_INT8 : ELEM_FLOAT; }
+static int int8_type(const CustomOp *op, size_t i) { (void)op; return i == 1 ? ELEM_INT8 : i == 2 ? ELEM_FLOAT16 : ELEM_FLOAT; }
 
 LINEAR_OP(int4_weight_linear, "Int4WeightLinear", int4_type, 4, 1, run_linear(ctx, constants, PLAIN, NIBBLES))
 LINEAR_OP(int4_weight_linear_split, "Int4WeightLinearSplit", int4_type, 4, 2,

@@ -25,7 +25,7 @@ typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
 
 enum { OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic: an input that may be absent */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 }; /* OrtErrorCode */
-enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT8 = 3, ELEM_INT32 = 6, ELEM_INT64 = 7 }; /* ONNXTensorElementDataType */
+enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT8 = 3, ELEM_INT32 = 6, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 }; /* ONNXTensorElementDataType */
 
 /* positions in ONNX Runtime's OrtApi function table */
 enum {

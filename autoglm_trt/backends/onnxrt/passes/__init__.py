@@ -36,7 +36,7 @@ import numpy as np
 from ....model.spec import ModelSpec
 from .common import all_nodes
 
-PASSES_VERSION = 6
+PASSES_VERSION = 7
 # computed as ONNX Runtime's float nodes are only with fused multiply-add
 FMA_OPS = ("FloatLinear", "FloatLinearSplit", "FloatLinearSiluMul", "FloatLinearSkipNorm", "Int8LinearSiluMul",
            "Int8LinearSkipNorm", "Int8WeightLinearSiluMul", "Int8WeightLinearSkipNorm", "Int4WeightLinearSiluMul",

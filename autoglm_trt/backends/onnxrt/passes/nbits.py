@@ -8,8 +8,11 @@ replace (``linears.py``): what its optimizer makes of a DequantizeLinear in bloc
   to int8 at run time, as ``Int4WeightLinear`` quantizes them) -> that operator's tiles, scales
   and zero points (``csrc/block_linear.c``).
 
-Either gives None for a node it does not take (another block size or bit width, columns not a
-multiple of 16, a ``g_idx``). A bias (input 5) is left to the caller, which adds it after.
+The operators hold each scale as float16 (and 4-bit zero points two to a byte): a node whose
+float32 scales are not all float16 values (``graph.int4.half_scales`` makes this toolkit's so)
+is left to ONNX Runtime, as is one of another block size or bit width, columns not a multiple of
+16, or a ``g_idx``; either function then gives None. A bias (input 5) is left to the caller,
+which adds it after.
 """
 
 from __future__ import annotations
@@ -46,10 +49,17 @@ def _zeros(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Arra
     return array(inits[node.input[3]]) if len(node.input) > 3 and node.input[3] else None
 
 
+def half(scales: np.ndarray) -> np.ndarray | None:
+    """float32 ``scales`` as float16 when each is a float16 value (finite), else None."""
+    with np.errstate(over="ignore"):  # a scale past float16's range becomes inf, and is refused
+        halves = scales.astype(np.float16)
+    return halves if np.all(np.isfinite(halves)) and np.array_equal(halves.astype(np.float32), scales) else None
+
+
 def int8_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
                 array: Array) -> tuple[np.ndarray, np.ndarray] | None:
-    """For an 8-bit node with zero points of 128: (int8 weights ``[N, K]``, float32 scales
-    ``[ceil(K / QUANT_BLOCK), N]``); else None."""
+    """For an 8-bit node with zero points of 128 and float16 values as scales: (int8 weights
+    ``[N, K]``, float16 scales ``[ceil(K / QUANT_BLOCK), N]``); else None."""
     attrs = _node(node, inits, 8)
     if attrs is None:
         return None
@@ -60,17 +70,18 @@ def int8_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
             scales.size != n * blocks:
         return None
     zeros = _zeros(node, inits, array)
-    if zeros is not None and (zeros.size != n * blocks or np.any(zeros != INT8_ZERO)):
+    halves = half(scales)
+    if halves is None or (zeros is not None and (zeros.size != n * blocks or np.any(zeros != INT8_ZERO))):
         return None
     q = (b.reshape(n, blocks * QUANT_BLOCK)[:, :k].astype(np.int16) - INT8_ZERO).astype(np.int8)
-    return q, np.ascontiguousarray(scales.reshape(n, blocks).T)
+    return q, np.ascontiguousarray(halves.reshape(n, blocks).T)
 
 
 def int8_block_tiles(q: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
     """``int8_blocks``' weights ``[N, K]`` and scales ``[KB, N]`` as ``Int8BlockLinear``'s inputs 1-2
     by ``INT8_PARTS`` suffix: tiles int8 ``[N/16, KB, 16, 32]`` (pair of inputs p of tile t's block
     b at ``[t, b, p]``, byte 2c + e the weight of output 16t + c and input 32b + 2p + e; zeros past
-    K) and scales float32 ``[N/16, KB, 16]``."""
+    K) and scales float16 ``[N/16, KB, 16]`` (``scales``' values: float16 or float32 holding float16 values)."""
     n, k = q.shape
     blocks = scales.shape[0]
     padded = np.zeros((n, blocks * QUANT_BLOCK), np.int8)
@@ -78,13 +89,14 @@ def int8_block_tiles(q: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]
     tiles = padded.reshape(n // 16, 16, blocks, QUANT_BLOCK // 2, 2).transpose(0, 2, 3, 1, 4)
     by_tile = scales.T.reshape(n // 16, 16, blocks).transpose(0, 2, 1)
     return dict(zip(INT8_PARTS, (np.ascontiguousarray(tiles.reshape(n // 16, blocks, QUANT_BLOCK // 2, 32)),
-                                 np.ascontiguousarray(by_tile, dtype=np.float32))))
+                                 np.ascontiguousarray(by_tile, dtype=np.float16))))
 
 
 def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Array) -> dict[str, np.ndarray] | None:
-    """For a 4-bit node at accuracy level 4: ``Int4WeightLinear``'s inputs 1-3 by ``INT4_PARTS``
-    suffix (tiles uint8 ``[N/16, KB, 8, 32]``, scales float32 and zero points uint8 ``[N/16, KB,
-    16]``, KB = ceil(K / 32)); else None."""
+    """For a 4-bit node at accuracy level 4 with float16 values as scales: ``Int4WeightLinear``'s
+    inputs 1-3 by ``INT4_PARTS`` suffix (tiles uint8 ``[N/16, KB, 8, 32]``, scales float16 ``[N/16,
+    KB, 16]``, zero points uint8 ``[N/16, KB, 8]``, two to a byte: outputs 2i and 2i + 1 of a
+    tile's block in byte i's low and high nibble; KB = ceil(K / 32)); else None."""
     attrs = _node(node, inits, 4)
     if attrs is None or attrs.get("accuracy_level") != 4:
         return None
@@ -93,6 +105,9 @@ def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array:
     b, scales = array(inits[node.input[1]]), array(inits[node.input[2]])
     if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK // 2) or scales.dtype != np.float32 or \
             scales.size != n * blocks:
+        return None
+    halves = half(scales)
+    if halves is None:
         return None
     zeros = _zeros(node, inits, array)
     if zeros is None:
@@ -113,4 +128,5 @@ def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array:
     def by_tile(a: np.ndarray) -> np.ndarray:  # [N, KB] -> [N/16, KB, 16]
         return np.ascontiguousarray(a.reshape(n // 16, 16, blocks).transpose(0, 2, 1))
 
-    return dict(zip(INT4_PARTS, (tiles, by_tile(scales.reshape(n, blocks)), by_tile(zero.astype(np.uint8)))))
+    zero16 = by_tile(zero.astype(np.uint8))
+    return dict(zip(INT4_PARTS, (tiles, by_tile(halves.reshape(n, blocks)), zero16[..., 0::2] | (zero16[..., 1::2] << 4))))
