@@ -26,7 +26,7 @@ $(SMOL)/.prepared: $(STAMP) tools/prepare_smollm2.py
 smollm2: $(SMOL)/.prepared
 
 lint: $(STAMP)
-	$(BIN)/ruff check autoglm_trt tests benchmarks tools setup.py
+	$(BIN)/ruff check autoglm_trt tests benchmarks tools scripts setup.py
 
 typings/tensorrt/__init__.pyi: $(STAMP) tools/prepare_trt_stubs.py
 	$(BIN)/python tools/prepare_trt_stubs.py

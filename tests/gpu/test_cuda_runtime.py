@@ -2,6 +2,7 @@
 
     pytest tests/gpu                                  # the checks as tests (skipped without a GPU)
     python tests/gpu/test_cuda_runtime.py [--json OUT]  # the same checks as a table, with timings
+    python scripts/gpu_check.py --out DIR             # both, plus compute-sanitizer, on a lent GPU
 
 Needs an NVIDIA GPU and cuda-python (``cuda.bindings`` with NVRTC); TensorRT is not needed.
 Checks, each with fresh random data (never zeros; outputs poisoned first):
@@ -9,12 +10,14 @@ Checks, each with fresh random data (never zeros; outputs poisoned first):
      in float16 and float32, zero-initialised, read back;
   2. pinned transfers: host -> device -> host round trip through page-locked buffers on a stream;
   3. the NVRTC scatter kernel: new K/V of a mixed step (prefill + decode rows, arbitrary block
-     ids and offsets) written into the pool, compared element for element with the same
-     scatter done by numpy (``kvcache.host_pools.KVPools.write``), untouched slots checked unchanged;
+     ids and offsets) written into the K and V pools of two layers by one launch, compared element
+     for element with the same scatter done by numpy (``kvcache.host_pools.KVPools.write``),
+     untouched slots checked unchanged;
   4. the TensorRT runner's input path: step inputs staged through pinned buffers;
   5. copy-on-write block copies (``DeviceArray.copy_rows_within``, as ``TrtRunner.copy_blocks``
      uses them) against ``KVPools.copy_blocks``;
-  6. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers).
+  6. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers): one
+     launch for all pools against a launch per pool.
 Prints a table and exits non-zero on any mismatch.
 """
 
@@ -103,35 +106,45 @@ def check_staged_inputs(rng: np.random.Generator) -> dict:
 
 
 def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> dict:
+    """One launch scatters a mixed step into the K and V pools of two layers (four pools, each
+    with its own new rows); compared with ``KVPools.write``, untouched slots checked unchanged."""
     # a mixed step: one prefill of 37 tokens after 5 cached, one decode at position 70, one of 1 token
     blocks = rng.permutation(num_blocks)
     states = [SeqState(5, blocks[0:3].tolist()), SeqState(70, blocks[3:8].tolist()), SeqState(0, blocks[8:9].tolist())]
     new_tokens = [rng.integers(0, 1000, 37).tolist(), [1], [2]]
     _, slots = step_inputs(new_tokens, states, BLOCK)
-    batch, tokens = 3, 37
-    new = rng.standard_normal((batch, tokens, KV_HEADS, HEAD_DIM)).astype(dtype)
-    ref = KVPools(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
-    ref.keys[0][:] = rng.standard_normal(ref.keys[0].shape).astype(dtype)  # poison: random, not zeros
-    before = ref.keys[0].copy()
-    ref.write({"new_key.0": new, "new_value.0": new}, slots)
+    batch, tokens, layers = 3, 37, 2
+    ref = KVPools(layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    for pool in [*ref.keys, *ref.values]:
+        pool[:] = rng.standard_normal(pool.shape).astype(dtype)  # poison: random, not zeros
+    before = [p.copy() for p in [*ref.keys, *ref.values]]
+    new = {f"new_{kind}.{i}": rng.standard_normal((batch, tokens, KV_HEADS, HEAD_DIM)).astype(dtype)
+           for i in range(layers) for kind in ("key", "value")}
+    ref.write(new, slots)
+    names = [f"new_key.{i}" for i in range(layers)] + [f"new_value.{i}" for i in range(layers)]
 
     stream = cu.Stream()
-    pool = cu.DeviceArray.empty(before.shape, dtype)
-    pool.copy_from_host(before)
-    src = cu.DeviceArray.empty((batch * tokens, KV_HEADS * HEAD_DIM), dtype)
-    src.copy_from_host(np.ascontiguousarray(new.reshape(batch * tokens, -1)))
+    pools, srcs = [], []
+    for name, host in zip(names, before):
+        pools.append(cu.DeviceArray.empty(host.shape, dtype))
+        pools[-1].copy_from_host(host)
+        srcs.append(cu.DeviceArray.empty((batch * tokens, KV_HEADS * HEAD_DIM), dtype))
+        srcs[-1].copy_from_host(np.ascontiguousarray(new[name].reshape(batch * tokens, -1)))
     kernel = cu.ScatterKernel()
+    kernel.bind(list(zip(srcs, pools)))
     kernel.set_rows(slots.batch * tokens + slots.token, slots.block * BLOCK + slots.offset, stream)
-    kernel(src, pool, stream)
+    kernel(stream)
     stream.synchronize()
-    got = pool.to_numpy()
-    untouched = np.ones(before.shape[:3], bool)  # [kv_heads, num_blocks, block_size]
+    untouched = np.ones(before[0].shape[:3], bool)  # [kv_heads, num_blocks, block_size]
     untouched[:, slots.block, slots.offset] = False
-    ok = bool(np.array_equal(got, ref.keys[0]) and np.array_equal(got[untouched], before[untouched]))
-    for a in (pool, src):
+    ok = True
+    for pool, want, old in zip(pools, [*ref.keys, *ref.values], before):
+        got = pool.to_numpy()
+        ok = ok and bool(np.array_equal(got, want) and np.array_equal(got[untouched], old[untouched]))
+    for a in pools + srcs:
         a.free()
     kernel.free()
-    return {"check": f"scatter {dtype.name}", "ok": ok, "rows": int(len(slots.block))}
+    return {"check": f"scatter {dtype.name}, 4 pools, one launch", "ok": ok, "rows": int(len(slots.block))}
 
 
 def block_copy_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> dict:
@@ -153,30 +166,38 @@ def block_copy_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) 
 
 
 def time_scatter(rng: np.random.Generator, num_blocks: int) -> dict:
+    """A batch-16 decode step's scatter into 60 pools (K and V of 30 layers): one launch for all pools,
+    against 60 launches of one pool each (what a launch per pool would cost), timed in one run."""
     dtype = np.dtype(np.float16)
     stream = cu.Stream()
     pools = [cu.DeviceArray.zeros(pool_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype) for _ in range(2 * LAYERS)]
     src = cu.DeviceArray.empty((16, KV_HEADS * HEAD_DIM), dtype)
     src.copy_from_host(rng.standard_normal((16, KV_HEADS * HEAD_DIM)).astype(dtype))
-    kernel = cu.ScatterKernel()
     dst_rows = rng.choice(num_blocks * BLOCK, 16, replace=False)
-    kernel.set_rows(np.arange(16), dst_rows, stream)
-    for _ in range(10):
-        for p in pools:
-            kernel(src, p, stream)
-    stream.synchronize()
-    reps = 200
-    t = time.perf_counter()
-    for _ in range(reps):
-        for p in pools:
-            kernel(src, p, stream)
-    stream.synchronize()
-    per_step = (time.perf_counter() - t) / reps
+    every = cu.ScatterKernel()
+    every.bind([(src, p) for p in pools])
+    single = cu.ScatterKernel()
+    single.bind([(src, pools[0])])
+    steps = {"one launch": lambda: every(stream), "60 launches": lambda: [single(stream) for _ in pools]}
+    row = {"check": "scatter timing, batch-16 decode, 60 pools", "ok": True}
+    for kernel in (every, single):
+        kernel.set_rows(np.arange(16), dst_rows, stream)
+    for label, run in steps.items():
+        for _ in range(10):
+            run()
+        stream.synchronize()
+        reps = 200
+        t = time.perf_counter()
+        for _ in range(reps):
+            run()
+        stream.synchronize()
+        row[f"us/step {label}"] = round((time.perf_counter() - t) / reps * 1e6, 1)
     for p in pools:
         p.free()
     src.free()
-    kernel.free()
-    return {"check": "scatter timing, batch-16 decode, 60 pools", "ok": True, "us_per_step": round(per_step * 1e6, 1)}
+    for kernel in (every, single):
+        kernel.free()
+    return row
 
 
 def checks() -> list:
@@ -198,8 +219,9 @@ def test_check(index: int) -> None:  # pragma: no cover - GPU machines only
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-timing", action="store_true", help="the correctness checks only (under compute-sanitizer)")
     args = ap.parse_args()
-    rows = [check() for check in checks()]
+    rows = [check() for check in checks()[: 8 if args.no_timing else None]]
     for r in rows:
         extra = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("check", "ok"))
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']:45s} {extra}")

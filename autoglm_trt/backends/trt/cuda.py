@@ -9,7 +9,10 @@ The scatter kernel copies one token's K (or V) into its pool slot, head by head:
 ``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``
 is the step's ``[tokens, kv_heads, head_dim]`` output and ``pool`` is
 ``[kv_heads, num_blocks * block_size, head_dim]`` (``kvcache.layout.POOL_LAYOUT``); a head's
-``head_dim`` elements move as 32-bit words (float32, or pairs of float16).
+``head_dim`` elements move as 32-bit words (float32, or pairs of float16). One launch serves
+every (output, pool) pair of the engine (``blockIdx.y`` picks the pair from a table of device
+pointers uploaded once): a launch from Python costs tens of microseconds of host time, and a
+step has two pools a layer.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import numpy as np
 from ...errors import MissingDependencyError
 
 SCATTER_SOURCE = r"""
-extern "C" __global__ void scatter_rows(const unsigned int* __restrict__ src, unsigned int* __restrict__ dst,
+extern "C" __global__ void scatter_rows(const unsigned long long* __restrict__ srcs,
+                                        const unsigned long long* __restrict__ dsts,
                                         const long long* __restrict__ src_row, const long long* __restrict__ dst_slot,
                                         int n_rows, int kv_heads, int head_words, long long pool_slots) {
+    const unsigned int* src = (const unsigned int*)srcs[blockIdx.y];
+    unsigned int* dst = (unsigned int*)dsts[blockIdx.y];
     long long row_words = (long long)kv_heads * head_words;
     long long total = (long long)n_rows * row_words;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -176,9 +182,29 @@ class ScatterKernel:
         self._idx: DeviceArray | None = None
         self._staging: PinnedArray
         self._n = 0
+        self._table: DeviceArray | None = None
+        self._pairs = self._kv_heads = self._head_words = self._pool_slots = 0
+
+    def bind(self, pairs: list[tuple[DeviceArray, DeviceArray]]) -> None:
+        """Fix the (step output, pool) pairs every launch serves: pools ``[kv_heads, num_blocks, block_size,
+        head_dim]`` of one shape and dtype, outputs ``[rows, kv_heads * head_dim]`` of that dtype."""
+        if not pairs:
+            raise ValueError("the scatter kernel needs at least one (output, pool) pair")
+        shape, dtype = pairs[0][1].shape, pairs[0][1].dtype
+        for src, dst in pairs:
+            if dst.shape != shape or dst.dtype != dtype or src.dtype != dtype or src.shape[-1] != shape[0] * shape[3]:
+                raise ValueError(f"scatter pairs differ: output {src.shape} {src.dtype}, pool {dst.shape} {dst.dtype}; "
+                                 f"expected pools {shape} {dtype} and outputs [rows, {shape[0] * shape[3]}]")
+        if self._table is not None:
+            self._table.free()
+        self._table = DeviceArray.empty((2, len(pairs)), np.dtype(np.uint64))
+        self._table.copy_from_host(np.array([[s.ptr for s, _ in pairs], [d.ptr for _, d in pairs]], np.uint64))
+        self._pairs, self._kv_heads = len(pairs), shape[0]
+        self._head_words = shape[3] * dtype.itemsize // 4
+        self._pool_slots = shape[1] * shape[2]
 
     def set_rows(self, src_rows: np.ndarray, dst_rows: np.ndarray, stream: Stream) -> None:
-        """Upload this step's mapping, token row -> pool slot (block * block_size + offset), for every following launch."""
+        """Upload this step's mapping, token row -> pool slot (block * block_size + offset), for the next launch."""
         n = int(len(src_rows))
         if self._idx is None or self._idx.shape[1] < n:
             if self._idx is not None:
@@ -194,21 +220,22 @@ class ScatterKernel:
         kind = self._idx._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         check(self._idx._rt.cudaMemcpyAsync(self._idx.ptr, self._staging.ptr, 16 * cap, kind, stream.stream))
 
-    def __call__(self, src: DeviceArray, dst: DeviceArray, stream: Stream) -> None:
-        """``dst`` (a pool ``[kv_heads, num_blocks, block_size, head_dim]``) <- ``src`` token rows, on ``stream``."""
+    def __call__(self, stream: Stream) -> None:
+        """Every bound pool <- its output's token rows (the rows of the last ``set_rows``), one launch on ``stream``."""
         n = self._n
         if n == 0 or self._idx is None:
             return
-        kv_heads, pool_slots = dst.shape[0], dst.shape[1] * dst.shape[2]
-        head_words = dst.shape[3] * dst.dtype.itemsize // 4
+        if self._table is None:
+            raise RuntimeError("bind the scatter kernel's (output, pool) pairs before launching it")
         cap = self._idx.shape[1]
         values: list[np.ndarray] = [
-            np.array([src.ptr], np.uint64), np.array([dst.ptr], np.uint64), np.array([self._idx.ptr], np.uint64),
-            np.array([self._idx.ptr + 8 * cap], np.uint64), np.array([n], np.int32), np.array([kv_heads], np.int32),
-            np.array([head_words], np.int32), np.array([pool_slots], np.int64)]
+            np.array([self._table.ptr], np.uint64), np.array([self._table.ptr + 8 * self._pairs], np.uint64),
+            np.array([self._idx.ptr], np.uint64), np.array([self._idx.ptr + 8 * cap], np.uint64),
+            np.array([n], np.int32), np.array([self._kv_heads], np.int32), np.array([self._head_words], np.int32),
+            np.array([self._pool_slots], np.int64)]
         params = np.array([v.ctypes.data for v in values], dtype=np.uint64)
-        blocks = max(1, min(-(-n * kv_heads * head_words // self.THREADS), 4 * self.sm_count))
-        check(self._drv.cuLaunchKernel(self.function, blocks, 1, 1, self.THREADS, 1, 1, 0, stream.handle,
+        blocks = max(1, min(-(-n * self._kv_heads * self._head_words // self.THREADS), 4 * self.sm_count))
+        check(self._drv.cuLaunchKernel(self.function, blocks, self._pairs, 1, self.THREADS, 1, 1, 0, stream.handle,
                                        params.ctypes.data, 0))
 
     def free(self) -> None:
@@ -216,3 +243,6 @@ class ScatterKernel:
             self._idx.free()
             self._staging.free()
             self._idx = None
+        if self._table is not None:
+            self._table.free()
+            self._table = None

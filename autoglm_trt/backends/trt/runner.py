@@ -5,8 +5,8 @@ and one V pool per layer ``[kv_heads, num_blocks, block_size, head_dim]``; one b
 input, each with a pinned host twin the step's inputs are staged through (true asynchronous
 copies); the new K/V of up to ``max_batch x max_input_len`` tokens; the logits of one token per
 sequence ``[max_batch, vocab]`` (the runtime asks for the last token's logits only). After
-the step the new K/V are scattered into the pools by a small CUDA kernel compiled with NVRTC,
-and the logits come back through a pinned buffer.
+the step the new K/V are scattered into every pool by one launch of a small CUDA kernel compiled
+with NVRTC, and the logits come back through a pinned buffer.
 
 Every TensorRT call that reports failure by returning False is checked (``require``), so a
 shape outside the engine's profiles is named as such, not as "execute_async_v3 failed". The
@@ -97,6 +97,8 @@ class TrtRunner:
         self.device = {name: cu.DeviceArray.empty(shape, dtype) for name, (shape, dtype) in plan.items()}
         self.host = {name: cu.PinnedArray(shape, dtype) for name, (shape, dtype) in plan.items()}
         self.scatter = cu.ScatterKernel()
+        self.scatter.bind([(self.new_kv[f"new_{kind}.{i}"], self.pools[f"past_{kind}.{i}"])
+                           for i in range(spec.num_layers) for kind in ("key", "value")])
         self.max_batch, self.max_tokens = max_batch, max_tokens
         for name, pool in self.pools.items():  # fixed for the engine's life
             require(self.context.set_tensor_address(name, pool.ptr), f"the address of {name}")
@@ -135,9 +137,7 @@ class TrtRunner:
         src = (slots.batch * tokens + slots.token).astype(np.int64)
         dst = (slots.block * self.block_size + slots.offset).astype(np.int64)
         self.scatter.set_rows(src, dst, self.stream)
-        for i in range(self.spec.num_layers):
-            for kind in ("key", "value"):
-                self.scatter(self.new_kv[f"new_{kind}.{i}"], self.pools[f"past_{kind}.{i}"], self.stream)
+        self.scatter(self.stream)
         self.device["logits"].copy_to_host(self.host["logits"], batch, self.stream)
         self.stream.synchronize()
         return self.host["logits"].array[:batch].copy()
