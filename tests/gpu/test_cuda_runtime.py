@@ -14,10 +14,11 @@ Checks, each with fresh random data (never zeros; outputs poisoned first):
      for element with the same scatter done by numpy (``kvcache.host_pools.KVPools.write``),
      untouched slots checked unchanged;
   4. the TensorRT runner's input path: step inputs staged through pinned buffers;
-  5. copy-on-write block copies (``DeviceArray.copy_rows_within``, as ``TrtRunner.copy_blocks``
-     uses them) against ``KVPools.copy_blocks``;
-  6. timing of the scatter for a batch-16 decode step over 60 pools (K and V of 30 layers): one
-     launch for all pools against a launch per pool.
+  5. copy-on-write block copies in the K and V pools of two layers by one launch (as
+     ``TrtRunner.copy_blocks`` makes them) against ``KVPools.copy_blocks``;
+  6. host time over 60 pools (K and V of 30 layers): a batch-16 decode step's scatter, one launch
+     for all pools against a launch per pool; four block copies, one launch against a 2-D memcpy
+     per pool and pair.
 Prints a table and exits non-zero on any mismatch.
 """
 
@@ -130,7 +131,7 @@ def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> 
         pools[-1].copy_from_host(host)
         srcs.append(cu.DeviceArray.empty((batch * tokens, KV_HEADS * HEAD_DIM), dtype))
         srcs[-1].copy_from_host(np.ascontiguousarray(new[name].reshape(batch * tokens, -1)))
-    kernel = cu.ScatterKernel()
+    kernel = cu.PoolKernels()
     kernel.bind(list(zip(srcs, pools)))
     kernel.set_rows(slots.batch * tokens + slots.token, slots.block * BLOCK + slots.offset, stream)
     kernel(stream)
@@ -148,40 +149,62 @@ def scatter_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> 
 
 
 def block_copy_case(rng: np.random.Generator, dtype: np.dtype, num_blocks: int) -> dict:
-    ref = KVPools(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
-    ref.keys[0][:] = rng.standard_normal(ref.keys[0].shape).astype(dtype)
-    pool = cu.DeviceArray.empty(ref.keys[0].shape, dtype)
-    pool.copy_from_host(ref.keys[0])
+    """Copy-on-write copies of four blocks in the K and V pools of two layers, one launch
+    (``PoolKernels.copy_blocks``, as ``TrtRunner.copy_blocks`` makes them), against ``KVPools.copy_blocks``."""
+    ref = KVPools(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    ref.data[:] = rng.standard_normal(ref.data.shape).astype(dtype)
+    stream = cu.Stream()
+    pools = []
+    for host in [*ref.keys, *ref.values]:
+        pools.append(cu.DeviceArray.empty(host.shape, dtype))
+        pools[-1].copy_from_host(np.ascontiguousarray(host))
+    src = cu.DeviceArray.empty((1, KV_HEADS * HEAD_DIM), dtype)
     blocks = rng.permutation(num_blocks)
     pairs = list(zip(blocks[:4].tolist(), blocks[4:8].tolist()))
     ref.copy_blocks(pairs)
-    span = BLOCK * HEAD_DIM * dtype.itemsize
-    stream = cu.Stream()
-    for src, dst in pairs:
-        pool.copy_rows_within(src * span, dst * span, span, num_blocks * span, KV_HEADS, stream)
+    kernel = cu.PoolKernels()
+    kernel.bind([(src, pool) for pool in pools])
+    kernel.copy_blocks(pairs, BLOCK, stream)
     stream.synchronize()
-    ok = bool(np.array_equal(pool.to_numpy(), ref.keys[0]))
-    pool.free()
-    return {"check": f"block copy {dtype.name}", "ok": ok, "pairs": len(pairs)}
+    ok = all(bool(np.array_equal(pool.to_numpy(), want)) for pool, want in zip(pools, [*ref.keys, *ref.values]))
+    for a in [*pools, src]:
+        a.free()
+    kernel.free()
+    return {"check": f"block copy {dtype.name}, 4 pools, one launch", "ok": ok, "pairs": len(pairs)}
 
 
-def time_scatter(rng: np.random.Generator, num_blocks: int) -> dict:
-    """A batch-16 decode step's scatter into 60 pools (K and V of 30 layers): one launch for all pools,
-    against 60 launches of one pool each (what a launch per pool would cost), timed in one run."""
+def copy_2d(pools: list, pairs: list[tuple[int, int]], num_blocks: int, dtype: np.dtype, stream) -> None:
+    """The copies as one 2-D memcpy per pool and pair (a block is one span per head, ``num_blocks``
+    spans apart): the way without a kernel, timed against it."""
+    span = BLOCK * HEAD_DIM * dtype.itemsize
+    rt = pools[0]._rt
+    for pool in pools:
+        for s, d in pairs:
+            cu.check(rt.cudaMemcpy2DAsync(pool.ptr + d * span, num_blocks * span, pool.ptr + s * span,
+                                          num_blocks * span, span, KV_HEADS,
+                                          rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream.stream))
+
+
+def time_pool_kernels(rng: np.random.Generator, num_blocks: int) -> dict:
+    """60 pools (K and V of 30 layers): a batch-16 decode step's scatter, one launch against 60 launches
+    of one pool each; 4 block copies, one launch against 240 2-D memcpys; host time per step, one run."""
     dtype = np.dtype(np.float16)
     stream = cu.Stream()
     pools = [cu.DeviceArray.zeros(pool_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype) for _ in range(2 * LAYERS)]
     src = cu.DeviceArray.empty((16, KV_HEADS * HEAD_DIM), dtype)
     src.copy_from_host(rng.standard_normal((16, KV_HEADS * HEAD_DIM)).astype(dtype))
     dst_rows = rng.choice(num_blocks * BLOCK, 16, replace=False)
-    every = cu.ScatterKernel()
+    blocks = rng.permutation(num_blocks)
+    pairs = list(zip(blocks[:4].tolist(), blocks[4:8].tolist()))
+    every, single = cu.PoolKernels(), cu.PoolKernels()
     every.bind([(src, p) for p in pools])
-    single = cu.ScatterKernel()
     single.bind([(src, pools[0])])
-    steps = {"one launch": lambda: every(stream), "60 launches": lambda: [single(stream) for _ in pools]}
-    row = {"check": "scatter timing, batch-16 decode, 60 pools", "ok": True}
     for kernel in (every, single):
         kernel.set_rows(np.arange(16), dst_rows, stream)
+    steps = {"scatter one launch": lambda: every(stream), "scatter 60 launches": lambda: [single(stream) for _ in pools],
+             "copy one launch": lambda: every.copy_blocks(pairs, BLOCK, stream),
+             "copy 240 memcpy2D": lambda: copy_2d(pools, pairs, num_blocks, dtype, stream)}
+    row: dict = {"check": "timing, 60 pools: scatter of 16 rows, 4 block copies", "ok": True}
     for label, run in steps.items():
         for _ in range(10):
             run()
@@ -192,9 +215,8 @@ def time_scatter(rng: np.random.Generator, num_blocks: int) -> dict:
             run()
         stream.synchronize()
         row[f"us/step {label}"] = round((time.perf_counter() - t) / reps * 1e6, 1)
-    for p in pools:
+    for p in [*pools, src]:
         p.free()
-    src.free()
     for kernel in (every, single):
         kernel.free()
     return row
@@ -207,7 +229,7 @@ def checks() -> list:
             lambda: check_pinned(rng), lambda: check_staged_inputs(rng),
             lambda: scatter_case(rng, np.dtype(np.float16), 64), lambda: scatter_case(rng, np.dtype(np.float32), 64),
             lambda: block_copy_case(rng, np.dtype(np.float16), 64), lambda: block_copy_case(rng, np.dtype(np.int8), 64),
-            lambda: time_scatter(rng, 4096)]
+            lambda: time_pool_kernels(rng, 4096)]
 
 
 @pytest.mark.parametrize("index", range(9))

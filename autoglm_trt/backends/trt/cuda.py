@@ -1,18 +1,20 @@
 """The CUDA side of the TensorRT runtime, on ``cuda.bindings`` (cuda-python) alone.
 
-Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and the KV
-scatter kernel: compiled at run time with NVRTC to PTX for this GPU, loaded with the driver
-API, launched on the stream. Every call's status is checked. Used by ``runner`` and
+Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and two
+kernels over the KV pools (scatter, block copy): compiled at run time with NVRTC to PTX for
+this GPU, loaded with the driver API, launched on the stream. Every call's status is checked. Used by ``runner`` and
 tested on a GPU by ``tests/gpu/test_cuda_runtime.py`` (no TensorRT needed for that).
 
 The scatter kernel copies one token's K (or V) into its pool slot, head by head:
 ``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``
 is the step's ``[tokens, kv_heads, head_dim]`` output and ``pool`` is
 ``[kv_heads, num_blocks * block_size, head_dim]`` (``kvcache.layout.POOL_LAYOUT``); a head's
-``head_dim`` elements move as 32-bit words (float32, or pairs of float16). One launch serves
-every (output, pool) pair of the engine (``blockIdx.y`` picks the pair from a table of device
-pointers uploaded once): a launch from Python costs tens of microseconds of host time, and a
-step has two pools a layer.
+``head_dim`` elements move as 32-bit words (float32, or pairs of float16). The copy kernel makes
+copy-on-write copies: ``pool[h, to_slot[i]] = pool[h, from_slot[i]]`` (the slots of whole
+blocks; destinations are fresh blocks, never a source). One launch of either serves every
+(output, pool) pair of the engine (``blockIdx.y`` picks the pair from a table of device pointers
+uploaded once): a launch from Python costs tens of microseconds of host time, and a step has
+two pools a layer.
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ extern "C" __global__ void scatter_rows(const unsigned long long* __restrict__ s
         long long h = rest / head_words;
         long long w = rest - h * head_words;
         dst[(h * pool_slots + dst_slot[r]) * head_words + w] = src[src_row[r] * row_words + rest];
+    }
+}
+
+extern "C" __global__ void copy_slots(const unsigned long long* __restrict__ srcs,
+                                      const unsigned long long* __restrict__ dsts,
+                                      const long long* __restrict__ from_slot, const long long* __restrict__ to_slot,
+                                      int n_rows, int kv_heads, int head_words, long long pool_slots) {
+    unsigned int* pool = (unsigned int*)dsts[blockIdx.y];
+    long long row_words = (long long)kv_heads * head_words;
+    long long total = (long long)n_rows * row_words;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / row_words;
+        long long rest = i - r * row_words;
+        long long h = rest / head_words;
+        long long w = rest - h * head_words;
+        pool[(h * pool_slots + to_slot[r]) * head_words + w] = pool[(h * pool_slots + from_slot[r]) * head_words + w];
     }
 }
 """
@@ -111,14 +130,6 @@ class DeviceArray:
         else:
             check(self._rt.cudaMemcpyAsync(arr.ctypes.data, self.ptr, nbytes, kind, stream.stream))
 
-    def copy_rows_within(self, src: int, dst: int, width: int, pitch: int, height: int, stream: Stream) -> None:
-        """Copy ``height`` rows of ``width`` bytes, ``pitch`` bytes apart, from byte offset ``src`` of this
-        array to byte offset ``dst`` of it (one block of every KV head of a pool)."""
-        assert max(src, dst) + (height - 1) * pitch + width <= self.nbytes
-        kind = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        check(self._rt.cudaMemcpy2DAsync(self.ptr + dst, pitch, self.ptr + src, pitch, width, height, kind,
-                                         stream.stream))
-
     def to_numpy(self) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
         self.copy_to_host(out)
@@ -150,8 +161,8 @@ class PinnedArray:
             self.ptr = 0
 
 
-class ScatterKernel:
-    """``scatter_rows`` compiled with NVRTC for the current GPU."""
+class PoolKernels:
+    """``scatter_rows`` and ``copy_slots`` compiled with NVRTC for the current GPU, over the pools of ``bind``."""
 
     THREADS = 256
 
@@ -161,14 +172,14 @@ class ScatterKernel:
         check(rt.cudaFree(0))  # make the runtime's primary context current for the driver API
         props = check(rt.cudaGetDeviceProperties(0))
         arch = f"--gpu-architecture=compute_{props.major}{props.minor}".encode()
-        prog = check(nvrtc.nvrtcCreateProgram(SCATTER_SOURCE.encode(), b"scatter_rows.cu", 0, [], []))
+        prog = check(nvrtc.nvrtcCreateProgram(SCATTER_SOURCE.encode(), b"pool_kernels.cu", 0, [], []))
         try:
             status = nvrtc.nvrtcCompileProgram(prog, 2, [arch, b"--std=c++17"])
             if int(status[0]) != 0:
                 size = check(nvrtc.nvrtcGetProgramLogSize(prog))
                 log = b" " * size
                 check(nvrtc.nvrtcGetProgramLog(prog, log))
-                raise RuntimeError(f"NVRTC failed to compile the scatter kernel: {log.decode(errors='replace')}")
+                raise RuntimeError(f"NVRTC failed to compile the pool kernels: {log.decode(errors='replace')}")
             size = check(nvrtc.nvrtcGetPTXSize(prog))
             ptx = b" " * size
             check(nvrtc.nvrtcGetPTX(prog, ptx))
@@ -177,11 +188,10 @@ class ScatterKernel:
         image = np.frombuffer(ptx, dtype=np.uint8)  # NUL-terminated PTX text, passed by address
         self.module = check(drv.cuModuleLoadData(image.ctypes.data))
         self._image = image
-        self.function = check(drv.cuModuleGetFunction(self.module, b"scatter_rows"))
+        self.functions = {name: check(drv.cuModuleGetFunction(self.module, name.encode()))
+                          for name in ("scatter_rows", "copy_slots")}
         self.sm_count = int(props.multiProcessorCount)
-        self._idx: DeviceArray | None = None
-        self._staging: PinnedArray
-        self._n = 0
+        self._rows = {name: _SlotPairs() for name in self.functions}  # own staging each: no reuse in flight
         self._table: DeviceArray | None = None
         self._pairs = self._kv_heads = self._head_words = self._pool_slots = 0
 
@@ -189,7 +199,7 @@ class ScatterKernel:
         """Fix the (step output, pool) pairs every launch serves: pools ``[kv_heads, num_blocks, block_size,
         head_dim]`` of one shape and dtype, outputs ``[rows, kv_heads * head_dim]`` of that dtype."""
         if not pairs:
-            raise ValueError("the scatter kernel needs at least one (output, pool) pair")
+            raise ValueError("the pool kernels need at least one (output, pool) pair")
         shape, dtype = pairs[0][1].shape, pairs[0][1].dtype
         for src, dst in pairs:
             if dst.shape != shape or dst.dtype != dtype or src.dtype != dtype or src.shape[-1] != shape[0] * shape[3]:
@@ -205,44 +215,71 @@ class ScatterKernel:
 
     def set_rows(self, src_rows: np.ndarray, dst_rows: np.ndarray, stream: Stream) -> None:
         """Upload this step's mapping, token row -> pool slot (block * block_size + offset), for the next launch."""
-        n = int(len(src_rows))
-        if self._idx is None or self._idx.shape[1] < n:
-            if self._idx is not None:
-                self._idx.free()
-                self._staging.free()
-            cap = max(n, 256)
-            self._idx = DeviceArray.empty((2, cap), np.dtype(np.int64))
-            self._staging = PinnedArray((2, cap), np.dtype(np.int64))
-        self._staging.array[0, :n] = src_rows
-        self._staging.array[1, :n] = dst_rows
-        self._n = n
-        cap = self._idx.shape[1]
-        kind = self._idx._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        check(self._idx._rt.cudaMemcpyAsync(self._idx.ptr, self._staging.ptr, 16 * cap, kind, stream.stream))
+        self._rows["scatter_rows"].upload(src_rows, dst_rows, stream)
 
     def __call__(self, stream: Stream) -> None:
         """Every bound pool <- its output's token rows (the rows of the last ``set_rows``), one launch on ``stream``."""
-        n = self._n
-        if n == 0 or self._idx is None:
+        self._launch("scatter_rows", stream)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int, stream: Stream) -> None:
+        """In every bound pool, block ``src`` copied to block ``dst`` for each pair, one launch on ``stream``."""
+        if not pairs:
+            return
+        src, dst = (np.array(c, np.int64) for c in zip(*pairs))
+        offsets = np.arange(block_size, dtype=np.int64)
+        self._rows["copy_slots"].upload((src[:, None] * block_size + offsets).reshape(-1),
+                                        (dst[:, None] * block_size + offsets).reshape(-1), stream)
+        self._launch("copy_slots", stream)
+
+    def _launch(self, name: str, stream: Stream) -> None:
+        rows = self._rows[name]
+        if rows.n == 0 or rows.idx is None:
             return
         if self._table is None:
-            raise RuntimeError("bind the scatter kernel's (output, pool) pairs before launching it")
-        cap = self._idx.shape[1]
+            raise RuntimeError("bind the pool kernels' (output, pool) pairs before launching them")
+        cap = rows.idx.shape[1]
         values: list[np.ndarray] = [
             np.array([self._table.ptr], np.uint64), np.array([self._table.ptr + 8 * self._pairs], np.uint64),
-            np.array([self._idx.ptr], np.uint64), np.array([self._idx.ptr + 8 * cap], np.uint64),
-            np.array([n], np.int32), np.array([self._kv_heads], np.int32), np.array([self._head_words], np.int32),
+            np.array([rows.idx.ptr], np.uint64), np.array([rows.idx.ptr + 8 * cap], np.uint64),
+            np.array([rows.n], np.int32), np.array([self._kv_heads], np.int32), np.array([self._head_words], np.int32),
             np.array([self._pool_slots], np.int64)]
         params = np.array([v.ctypes.data for v in values], dtype=np.uint64)
-        blocks = max(1, min(-(-n * self._kv_heads * self._head_words // self.THREADS), 4 * self.sm_count))
-        check(self._drv.cuLaunchKernel(self.function, blocks, self._pairs, 1, self.THREADS, 1, 1, 0, stream.handle,
-                                       params.ctypes.data, 0))
+        blocks = max(1, min(-(-rows.n * self._kv_heads * self._head_words // self.THREADS), 4 * self.sm_count))
+        check(self._drv.cuLaunchKernel(self.functions[name], blocks, self._pairs, 1, self.THREADS, 1, 1, 0,
+                                       stream.handle, params.ctypes.data, 0))
 
     def free(self) -> None:
-        if self._idx is not None:
-            self._idx.free()
-            self._staging.free()
-            self._idx = None
+        for rows in self._rows.values():
+            rows.free()
         if self._table is not None:
             self._table.free()
             self._table = None
+
+
+class _SlotPairs:
+    """Two int64 rows of slots on the device, uploaded through a pinned twin that grows as needed."""
+
+    def __init__(self) -> None:
+        self.idx: DeviceArray | None = None
+        self._staging: PinnedArray
+        self.n = 0
+
+    def upload(self, first: np.ndarray, second: np.ndarray, stream: Stream) -> None:
+        n = int(len(first))
+        if self.idx is None or self.idx.shape[1] < n:
+            self.free()
+            cap = max(n, 256)
+            self.idx = DeviceArray.empty((2, cap), np.dtype(np.int64))
+            self._staging = PinnedArray((2, cap), np.dtype(np.int64))
+        self._staging.array[0, :n] = first
+        self._staging.array[1, :n] = second
+        self.n = n
+        cap = self.idx.shape[1]
+        kind = self.idx._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        check(self.idx._rt.cudaMemcpyAsync(self.idx.ptr, self._staging.ptr, 16 * cap, kind, stream.stream))
+
+    def free(self) -> None:
+        if self.idx is not None:
+            self.idx.free()
+            self._staging.free()
+            self.idx = None

@@ -6,7 +6,8 @@ input, each with a pinned host twin the step's inputs are staged through (true a
 copies); the new K/V of up to ``max_batch x max_input_len`` tokens; the logits of one token per
 sequence ``[max_batch, vocab]`` (the runtime asks for the last token's logits only). After
 the step the new K/V are scattered into every pool by one launch of a small CUDA kernel compiled
-with NVRTC, and the logits come back through a pinned buffer.
+with NVRTC (copy-on-write block copies are one launch of another), and the logits come back
+through a pinned buffer.
 
 Every TensorRT call that reports failure by returning False is checked (``require``), so a
 shape outside the engine's profiles is named as such, not as "execute_async_v3 failed". The
@@ -96,8 +97,8 @@ class TrtRunner:
         plan = buffer_plan(spec, max_batch, max_tokens, max_seq_len, block_size)
         self.device = {name: cu.DeviceArray.empty(shape, dtype) for name, (shape, dtype) in plan.items()}
         self.host = {name: cu.PinnedArray(shape, dtype) for name, (shape, dtype) in plan.items()}
-        self.scatter = cu.ScatterKernel()
-        self.scatter.bind([(self.new_kv[f"new_{kind}.{i}"], self.pools[f"past_{kind}.{i}"])
+        self.kernels = cu.PoolKernels()
+        self.kernels.bind([(self.new_kv[f"new_{kind}.{i}"], self.pools[f"past_{kind}.{i}"])
                            for i in range(spec.num_layers) for kind in ("key", "value")])
         self.max_batch, self.max_tokens = max_batch, max_tokens
         for name, pool in self.pools.items():  # fixed for the engine's life
@@ -136,20 +137,15 @@ class TrtRunner:
             raise EngineError("TensorRT execute_async_v3 failed; see TensorRT's log above")
         src = (slots.batch * tokens + slots.token).astype(np.int64)
         dst = (slots.block * self.block_size + slots.offset).astype(np.int64)
-        self.scatter.set_rows(src, dst, self.stream)
-        self.scatter(self.stream)
+        self.kernels.set_rows(src, dst, self.stream)
+        self.kernels(self.stream)
         self.device["logits"].copy_to_host(self.host["logits"], batch, self.stream)
         self.stream.synchronize()
         return self.host["logits"].array[:batch].copy()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write of shared blocks: in each pool ``[kv_heads, num_blocks, block_size, head_dim]`` a
-        block is one span per head, ``num_blocks`` spans apart: one 2-D copy per pool and pair."""
-        span = self.block_size * self.spec.head_dim * self.kv_dtype.itemsize
-        for pool in self.pools.values():
-            for src, dst in pairs:
-                pool.copy_rows_within(src * span, dst * span, span, self.num_blocks * span, self.spec.num_kv_heads,
-                                      self.stream)
+        """Copy-on-write of shared blocks: block src to block dst in every pool, one launch for all."""
+        self.kernels.copy_blocks(pairs, self.block_size, self.stream)
         self.stream.synchronize()
 
     def close(self) -> None:
@@ -157,4 +153,4 @@ class TrtRunner:
             arr.free()
         for pinned in self.host.values():
             pinned.free()
-        self.scatter.free()
+        self.kernels.free()
