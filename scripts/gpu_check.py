@@ -35,8 +35,9 @@ def machine() -> dict:
     import numpy
 
     from autoglm_trt.backends.trt.probe import cuda_device, tensorrt_available
+    from autoglm_trt.fileutil import cpu_model
 
-    info = {"python": platform.python_version(), "numpy": numpy.__version__, "cpu": _cpu_model(),
+    info = {"python": platform.python_version(), "numpy": numpy.__version__, "cpu": cpu_model(),
             "gpu": cuda_device(), "tensorrt": tensorrt_available()[1]}
     try:
         from importlib.metadata import version
@@ -50,16 +51,6 @@ def machine() -> dict:
                              capture_output=True, text=True, timeout=60)
         info["nvidia-smi"] = out.stdout.strip() or out.stderr.strip()
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def step(name: str, cmd: list[str], timeout: int) -> dict:

@@ -1,7 +1,7 @@
 """The CUDA side of the TensorRT runtime, on ``cuda.bindings`` (cuda-python) alone.
 
-Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and two
-kernels over the KV pools (scatter, block copy): compiled at run time with NVRTC to PTX for
+Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and a
+kernel that moves rows into the KV pools (the step's new K/V, block copies): compiled at run time with NVRTC to PTX for
 this GPU, loaded with the driver API, launched on the stream. Every call's status is checked. Used by ``runner`` and
 tested on a GPU by ``tests/gpu/test_cuda_runtime.py`` (no TensorRT needed for that).
 
@@ -9,9 +9,9 @@ The scatter kernel copies one token's K (or V) into its pool slot, head by head:
 ``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``
 is the step's ``[tokens, kv_heads, head_dim]`` output and ``pool`` is
 ``[kv_heads, num_blocks * block_size, head_dim]`` (``kvcache.layout.POOL_LAYOUT``); a head's
-``head_dim`` elements move as 32-bit words (float32, or pairs of float16). The copy kernel makes
-copy-on-write copies: ``pool[h, to_slot[i]] = pool[h, from_slot[i]]`` (the slots of whole
-blocks; destinations are fresh blocks, never a source). One launch of either serves every
+``head_dim`` elements move as 32-bit words (float32, or pairs of float16). The same kernel makes
+copy-on-write copies (``within``): ``pool[h, to_slot[i]] = pool[h, from_slot[i]]`` (the slots of
+whole blocks; destinations are fresh blocks, never a source). One launch of either serves every
 (output, pool) pair of the engine (``blockIdx.y`` picks the pair from a table of device pointers
 uploaded once): a launch from Python costs tens of microseconds of host time, and a step has
 two pools a layer.
@@ -24,12 +24,11 @@ import numpy as np
 from ...errors import MissingDependencyError
 
 SCATTER_SOURCE = r"""
-extern "C" __global__ void scatter_rows(const unsigned long long* __restrict__ srcs,
-                                        const unsigned long long* __restrict__ dsts,
-                                        const long long* __restrict__ src_row, const long long* __restrict__ dst_slot,
-                                        int n_rows, int kv_heads, int head_words, long long pool_slots) {
-    const unsigned int* src = (const unsigned int*)srcs[blockIdx.y];
+extern "C" __global__ void move_rows(const unsigned long long* __restrict__ srcs, const unsigned long long* dsts,
+                                     const long long* __restrict__ from, const long long* __restrict__ to,
+                                     int n_rows, int kv_heads, int head_words, long long pool_slots, int within) {
     unsigned int* dst = (unsigned int*)dsts[blockIdx.y];
+    const unsigned int* src = within ? dst : (const unsigned int*)srcs[blockIdx.y];
     long long row_words = (long long)kv_heads * head_words;
     long long total = (long long)n_rows * row_words;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -38,24 +37,8 @@ extern "C" __global__ void scatter_rows(const unsigned long long* __restrict__ s
         long long rest = i - r * row_words;
         long long h = rest / head_words;
         long long w = rest - h * head_words;
-        dst[(h * pool_slots + dst_slot[r]) * head_words + w] = src[src_row[r] * row_words + rest];
-    }
-}
-
-extern "C" __global__ void copy_slots(const unsigned long long* __restrict__ srcs,
-                                      const unsigned long long* __restrict__ dsts,
-                                      const long long* __restrict__ from_slot, const long long* __restrict__ to_slot,
-                                      int n_rows, int kv_heads, int head_words, long long pool_slots) {
-    unsigned int* pool = (unsigned int*)dsts[blockIdx.y];
-    long long row_words = (long long)kv_heads * head_words;
-    long long total = (long long)n_rows * row_words;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        long long r = i / row_words;
-        long long rest = i - r * row_words;
-        long long h = rest / head_words;
-        long long w = rest - h * head_words;
-        pool[(h * pool_slots + to_slot[r]) * head_words + w] = pool[(h * pool_slots + from_slot[r]) * head_words + w];
+        long long at = within ? (h * pool_slots + from[r]) * head_words + w : from[r] * row_words + rest;
+        dst[(h * pool_slots + to[r]) * head_words + w] = src[at];
     }
 }
 """
@@ -162,7 +145,7 @@ class PinnedArray:
 
 
 class PoolKernels:
-    """``scatter_rows`` and ``copy_slots`` compiled with NVRTC for the current GPU, over the pools of ``bind``."""
+    """``move_rows`` compiled with NVRTC for the current GPU: scatter and block copies over the pools of ``bind``."""
 
     THREADS = 256
 
@@ -188,10 +171,9 @@ class PoolKernels:
         image = np.frombuffer(ptx, dtype=np.uint8)  # NUL-terminated PTX text, passed by address
         self.module = check(drv.cuModuleLoadData(image.ctypes.data))
         self._image = image
-        self.functions = {name: check(drv.cuModuleGetFunction(self.module, name.encode()))
-                          for name in ("scatter_rows", "copy_slots")}
+        self.function = check(drv.cuModuleGetFunction(self.module, b"move_rows"))
         self.sm_count = int(props.multiProcessorCount)
-        self._rows = {name: _SlotPairs() for name in self.functions}  # own staging each: no reuse in flight
+        self._rows = {"scatter": _SlotPairs(), "copy": _SlotPairs()}  # own staging each: no reuse in flight
         self._table: DeviceArray | None = None
         self._pairs = self._kv_heads = self._head_words = self._pool_slots = 0
 
@@ -215,11 +197,11 @@ class PoolKernels:
 
     def set_rows(self, src_rows: np.ndarray, dst_rows: np.ndarray, stream: Stream) -> None:
         """Upload this step's mapping, token row -> pool slot (block * block_size + offset), for the next launch."""
-        self._rows["scatter_rows"].upload(src_rows, dst_rows, stream)
+        self._rows["scatter"].upload(src_rows, dst_rows, stream)
 
     def __call__(self, stream: Stream) -> None:
         """Every bound pool <- its output's token rows (the rows of the last ``set_rows``), one launch on ``stream``."""
-        self._launch("scatter_rows", stream)
+        self._launch("scatter", stream)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int, stream: Stream) -> None:
         """In every bound pool, block ``src`` copied to block ``dst`` for each pair, one launch on ``stream``."""
@@ -227,9 +209,9 @@ class PoolKernels:
             return
         src, dst = (np.array(c, np.int64) for c in zip(*pairs))
         offsets = np.arange(block_size, dtype=np.int64)
-        self._rows["copy_slots"].upload((src[:, None] * block_size + offsets).reshape(-1),
-                                        (dst[:, None] * block_size + offsets).reshape(-1), stream)
-        self._launch("copy_slots", stream)
+        self._rows["copy"].upload((src[:, None] * block_size + offsets).reshape(-1),
+                                  (dst[:, None] * block_size + offsets).reshape(-1), stream)
+        self._launch("copy", stream)
 
     def _launch(self, name: str, stream: Stream) -> None:
         rows = self._rows[name]
@@ -242,10 +224,10 @@ class PoolKernels:
             np.array([self._table.ptr], np.uint64), np.array([self._table.ptr + 8 * self._pairs], np.uint64),
             np.array([rows.idx.ptr], np.uint64), np.array([rows.idx.ptr + 8 * cap], np.uint64),
             np.array([rows.n], np.int32), np.array([self._kv_heads], np.int32), np.array([self._head_words], np.int32),
-            np.array([self._pool_slots], np.int64)]
+            np.array([self._pool_slots], np.int64), np.array([name == "copy"], np.int32)]
         params = np.array([v.ctypes.data for v in values], dtype=np.uint64)
         blocks = max(1, min(-(-rows.n * self._kv_heads * self._head_words // self.THREADS), 4 * self.sm_count))
-        check(self._drv.cuLaunchKernel(self.functions[name], blocks, self._pairs, 1, self.THREADS, 1, 1, 0,
+        check(self._drv.cuLaunchKernel(self.function, blocks, self._pairs, 1, self.THREADS, 1, 1, 0,
                                        stream.handle, params.ctypes.data, 0))
 
     def free(self) -> None:
