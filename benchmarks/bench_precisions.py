@@ -3,7 +3,7 @@
 and the prefill of a 1,000-token prompt, for the fp32, int8 (W8A8), int8-wo, int8-dyn and int4-awq
 engines.
 
-    python -m benchmarks.bench_precisions [--rounds 3] [--gen 64] [--json OUT]
+    python -m benchmarks.bench_precisions [--rounds 3] [--gen 64] [--native-variant avx2] [--json OUT]
 
 Decode rate = tokens after the first / time after the first, summed over the batch (prompts of
 32 random token ids, EOS ignored); prefill = time to the first token of a new 1,000-token prompt
@@ -11,12 +11,15 @@ Decode rate = tokens after the first / time after the first, summed over the bat
 median over rounds, each ratio (against int8) the median of the rounds' ratios. Engines are built
 first if missing (``bench_runtime.ensure_engine``). ``engine_mb``: the engine directory's files
 on disk (its graphs, their weights, the native operators' packed copy, tokenizer).
+``--native-variant``: run a given build of the native library (``avx2``: the kernels of a CPU without
+AVX-512, where no precision has VNNI's 8-bit dot products) instead of the best this CPU runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +38,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--native-variant", default=None, help="a build of the native library by name (avx2, ...)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    from autoglm_trt import native
+
+    if args.native_variant:
+        os.environ[native.ENV_VARIANT] = args.native_variant  # before any engine loads the library
+    path, why = native.library()
+    if args.native_variant and (path is None or args.native_variant not in path.name):
+        ap.error(f"the native build {args.native_variant!r} cannot run here: {why or path}")
     dirs = {p: ensure_engine(p) for p in PRECISIONS}
     engines = {p: Engine.load(d) for p, d in dirs.items()}
     rng = np.random.default_rng(0)
@@ -61,7 +72,7 @@ def main() -> None:
                        for k, v in figures[p].items()})
         out[p]["engine_mb"] = round(sum(f.stat().st_size for f in dirs[p].iterdir() if f.is_file()) / 1e6)
         print(json.dumps({"precision": p, **out[p]}), flush=True)
-    print(machine())
+    print(machine(), "| native library:", path.name if path else f"none ({why})")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -119,6 +119,11 @@ SECTIONS = (
     Section("precisions", "Speed of each precision", ("benchmarks.bench_precisions", "--rounds", "3"),
             "Batch-1 and batch-8 decode and a 1,000-token prefill of the fp32, int8, int8-wo, int8-dyn and int4-awq "
             "engines."),
+    Section("precisions_avx2", "Speed of each precision, AVX2 kernels",
+            ("benchmarks.bench_precisions", "--rounds", "3", "--native-variant", "avx2"),
+            "The same with the native library's AVX2 build, what a CPU without AVX-512 runs: no precision has "
+            "VNNI's 8-bit dot products there, and the 8-bit weights of int8, int8-wo and int8-dyn are all widened to "
+            "16 bits for vpmaddwd."),
     Section("int4", "INT4 weights: AWQ, GPTQ, block size, zero points", ("benchmarks.int4_ablation",),
             "SmolLM2-135M's INT4 variants on held-out text of four kinds against the float32 checkpoint; first, how "
             "many of the checkpoint's decoder weight blocks of 32 lie on a 16-level grid (it is a dequantized Q4_1 "

@@ -1,9 +1,10 @@
 """The CUDA side of the TensorRT runtime, on ``cuda.bindings`` (cuda-python) alone.
 
-Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and a
-kernel that moves rows into the KV pools (the step's new K/V, block copies): compiled at run time with NVRTC to PTX for
-this GPU, loaded with the driver API, launched on the stream. Every call's status is checked. Used by ``runner`` and
-tested on a GPU by ``tests/gpu/test_cuda_runtime.py`` (no TensorRT needed for that).
+Device arrays (``cudaMalloc``), pinned host arrays (``cudaMallocHost``), a stream, and a kernel
+that moves rows into the KV pools (the step's new K/V, block copies): compiled at run time with
+NVRTC to PTX for this GPU, loaded with the driver API, launched on the stream. Every call's
+status is checked. Used by ``runner`` and tested on a GPU by ``tests/gpu/test_cuda_runtime.py``
+and ``scripts/gpu_check.py`` (no TensorRT needed for that).
 
 The scatter kernel copies one token's K (or V) into its pool slot, head by head:
 ``pool[h, dst_slot[i]] = src[src_row[i], h]`` for every token i and KV head h, where ``src``
@@ -185,7 +186,7 @@ class PoolKernels:
         shape, dtype = pairs[0][1].shape, pairs[0][1].dtype
         for src, dst in pairs:
             if dst.shape != shape or dst.dtype != dtype or src.dtype != dtype or src.shape[-1] != shape[0] * shape[3]:
-                raise ValueError(f"scatter pairs differ: output {src.shape} {src.dtype}, pool {dst.shape} {dst.dtype}; "
+                raise ValueError(f"pool pairs differ: output {src.shape} {src.dtype}, pool {dst.shape} {dst.dtype}; "
                                  f"expected pools {shape} {dtype} and outputs [rows, {shape[0] * shape[3]}]")
         if self._table is not None:
             self._table.free()
@@ -239,7 +240,9 @@ class PoolKernels:
 
 
 class _SlotPairs:
-    """Two int64 rows of slots on the device, uploaded through a pinned twin that grows as needed."""
+    """Two int64 rows of slots on the device, uploaded through a pinned twin that grows as needed. The
+    next upload rewrites the twin, so the stream must have done the last copy by then (the runner
+    synchronizes after every step and every block copy)."""
 
     def __init__(self) -> None:
         self.idx: DeviceArray | None = None

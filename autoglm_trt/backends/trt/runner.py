@@ -6,8 +6,8 @@ input, each with a pinned host twin the step's inputs are staged through (true a
 copies); the new K/V of up to ``max_batch x max_input_len`` tokens; the logits of one token per
 sequence ``[max_batch, vocab]`` (the runtime asks for the last token's logits only). After
 the step the new K/V are scattered into every pool by one launch of a small CUDA kernel compiled
-with NVRTC (copy-on-write block copies are one launch of another), and the logits come back
-through a pinned buffer.
+with NVRTC (copy-on-write block copies are one launch of the same kernel), and the logits come
+back through a pinned buffer.
 
 Every TensorRT call that reports failure by returning False is checked (``require``), so a
 shape outside the engine's profiles is named as such, not as "execute_async_v3 failed". The
