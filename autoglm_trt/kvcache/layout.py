@@ -16,6 +16,8 @@ transpose or copy of the past in the step.
 
 from __future__ import annotations
 
+import numpy as np
+
 POOL_LAYOUT = "[kv_heads, num_blocks, block_size, head_dim]"
 
 
@@ -32,3 +34,15 @@ def scale_of(kv_name: str) -> str:
     ``past_key.3`` -> ``past_key_scale.3``, ``new_value.0`` -> ``new_value_scale.0``."""
     kind, layer_no = kv_name.split(".")
     return f"{kind}_scale.{layer_no}"
+
+
+def block_slots(pairs: list[tuple[int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The slots (``block * block_size + offset``) of block copies ``(src, dst)``: every slot of
+    each source block, and the slot it goes to, in pair order. A pool viewed as
+    ``[kv_heads, num_blocks * block_size, head_dim]`` copies block src to dst as
+    ``pool[:, to] = pool[:, from]``."""
+    if not pairs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    src, dst = (np.array(c, np.int64) for c in zip(*pairs))
+    offsets = np.arange(block_size, dtype=np.int64)
+    return (src[:, None] * block_size + offsets).reshape(-1), (dst[:, None] * block_size + offsets).reshape(-1)

@@ -4,7 +4,7 @@ import numpy as np
 
 from autoglm_trt.kvcache.block_pool import BlockPool
 from autoglm_trt.kvcache.host_pools import KVPools
-from autoglm_trt.kvcache.layout import blocks_needed
+from autoglm_trt.kvcache.layout import block_slots, blocks_needed
 from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
 
@@ -99,3 +99,27 @@ def test_a_decode_steps_inputs_equal_the_general_forms():
         for a, b in zip(dataclasses.astuple(fast_slots), dataclasses.astuple(general_slots)):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
+
+
+def test_block_slots_name_every_slot_of_each_block_in_pair_order():
+    src, dst = block_slots([(2, 5), (0, 7)], 4)
+    assert src.tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert dst.tolist() == [20, 21, 22, 23, 28, 29, 30, 31]
+    empty = block_slots([], 4)
+    assert empty[0].dtype == np.int64 and empty[0].size == 0 and empty[1].size == 0
+
+
+def test_block_slots_copy_a_pool_as_kvpools_copy_blocks_does():
+    """The copies the GPU kernel makes from these slots (``pool[:, to] = pool[:, from]`` on the pool
+    viewed as [kv_heads, num_blocks * block_size, head_dim]) equal ``KVPools.copy_blocks``."""
+    rng = np.random.default_rng(3)
+    ref = KVPools(2, 12, 4, 3, 8)
+    ref.data[:] = rng.standard_normal(ref.data.shape)
+    pools = [p.copy() for p in [*ref.keys, *ref.values]]
+    pairs = [(3, 9), (0, 11), (7, 1)]
+    ref.copy_blocks(pairs)
+    src, dst = block_slots(pairs, 4)
+    for pool, want in zip(pools, [*ref.keys, *ref.values]):
+        flat = pool.reshape(pool.shape[0], -1, pool.shape[3])
+        flat[:, dst] = flat[:, src]
+        assert np.array_equal(pool, want)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import MissingDependencyError
+from ...kvcache.layout import block_slots
 
 SCATTER_SOURCE = r"""
 extern "C" __global__ void move_rows(const unsigned long long* __restrict__ srcs, const unsigned long long* dsts,
@@ -208,10 +209,7 @@ class PoolKernels:
         """In every bound pool, block ``src`` copied to block ``dst`` for each pair, one launch on ``stream``."""
         if not pairs:
             return
-        src, dst = (np.array(c, np.int64) for c in zip(*pairs))
-        offsets = np.arange(block_size, dtype=np.int64)
-        self._rows["copy"].upload((src[:, None] * block_size + offsets).reshape(-1),
-                                  (dst[:, None] * block_size + offsets).reshape(-1), stream)
+        self._rows["copy"].upload(*block_slots(pairs, block_size), stream)
         self._launch("copy", stream)
 
     def _launch(self, name: str, stream: Stream) -> None:
