@@ -211,27 +211,41 @@ static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const 
   }
 }
 #else
+/* as above, 8 lanes a vector: masks from lane numbers, maskload for the bias past ``count`` */
 static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const float *bias, int64_t width,
                        int64_t k0, float *m, float *l, float *o, int64_t d) {
+  float top[QROWS], alpha[QROWS + VL];
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   memset(s[rows], 0, (size_t)(padded - rows) * sizeof s[0]);
+  for (int r = 0; r < rows; r++) { /* the scores with their bias, and the rows' new maxima */
+    __m256 high = _mm256_set1_ps(m[r]);
+    for (int u = 0; u < KV; u++) {
+      const __m256i open = _mm256_cmpgt_epi32(_mm256_set1_epi32(count - u * VL), lanes);
+      __m256 v = _mm256_loadu_ps(s[r] + u * VL);
+      if (bias != NULL) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + r * width + k0 + u * VL, open));
+      v = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), v, _mm256_castsi256_ps(open));
+      _mm256_storeu_ps(s[r] + u * VL, v);
+      high = _mm256_max_ps(high, v);
+    }
+    top[r] = hmax8(high);
+  }
+  for (int r = 0; r < rows; r += VL) { /* the old sums' factors, 8 rows at a time (past rows: e^0) */
+    const __m256i here = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows - r), lanes);
+    const __m256 old = _mm256_maskload_ps(m + r, here), high = _mm256_maskload_ps(top + r, here);
+    _mm256_storeu_ps(alpha + r, exp8_nonpositive(_mm256_sub_ps(old, high)));
+  }
   for (int r = 0; r < rows; r++) {
-    float top = m[r];
-#pragma omp simd reduction(max : top)
-    for (int c = 0; c < KEYS; c++) {
-      s[r][c] = c < count ? s[r][c] + (bias != NULL ? bias[r * width + k0 + c] : 0.0f) : -FLT_MAX;
-      top = s[r][c] > top ? s[r][c] : top;
+    __m256 sum = _mm256_setzero_ps();
+    for (int u = 0; u < KV; u++) {
+      const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s[r] + u * VL), _mm256_set1_ps(top[r])));
+      _mm256_storeu_ps(s[r] + u * VL, e);
+      sum = _mm256_add_ps(sum, e);
     }
-    const float alpha = exp_nonpositive(m[r] - top);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int c = 0; c < KEYS; c++) {
-      s[r][c] = exp_nonpositive(s[r][c] - top);
-      sum += s[r][c];
-    }
-    if (alpha != 1.0f)
-      for (int64_t i = 0; i < d; i++) o[r * d + i] *= alpha;
-    l[r] = l[r] * alpha + sum;
-    m[r] = top;
+    if (alpha[r] != 1.0f)
+      for (int64_t i = 0; i < d; i += VL)
+        _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(_mm256_loadu_ps(o + r * d + i), _mm256_set1_ps(alpha[r])));
+    l[r] = l[r] * alpha[r] + hsum8(sum);
+    m[r] = top[r];
   }
 }
 #endif

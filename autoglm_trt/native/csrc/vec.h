@@ -1,4 +1,4 @@
-/* The vector routines the operators share: two exps and their softmaxes, SiLU * up, and the
+/* The vector routines the operators share: exps (1, 8 and 16 lanes) and softmaxes, SiLU * up, and the
  * fast Walsh-Hadamard transform, each written once. The two softmaxes differ on purpose:
  * ``vec_softmax`` (the decode attention's) is a plain loop the compiler vectorizes;
  * ``mlas_softmax`` (the prefill's MaskedSoftmax, AVX-512F builds) repeats MLAS's exp and order of
@@ -34,6 +34,41 @@ static inline float exp_nonpositive(float x) {
   scale.i = ((int32_t)e + 127) * (1 << 23);
   return t < -126.0f ? 0.0f : p * scale.f;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_nonpositive of 8 floats, the same steps with AVX2 intrinsics (PrefillAttention's AVX2
+ * softmax bookkeeping; docs/native.md has what it gained over the loops GCC made of the scalar form) */
+static inline __m256 exp8_nonpositive(__m256 x) {
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  /* n clamped as in the scalar form (maxps gives -127 for a NaN n) */
+  const __m256 e = _mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(128.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(e), _mm256_set1_epi32(127)), 23);
+  const __m256 below = _mm256_cmp_ps(t, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
+  return _mm256_andnot_ps(below, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#endif
 
 /* softmax of row[0:len] in place */
 static inline void vec_softmax(float *row, int64_t len) {
