@@ -177,6 +177,7 @@ class PoolKernels:
         self.sm_count = int(props.multiProcessorCount)
         self._rows = {"scatter": _SlotPairs(), "copy": _SlotPairs()}  # own staging each: no reuse in flight
         self._table: DeviceArray | None = None
+        self._params: dict[str, tuple[tuple[int, int], list[np.ndarray], np.ndarray]] = {}  # by use
         self._pairs = self._kv_heads = self._head_words = self._pool_slots = 0
 
     def bind(self, pairs: list[tuple[DeviceArray, DeviceArray]]) -> None:
@@ -191,6 +192,7 @@ class PoolKernels:
                                  f"expected pools {shape} {dtype} and outputs [rows, {shape[0] * shape[3]}]")
         if self._table is not None:
             self._table.free()
+        self._params.clear()
         self._table = DeviceArray.empty((2, len(pairs)), np.dtype(np.uint64))
         self._table.copy_from_host(np.array([[s.ptr for s, _ in pairs], [d.ptr for _, d in pairs]], np.uint64))
         self._pairs, self._kv_heads = len(pairs), shape[0]
@@ -219,12 +221,18 @@ class PoolKernels:
         if self._table is None:
             raise RuntimeError("bind the pool kernels' (output, pool) pairs before launching them")
         cap = rows.idx.shape[1]
-        values: list[np.ndarray] = [
-            np.array([self._table.ptr], np.uint64), np.array([self._table.ptr + 8 * self._pairs], np.uint64),
-            np.array([rows.idx.ptr], np.uint64), np.array([rows.idx.ptr + 8 * cap], np.uint64),
-            np.array([rows.n], np.int32), np.array([self._kv_heads], np.int32), np.array([self._head_words], np.int32),
-            np.array([self._pool_slots], np.int64), np.array([name == "copy"], np.int32)]
-        params = np.array([v.ctypes.data for v in values], dtype=np.uint64)
+        where = (rows.idx.ptr, cap)  # a regrown slot buffer may reuse the address with another capacity
+        cached = self._params.get(name)
+        if cached is None or cached[0] != where:  # built once per binding and slot buffer, not per step
+            table = self._table.ptr
+            values: list[np.ndarray] = [
+                np.array([table], np.uint64), np.array([table + 8 * self._pairs], np.uint64),
+                np.array([rows.idx.ptr], np.uint64), np.array([rows.idx.ptr + 8 * cap], np.uint64),
+                np.array([0], np.int32), np.array([self._kv_heads], np.int32), np.array([self._head_words], np.int32),
+                np.array([self._pool_slots], np.int64), np.array([name == "copy"], np.int32)]
+            self._params[name] = (where, values, np.array([v.ctypes.data for v in values], dtype=np.uint64))
+        _, values, params = self._params[name]
+        values[4][0] = rows.n  # the one argument a step changes
         blocks = max(1, min(-(-rows.n * self._kv_heads * self._head_words // self.THREADS), 4 * self.sm_count))
         check(self._drv.cuLaunchKernel(self.function, blocks, self._pairs, 1, self.THREADS, 1, 1, 0,
                                        stream.handle, params.ctypes.data, 0))
@@ -232,6 +240,7 @@ class PoolKernels:
     def free(self) -> None:
         for rows in self._rows.values():
             rows.free()
+        self._params.clear()
         if self._table is not None:
             self._table.free()
             self._table = None
