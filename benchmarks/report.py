@@ -42,6 +42,11 @@ SECTIONS = (
             "the graph's own nodes; 16 concurrent requests; the memory-bandwidth and GEMM bounds of this machine."),
     Section("attention", "Decode steps with and without the native operators",
             ("benchmarks.bench_attention", "--rounds", "3")),
+    Section("decode_attention", "A decode step's attention, every build",
+            ("benchmarks.bench_decode_attention", "--kv", "float32,int8"),
+            "The PagedAttention operator alone at 1,000 and 5,000 cached tokens (an agent step's context), batch 1 "
+            "and 8: each vector build this CPU runs against the same build with the plain loops its kernels "
+            "replace, and the generic build."),
     Section("prefill_attention", "A prefill's attention, every way",
             ("benchmarks.bench_prefill_attention", "--rounds", "3"),
             "One layer's attention over a new prompt: the graph's own nodes, the scores by row with MaskedSoftmax, "

@@ -281,17 +281,14 @@ def test_a_library_that_does_not_load_means_the_graph_attention(tiny_engine, mon
                                            (128, [70, 1, 16], [1, 1, 1], 1), (128, [9, 40], [2, 3], 3),
                                            (24, [40, 9], [1, 3], 3), (8, [21], [1], 1)])
 @pytest.mark.parametrize("int8_kv", [False, True], ids=["float-kv", "int8-kv"])
-def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, loop_library, d, ctx, qlens, t, int8_kv):
-    """The float32 key scores' AVX-512 kernel adds in the order GCC's vectorization of the plain
-    loop does with 512-bit vectors (``paged_attention.c``), so the operator's output is the loop
-    build's, bit for bit: the runtime figures measured before it stand. d 64 and 128 take the
-    turned loops (keys inner, outputs in registers; for int8 pools the values pass only), d 24
-    and 8 the tail and the short paths. Where GCC prefers narrower vectors for this CPU (its
-    tuning for Intel's AVX-512 cores is 256 bits), the loop rounds otherwise and only the
-    reference check above applies."""
-    if not cpu_has("avx512f"):
-        pytest.skip("this CPU has no AVX-512: the kernel is not built")
-    loop = loop_library
+def test_the_vector_kernels_give_the_bits_of_the_compiled_loop(turned_builds, d, ctx, qlens, t, int8_kv):
+    """The AVX-512 and AVX2 builds' attention kernels add in the order GCC's vectorization of the
+    plain loops does with that build's vectors (``paged_attention.c``), so the operator's output is
+    the loop build's, bit for bit: the runtime figures measured before them stand. d 64 and 128 take
+    the turned loops (keys inner, outputs in registers), d 24 and 8 the tail and the short paths.
+    Where GCC prefers narrower vectors than the build's (its tuning for Intel's AVX-512 cores is
+    256 bits), the loop rounds otherwise and only the reference check above applies."""
+    library, loop = turned_builds
     rng = np.random.default_rng(d + t)
     hq, hkv, nb, bs = 6, 2, 48, 8
     B, tables = len(ctx), block_tables(rng, ctx, nb, bs)
@@ -301,7 +298,7 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, loop_
              "pk": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32),
              "pv": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32), "bt": tables,
              "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64)}
-    if int8_kv:  # the values pass of int8 pools is turned too (d 64 and 128); their key scores are not
+    if int8_kv:
         feeds.update({"pk": rng.integers(-127, 128, (hkv, nb, bs, d)).astype(np.int8),
                       "pv": rng.integers(-127, 128, (hkv, nb, bs, d)).astype(np.int8),
                       "ks": rng.uniform(0.01, 0.05, hkv).astype(np.float32),
@@ -312,25 +309,41 @@ def test_the_avx512_key_scores_give_the_bits_of_the_compiled_loop(library, loop_
     np.testing.assert_array_equal(ours, theirs)
 
 
-@pytest.fixture(scope="module")
-def loop_library(library, tmp_path_factory):
-    """The installed build's variant compiled again with the plain key-score loops
-    (``-DAUTOGLM_LOOP_DOT4``), which GCC vectorizes; skips without a compiler, or where the
-    compiler's preferred vector width for that variant is not 512 bits."""
+VECTOR_BITS = {"avx512-vnni": "512", "avx512": "512", "avx2": "256"}  # the builds with vector kernels
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def turned_builds(request, library, tmp_path_factory):
+    """(a build with vector attention kernels, the same variant compiled again with the plain loops
+    (``-DAUTOGLM_LOOP_DOT4``), which GCC vectorizes): the installed build for this CPU, and the AVX2
+    build where that is another; skips without a compiler, or where the compiler's preferred vector
+    width for that variant is not the build's."""
+    from autoglm_trt.native import library as native_library
     from autoglm_trt.native import variant_of
     from autoglm_trt.native.build import compile_library, compiler
     from autoglm_trt.native.variants import COMMON_FLAGS, SOURCES, for_machine
 
+    if request.param == "avx2":
+        if variant_of(library) == "avx2":
+            pytest.skip("the installed build for this CPU is the AVX2 one (the native case)")
+        if not cpu_has("avx2"):
+            pytest.skip("this CPU has no AVX2")
+        library, why = native_library("avx2")
+        if library is None:
+            pytest.skip(f"no AVX2 build here: {why}")
+    name = variant_of(library)
+    if name not in VECTOR_BITS:
+        pytest.skip(f"the {name} build has no vector attention kernels")
     cc = compiler()
     if cc is None:
         pytest.skip("no C compiler to build the plain-loop library with")
-    variant = {v.name: v for v in for_machine()}[variant_of(library)]
+    variant = {v.name: v for v in for_machine()}[name]
     width = _preferred_vector_width(cc, variant.flags)
-    if width not in ("none", "512"):
-        pytest.skip(f"the compiler vectorizes the plain loop with {width}-bit vectors here, not 512")
-    out = tmp_path_factory.mktemp("loop") / "libautoglm-loop.so"
+    if width not in ("none", VECTOR_BITS[name]):
+        pytest.skip(f"the compiler vectorizes the plain loop with {width}-bit vectors here, not {VECTOR_BITS[name]}")
+    out = tmp_path_factory.mktemp("loop") / f"libautoglm-{name}-loop.so"
     compile_library(out, variant.flags + ("-DAUTOGLM_LOOP_DOT4",), SOURCES, COMMON_FLAGS, cc=cc)
-    return out
+    return library, out
 
 
 def _preferred_vector_width(cc: str, flags: tuple[str, ...]) -> str:

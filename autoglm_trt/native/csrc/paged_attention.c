@@ -43,15 +43,25 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "ort_api.h"
 #include "parallel.h"
-#include "vec.h"
+#include "vec.h" /* with <immintrin.h> where the build has AVX2 */
 
-#if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4) /* the test builds the loop too, to compare */
+/* The vector kernels below ("turned" loops) reproduce the roundings of the plain loops further down
+ * as GCC vectorizes them for the build's vector width, 512 bits (AVX-512) or 256 (AVX2); the test
+ * builds the plain loops too (-DAUTOGLM_LOOP_DOT4) and compares the two builds bit for bit. */
+#if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4)
+#define TURNED 16 /* lanes of a vector */
+typedef __m512 vf;
+#define VF_ZERO() _mm512_setzero_ps()
+#define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define VF_SET1(x) _mm512_set1_ps(x)
+#define VF_FIRST(v) _mm512_cvtss_f32(v)
+#define VF_WITH_FIRST(v, x) _mm512_mask_mov_ps(v, 1, _mm512_set1_ps(x)) /* x in lane 0 */
+#define VF_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VF_MUL_ADD(acc, a, b) _mm512_add_ps(acc, _mm512_mul_ps(a, b)) /* two roundings, as the loop's */
 /* sum + (s0, s1, s2, s3)'s lanes 0, 1, ..., 15, added in that order: the four sums are transposed
  * so that t[k] holds lanes k, k + 4, k + 8, k + 12 of all four, one per 128-bit part, and each
  * lane step is one add of four sums */
@@ -70,86 +80,118 @@ static inline __attribute__((always_inline)) __m128 add_lanes(__m128 sum, __m512
 #undef LANES
   return sum;
 }
+#define I8_KEYS 4 /* int8 key rows scored at once: their chains of lane adds overlap */
+#elif defined(__AVX2__) && !defined(AUTOGLM_LOOP_DOT4)
+#define TURNED 8
+typedef __m256 vf;
+#define VF_ZERO() _mm256_setzero_ps()
+#define VF_LOAD(p) _mm256_loadu_ps(p)
+#define VF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define VF_SET1(x) _mm256_set1_ps(x)
+#define VF_FIRST(v) _mm256_cvtss_f32(v)
+#define VF_WITH_FIRST(v, x) _mm256_blend_ps(v, _mm256_set1_ps(x), 1)
+#define VF_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VF_MUL_ADD(acc, a, b) _mm256_add_ps(acc, _mm256_mul_ps(a, b))
+/* sum + (s0, s1, s2, s3)'s lanes 0, 1, ..., 7 in that order: t[k] holds lanes k and k + 4 of all four,
+ * one per 128-bit half */
+static inline __attribute__((always_inline)) __m128 add_lanes(__m128 sum, __m256 s0, __m256 s1, __m256 s2,
+                                                             __m256 s3) {
+  const __m256 lo01 = _mm256_unpacklo_ps(s0, s1), hi01 = _mm256_unpackhi_ps(s0, s1);
+  const __m256 lo23 = _mm256_unpacklo_ps(s2, s3), hi23 = _mm256_unpackhi_ps(s2, s3);
+  const __m256 t[4] = {_mm256_shuffle_ps(lo01, lo23, 0x44), _mm256_shuffle_ps(lo01, lo23, 0xEE),
+                       _mm256_shuffle_ps(hi01, hi23, 0x44), _mm256_shuffle_ps(hi01, hi23, 0xEE)};
+  for (int k = 0; k < 4; k++) sum = _mm_add_ps(sum, _mm256_castps256_ps128(t[k]));
+  for (int k = 0; k < 4; k++) sum = _mm_add_ps(sum, _mm256_extractf128_ps(t[k], 1));
+  return sum;
+}
+#define I8_KEYS 1 /* four keys' 64 sums would not fit AVX2's 16 registers */
+#endif
 
-/* dot4 of float32 rows in AVX-512 registers, with the roundings of the loop below as GCC
- * vectorizes it for AVX-512: lane l of each sum adds the products of elements l, l + 16, ... in
- * order (a multiply, then an add), the elements past the last 16 join lane 0, and the lanes are
- * then added in order to 0: 0 + l0 + l1 + ... + l15. GCC does that last step through the
- * stack, one lane at a time; here the four sums are transposed in registers, so each lane step
- * is one add of four sums. (That is the loop's order where GCC vectorizes with 512-bit vectors,
- * as for AMD's AVX-512 cores; its tuning for Intel's prefers 256 bits, whose loop rounds
- * otherwise.) */
-static inline __attribute__((always_inline)) void dot4_f32_avx512(const float *x, const float *a, const float *b,
-                                                                  const float *c, const float *d, int64_t n,
-                                                                  float *out) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+#ifdef TURNED
+#define F32_KEYS 1 /* float32 key rows scored at once (two, on AVX2, measured no faster) */
+
+/* dot4 of float32 rows in vector registers, with the roundings of the plain loop as GCC vectorizes
+ * it: lane l of each sum adds the products of elements l, l + TURNED, ... in order (a multiply,
+ * then an add), the elements past the last full vector join lane 0, and the lanes are then added
+ * in order to 0: 0 + l0 + l1 + .... GCC does that last step through the stack, one lane at a
+ * time; here the four sums are transposed in registers, so each lane step is one add of four sums.
+ * (For AVX-512 that is the loop's order where GCC vectorizes with 512-bit vectors, as for AMD's
+ * AVX-512 cores; its tuning for Intel's prefers 256 bits, whose loop rounds otherwise.) KEYS key
+ * rows at once (x, x + n, ...), each query row's vector loaded once for all; out[4 k + i] is row
+ * i's sum with key k. */
+static inline __attribute__((always_inline)) void dot4_f32_keys(const float *x, const float *const *q, int64_t n,
+                                                                int keys, float *out) {
+  vf s[F32_KEYS][4];
+  for (int k = 0; k < keys; k++)
+    for (int r = 0; r < 4; r++) s[k][r] = VF_ZERO();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    s0 = _mm512_add_ps(s0, _mm512_mul_ps(_mm512_loadu_ps(a + i), v));
-    s1 = _mm512_add_ps(s1, _mm512_mul_ps(_mm512_loadu_ps(b + i), v));
-    s2 = _mm512_add_ps(s2, _mm512_mul_ps(_mm512_loadu_ps(c + i), v));
-    s3 = _mm512_add_ps(s3, _mm512_mul_ps(_mm512_loadu_ps(d + i), v));
-  }
-  if (i < n) { /* the rest, one element at a time, into lane 0 */
-    float r0 = _mm512_cvtss_f32(s0), r1 = _mm512_cvtss_f32(s1), r2 = _mm512_cvtss_f32(s2), r3 = _mm512_cvtss_f32(s3);
-    for (; i < n; i++) {
-      const float v = x[i];
-      r0 += a[i] * v, r1 += b[i] * v, r2 += c[i] * v, r3 += d[i] * v;
+  for (; i + TURNED <= n; i += TURNED) {
+    vf qv[4];
+    for (int r = 0; r < 4; r++) qv[r] = VF_LOAD(q[r] + i);
+    for (int k = 0; k < keys; k++) {
+      const vf v = VF_LOAD(x + k * n + i);
+      for (int r = 0; r < 4; r++) s[k][r] = VF_MUL_ADD(s[k][r], qv[r], v);
     }
-    const __mmask16 lane0 = 1;
-    s0 = _mm512_mask_mov_ps(s0, lane0, _mm512_set1_ps(r0));
-    s1 = _mm512_mask_mov_ps(s1, lane0, _mm512_set1_ps(r1));
-    s2 = _mm512_mask_mov_ps(s2, lane0, _mm512_set1_ps(r2));
-    s3 = _mm512_mask_mov_ps(s3, lane0, _mm512_set1_ps(r3));
   }
-  _mm_storeu_ps(out, add_lanes(_mm_setzero_ps(), s0, s1, s2, s3));
+  for (int k = 0; k < keys && i < n; k++) { /* the rest, one element at a time, into lane 0 */
+    float rest[4];
+    for (int r = 0; r < 4; r++) rest[r] = VF_FIRST(s[k][r]);
+    for (int64_t j = i; j < n; j++)
+      for (int r = 0; r < 4; r++) rest[r] += q[r][j] * x[k * n + j];
+    for (int r = 0; r < 4; r++) s[k][r] = VF_WITH_FIRST(s[k][r], rest[r]);
+  }
+  for (int k = 0; k < keys; k++) _mm_storeu_ps(out + 4 * k, add_lanes(_mm_setzero_ps(), s[k][0], s[k][1], s[k][2], s[k][3]));
+}
+
+static inline __attribute__((always_inline)) void dot4_f32_vec(const float *x, const float *a, const float *b,
+                                                               const float *c, const float *d, int64_t n,
+                                                               float *out) {
+  const float *q[4] = {a, b, c, d};
+  dot4_f32_keys(x, q, n, 1, out);
 }
 
 static void dot4_i8(const int8_t *x, const float *a, const float *b, const float *c, const float *d, int64_t n,
                     float *out);
 
 /* dot4 of int8 rows (an INT8 KV pool's keys) with the roundings of the loop as GCC vectorizes it
- * for AVX-512 (read from its assembly): 64 elements a step, as four vectors of partial sums per
- * sum (lane l of vector v takes elements 64 j + 16 v + l, a multiply and then an add), and at the
- * end the 64 lanes added in order to 0, vector 0's first. KEYS key rows at once (x, x + n, ...):
- * their chains of lane adds are independent, so more keys overlap more of them. n is a multiple
- * of 64; out[4 k + i] is row i's sum with key k. */
+ * (read from its assembly): 4 TURNED elements a step, as four vectors of partial sums per sum
+ * (lane l of vector v takes elements 4 TURNED j + TURNED v + l, a multiply and then an add), and at
+ * the end the 4 TURNED lanes added in order to 0, vector 0's first. KEYS key rows at once (x,
+ * x + n, ...): their chains of lane adds are independent, so more keys overlap more of them. n is a
+ * multiple of 4 TURNED; out[4 k + i] is row i's sum with key k. */
 static inline __attribute__((always_inline)) void dot4_i8_keys(const int8_t *x, const float *const *q, int64_t n,
                                                                int keys, float *out) {
-  __m512 s[4][4][4]; /* key, row, vector of 16 lanes */
+  vf s[I8_KEYS][4][4]; /* key, row, vector */
   for (int k = 0; k < keys; k++)
     for (int r = 0; r < 4; r++)
-      for (int v = 0; v < 4; v++) s[k][r][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 64)
+      for (int v = 0; v < 4; v++) s[k][r][v] = VF_ZERO();
+  for (int64_t i = 0; i < n; i += 4 * TURNED)
     for (int k = 0; k < keys; k++)
       for (int v = 0; v < 4; v++) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(x + k * n + i + 16 * v));
-        const __m512 xf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-        for (int r = 0; r < 4; r++)
-          s[k][r][v] = _mm512_add_ps(s[k][r][v], _mm512_mul_ps(_mm512_loadu_ps(q[r] + i + 16 * v), xf));
+        const vf xf = VF_LOAD_I8(x + k * n + i + TURNED * v);
+        for (int r = 0; r < 4; r++) s[k][r][v] = VF_MUL_ADD(s[k][r][v], VF_LOAD(q[r] + i + TURNED * v), xf);
       }
-  __m128 sum[4];
+  __m128 sum[I8_KEYS];
   for (int k = 0; k < keys; k++) sum[k] = _mm_setzero_ps();
   for (int v = 0; v < 4; v++)
     for (int k = 0; k < keys; k++) sum[k] = add_lanes(sum[k], s[k][0][v], s[k][1][v], s[k][2][v], s[k][3][v]);
   for (int k = 0; k < keys; k++) _mm_storeu_ps(out + 4 * k, sum[k]);
 }
 
-/* one key; rows whose length is not a multiple of 64 (which GCC finishes one element at a time)
- * take the loop itself */
-static inline __attribute__((always_inline)) void dot4_i8_avx512(const int8_t *x, const float *a, const float *b,
-                                                                 const float *c, const float *d, int64_t n,
-                                                                 float *out) {
-  if (n % 64) {
+/* one key; rows whose length is not a multiple of 4 TURNED (which GCC finishes one element at a
+ * time) take the loop itself */
+static inline __attribute__((always_inline)) void dot4_i8_vec(const int8_t *x, const float *a, const float *b,
+                                                              const float *c, const float *d, int64_t n,
+                                                              float *out) {
+  if (n % (4 * TURNED)) {
     dot4_i8(x, a, b, c, d, n, out);
     return;
   }
   const float *q[4] = {a, b, c, d};
   dot4_i8_keys(x, q, n, 1, out);
 }
-#define DOT4_f32 dot4_f32_avx512
-#define DOT4_i8 dot4_i8_avx512
+#define DOT4_f32 dot4_f32_vec
+#define DOT4_i8 dot4_i8_vec
 #else
 #define DOT4_f32 dot4_f32
 #define DOT4_i8 dot4_i8
@@ -194,112 +236,124 @@ static inline __attribute__((always_inline)) void dot4_i8_avx512(const int8_t *x
 DEFINE_ROW_OPS(f32, float)
 DEFINE_ROW_OPS(i8, int8_t)
 
-#if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4)
+#ifdef TURNED
 /* The two passes with their loops turned (head_dim 64 and 128, either pool): for the scores, keys
  * inner, so that one call scores a whole block and the out-of-order core overlaps one key's sums
- * with the next's; for the values, each query row's output kept in registers across every
- * position, rather than loaded and stored for each. Each score and each output element gets the
- * operations of key_scores_*, axpy_f32 and axpy_i8, in the same order (the test compares with the
- * plain loops' build bit for bit). */
-#define TURNED 1
+ * with the next's; for the values, each query row's output kept in registers across positions,
+ * rather than loaded and stored for each. Each score and each output element gets the operations
+ * of key_scores_*, axpy_f32 and axpy_i8, in the same order. */
 
-/* scores[r * width + s] = q_r . keys[s], s < n, every query row r < rows */
-static void block_scores_f32(const float *const *qr, int64_t rows, const float *keys, int64_t n, int64_t D,
-                             float *scores, int64_t width) {
-  const float *last = qr[rows - 1];
-  for (int64_t r = 0; r < rows; r += 4) {
-    const float *a = qr[r], *b = r + 1 < rows ? qr[r + 1] : last, *c = r + 2 < rows ? qr[r + 2] : last,
-                *d = r + 3 < rows ? qr[r + 3] : last;
-    const int64_t k = rows - r < 4 ? rows - r : 4;
-    for (int64_t s = 0; s < n; s++) {
-      float out[4];
-      dot4_f32_avx512(keys + s * D, a, b, c, d, D, out);
-      for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s] = out[i];
-    }
+/* scores[r * width + s] = q_r . keys[s], s < n, every query row r < rows, for key rows of type T
+ * (float32, or an INT8 KV pool's int8 before its scale: D a multiple of 4 TURNED), several keys
+ * at a time (dot4_f32_keys, dot4_i8_keys) */
+#define DEFINE_BLOCK_SCORES(SUFFIX, T, KEYS)                                                               \
+  static void block_scores_##SUFFIX(const float *const *qr, int64_t rows, const T *keys, int64_t n, int64_t D, \
+                                    float *scores, int64_t width) {                                        \
+    const float *last = qr[rows - 1];                                                                      \
+    for (int64_t r = 0; r < rows; r += 4) {                                                                \
+      const float *q[4] = {qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last,        \
+                           r + 3 < rows ? qr[r + 3] : last};                                               \
+      const int64_t k = rows - r < 4 ? rows - r : 4;                                                       \
+      for (int64_t s = 0; s < n;) {                                                                        \
+        const int keys_now = n - s >= KEYS ? KEYS : 1;                                                     \
+        float out[4 * KEYS];                                                                               \
+        if (keys_now == KEYS)                                                                              \
+          dot4_##SUFFIX##_keys(keys + s * D, q, D, KEYS, out);                                             \
+        else                                                                                               \
+          dot4_##SUFFIX##_keys(keys + s * D, q, D, 1, out);                                                \
+        for (int j = 0; j < keys_now; j++)                                                                 \
+          for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s + j] = out[4 * j + i];                \
+        s += keys_now;                                                                                     \
+      }                                                                                                    \
+    }                                                                                                      \
   }
-}
+DEFINE_BLOCK_SCORES(f32, float, F32_KEYS)
+DEFINE_BLOCK_SCORES(i8, int8_t, I8_KEYS)
 
-/* The same for int8 key rows (an INT8 KV pool's, before its scale; D a multiple of 64), four keys
- * at a time (dot4_i8_keys) */
-static void block_scores_i8(const float *const *qr, int64_t rows, const int8_t *keys, int64_t n, int64_t D,
-                            float *scores, int64_t width) {
-  const float *last = qr[rows - 1];
-  for (int64_t r = 0; r < rows; r += 4) {
-    const float *q[4] = {qr[r], r + 1 < rows ? qr[r + 1] : last, r + 2 < rows ? qr[r + 2] : last,
-                         r + 3 < rows ? qr[r + 3] : last};
-    const int64_t k = rows - r < 4 ? rows - r : 4;
-    for (int64_t s = 0; s < n;) {
-      const int keys_now = n - s >= 4 ? 4 : 1;
-      float out[16];
-      if (keys_now == 4)
-        dot4_i8_keys(keys + s * D, q, D, 4, out);
-      else
-        dot4_i8_keys(keys + s * D, q, D, 1, out);
-      for (int j = 0; j < keys_now; j++)
-        for (int64_t i = 0; i < k; i++) scores[(r + i) * width + s + j] = out[4 * j + i];
-      s += keys_now;
-    }
-  }
-}
-
-/* orow[r] += w * V[p] for the positions p < ctx in order, w = scores[r * width + p] (times the
- * pool's scale v_scale for an int8 pool, as axpy_i8's caller computes it), for ROWS query rows
- * (exactly: a row computed for nothing costs a quarter more at three query heads per KV head),
- * each row's CHUNKS x 16 elements held in registers */
-#define DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, ROWS, CHUNKS)                                             \
+/* orow[r][col ..] += w * V[p][col ..] for the positions p < ctx in order, w = scores[r * width + p]
+ * (times the pool's scale v_scale for an int8 pool, as axpy_i8's caller computes it), for ROWS
+ * query rows (exactly: a row computed for nothing costs a quarter more at three query heads per KV
+ * head), each row's CHUNKS vectors from column col held in registers; V's rows are D long */
+#define DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, ROWS, CHUNKS)                                               \
   static void values_##SUFFIX##_##ROWS##x##CHUNKS(float *const *orow, const float *scores, int64_t width,  \
                                                    const void *pool_v, float v_scale, const int64_t *table, \
-                                                   int64_t ctx, int64_t BS) {                              \
+                                                   int64_t ctx, int64_t BS, int64_t D, int64_t col) {      \
     (void)v_scale; /* float32 pools have none */                                                           \
-    __m512 acc[ROWS][CHUNKS];                                                                              \
+    vf acc[ROWS][CHUNKS];                                                                                  \
     for (int r = 0; r < ROWS; r++)                                                                         \
-      for (int c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_loadu_ps(orow[r] + 16 * c);                      \
+      for (int c = 0; c < CHUNKS; c++) acc[r][c] = VF_LOAD(orow[r] + col + TURNED * c);                    \
     for (int64_t m = 0; m * BS < ctx; m++) {                                                               \
       const int64_t block = table[m];                                                                      \
       const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;                                             \
       for (int64_t s = 0; s < n; s++) {                                                                    \
-        const T *v = (const T *)pool_v + (block * BS + s) * (CHUNKS * 16);                                 \
+        const T *v = (const T *)pool_v + (block * BS + s) * D + col;                                       \
+        vf w[ROWS];                                                                                        \
+        for (int r = 0; r < ROWS; r++) w[r] = VF_SET1(WEIGHT(scores[r * width + m * BS + s], v_scale));    \
         for (int c = 0; c < CHUNKS; c++) {                                                                 \
-          const __m512 vc = LOAD16(v + 16 * c);                                                            \
-          for (int r = 0; r < ROWS; r++) {                                                                 \
-            const __m512 w = _mm512_set1_ps(WEIGHT(scores[r * width + m * BS + s], v_scale));              \
-            acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(w, vc));                                    \
-          }                                                                                                \
+          const vf vc = LOAD(v + TURNED * c);                                                              \
+          for (int r = 0; r < ROWS; r++) acc[r][c] = VF_MUL_ADD(acc[r][c], w[r], vc);                      \
         }                                                                                                  \
       }                                                                                                    \
     }                                                                                                      \
     for (int r = 0; r < ROWS; r++)                                                                         \
-      for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(orow[r] + 16 * c, acc[r][c]);                      \
+      for (int c = 0; c < CHUNKS; c++) VF_STORE(orow[r] + col + TURNED * c, acc[r][c]);                    \
   }
-#define LOAD_F32(p) _mm512_loadu_ps(p)
-#define LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define AS_IS(score, scale) (score)
 #define SCALED(score, scale) ((score) * (scale))
-#define DEFINE_VALUES_OF(SUFFIX, T, LOAD16, WEIGHT)                                                        \
-  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 1, 4)                                                           \
-  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 2, 4)                                                           \
-  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 3, 4)                                                           \
-  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 4, 4) /* head_dim 64: groups of up to four rows */              \
-  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 1, 8)                                                           \
-  DEFINE_VALUES(SUFFIX, T, LOAD16, WEIGHT, 2, 8) /* head_dim 128: groups of up to two */
-DEFINE_VALUES_OF(f32, float, LOAD_F32, AS_IS)
-DEFINE_VALUES_OF(i8, int8_t, LOAD_I8, SCALED)
-
 typedef void (*ValuesFn)(float *const *, const float *, int64_t, const void *, float, const int64_t *, int64_t,
-                         int64_t);
-
-/* the values pass of every row, in groups; head_dim D is 64 or 128 */
-static void values_pass(float *const *orow, int64_t rows, const float *scores, int64_t width, const void *pool_v,
-                        int int8, float v_scale, const int64_t *table, int64_t ctx, int64_t BS, int64_t D) {
+                         int64_t, int64_t, int64_t);
+#if TURNED == 16
+/* head_dim 64: groups of up to four rows, each a whole row of 4 vectors; head_dim 128: up to two */
+#define DEFINE_VALUES_OF(SUFFIX, T, LOAD, WEIGHT)                                                          \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 1, 4)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 4)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 3, 4)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 4, 4)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 1, 8)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 8)
+DEFINE_VALUES_OF(f32, float, VF_LOAD, AS_IS)
+DEFINE_VALUES_OF(i8, int8_t, VF_LOAD_I8, SCALED)
+/* the functions for a group of g rows (fns[g - 1]), the most rows a group takes, the columns one
+ * call covers (span), and the positions one call covers (0: all) */
+static const ValuesFn *values_fns(int int8, int64_t D, int64_t *most, int64_t *span, int64_t *per_call) {
   static const ValuesFn f32_d64[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4, values_f32_4x4},
                         f32_d128[] = {values_f32_1x8, values_f32_2x8},
                         i8_d64[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4, values_i8_4x4},
                         i8_d128[] = {values_i8_1x8, values_i8_2x8};
-  const ValuesFn *fns = D == 64 ? (int8 ? i8_d64 : f32_d64) : (int8 ? i8_d128 : f32_d128);
-  const int64_t most = D == 64 ? 4 : 2;
-  for (int64_t r = 0; r < rows; r += most) {
-    const int64_t g = rows - r < most ? rows - r : most;
-    fns[g - 1](orow + r, scores + r * width, width, pool_v, v_scale, table, ctx, BS);
+  *most = D == 64 ? 4 : 2, *span = D, *per_call = 0;
+  return D == 64 ? (int8 ? i8_d64 : f32_d64) : (int8 ? i8_d128 : f32_d128);
+}
+#else
+/* 16 registers: groups of up to three rows, 4 vectors (32 columns) of each, one block at a time, so
+ * that a block's values stay in the first-level cache across the groups and column spans */
+#define DEFINE_VALUES_OF(SUFFIX, T, LOAD, WEIGHT)                                                          \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 1, 4)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 4)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 3, 4)
+DEFINE_VALUES_OF(f32, float, VF_LOAD, AS_IS)
+DEFINE_VALUES_OF(i8, int8_t, VF_LOAD_I8, SCALED)
+static const ValuesFn *values_fns(int int8, int64_t D, int64_t *most, int64_t *span, int64_t *per_call) {
+  static const ValuesFn f32[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4},
+                        i8[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4};
+  (void)D;
+  *most = 3, *span = 4 * TURNED, *per_call = 1;
+  return int8 ? i8 : f32;
+}
+#endif
+
+/* the values pass of every row, in groups; head_dim D is 64 or 128 */
+static void values_pass(float *const *orow, int64_t rows, const float *scores, int64_t width, const void *pool_v,
+                        int int8, float v_scale, const int64_t *table, int64_t ctx, int64_t BS, int64_t D) {
+  int64_t most, span, per_call;
+  const ValuesFn *fns = values_fns(int8, D, &most, &span, &per_call);
+  const int64_t step = per_call ? per_call * BS : ctx;
+  for (int64_t p = 0; p < ctx; p += step) {
+    const int64_t n = ctx - p < step ? ctx - p : step;
+    for (int64_t r = 0; r < rows; r += most) {
+      const int64_t g = rows - r < most ? rows - r : most;
+      for (int64_t col = 0; col < D; col += span)
+        fns[g - 1](orow + r, scores + r * width + p, width, pool_v, v_scale, table + p / BS, n, BS, D, col);
+    }
   }
 }
 #endif

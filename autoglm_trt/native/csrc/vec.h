@@ -1,6 +1,6 @@
 /* The vector routines the operators share: exps (1, 8 and 16 lanes) and softmaxes, SiLU * up, and the
  * fast Walsh-Hadamard transform, each written once. The two softmaxes differ on purpose:
- * ``vec_softmax`` (the decode attention's) is a plain loop the compiler vectorizes;
+ * ``vec_softmax`` (the decode attention's) is a plain loop the compiler vectorizes (AVX2: intrinsics);
  * ``mlas_softmax`` (the prefill's MaskedSoftmax, AVX-512F builds) repeats MLAS's exp and order of
  * sums to give ONNX Runtime's Softmax bit for bit. */
 #ifndef AUTOGLM_VEC_H
@@ -75,11 +75,29 @@ static inline void vec_softmax(float *row, int64_t len) {
   float top = row[0], sum = 0.0f;
 #pragma omp simd reduction(max : top)
   for (int64_t p = 0; p < len; p++) top = row[p] > top ? row[p] : top;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  /* 8 at a time: GCC leaves the loop below scalar where the decode attention inlines it ("control
+   * flow in loop"), a fifth of that operator's time at 5,000 positions */
+  int64_t p = 0;
+  const __m256 top8 = _mm256_set1_ps(top);
+  __m256 sums = _mm256_setzero_ps();
+  for (; p + 8 <= len; p += 8) {
+    const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + p), top8));
+    _mm256_storeu_ps(row + p, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  sum = hsum8(sums);
+  for (; p < len; p++) {
+    row[p] = exp_nonpositive(row[p] - top);
+    sum += row[p];
+  }
+#else
 #pragma omp simd reduction(+ : sum)
   for (int64_t p = 0; p < len; p++) {
     row[p] = exp_nonpositive(row[p] - top);
     sum += row[p];
   }
+#endif
   const float inv = 1.0f / sum;
 #pragma omp simd
   for (int64_t p = 0; p < len; p++) row[p] *= inv;
