@@ -140,7 +140,8 @@ static inline __attribute__((always_inline)) void dot4_f32_keys(const float *x, 
       for (int r = 0; r < 4; r++) rest[r] += q[r][j] * x[k * n + j];
     for (int r = 0; r < 4; r++) s[k][r] = VF_WITH_FIRST(s[k][r], rest[r]);
   }
-  for (int k = 0; k < keys; k++) _mm_storeu_ps(out + 4 * k, add_lanes(_mm_setzero_ps(), s[k][0], s[k][1], s[k][2], s[k][3]));
+  for (int k = 0; k < keys; k++)
+    _mm_storeu_ps(out + 4 * k, add_lanes(_mm_setzero_ps(), s[k][0], s[k][1], s[k][2], s[k][3]));
 }
 
 static inline __attribute__((always_inline)) void dot4_f32_vec(const float *x, const float *a, const float *b,
@@ -302,44 +303,41 @@ DEFINE_BLOCK_SCORES(i8, int8_t, I8_KEYS)
 #define SCALED(score, scale) ((score) * (scale))
 typedef void (*ValuesFn)(float *const *, const float *, int64_t, const void *, float, const int64_t *, int64_t,
                          int64_t, int64_t, int64_t);
-#if TURNED == 16
-/* head_dim 64: groups of up to four rows, each a whole row of 4 vectors; head_dim 128: up to two */
+#if TURNED == 16 /* head_dim 64: groups of up to four rows, each a whole row of 4 vectors; 128: up to two */
+#define MORE_VALUES(SUFFIX, T, LOAD, WEIGHT)                                                               \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 4, 4)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 1, 8)                                                             \
+  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 8)
+#else /* 16 registers: groups of up to three rows, 4 vectors (32 columns) of each */
+#define MORE_VALUES(SUFFIX, T, LOAD, WEIGHT)
+#endif
 #define DEFINE_VALUES_OF(SUFFIX, T, LOAD, WEIGHT)                                                          \
   DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 1, 4)                                                             \
   DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 4)                                                             \
   DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 3, 4)                                                             \
-  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 4, 4)                                                             \
-  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 1, 8)                                                             \
-  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 8)
+  MORE_VALUES(SUFFIX, T, LOAD, WEIGHT)
 DEFINE_VALUES_OF(f32, float, VF_LOAD, AS_IS)
 DEFINE_VALUES_OF(i8, int8_t, VF_LOAD_I8, SCALED)
+
 /* the functions for a group of g rows (fns[g - 1]), the most rows a group takes, the columns one
- * call covers (span), and the positions one call covers (0: all) */
+ * call covers (span), and the positions one call covers (0: all; AVX2: one block, so that a
+ * block's values stay in the first-level cache across the groups and column spans) */
 static const ValuesFn *values_fns(int int8, int64_t D, int64_t *most, int64_t *span, int64_t *per_call) {
+#if TURNED == 16
   static const ValuesFn f32_d64[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4, values_f32_4x4},
                         f32_d128[] = {values_f32_1x8, values_f32_2x8},
                         i8_d64[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4, values_i8_4x4},
                         i8_d128[] = {values_i8_1x8, values_i8_2x8};
   *most = D == 64 ? 4 : 2, *span = D, *per_call = 0;
   return D == 64 ? (int8 ? i8_d64 : f32_d64) : (int8 ? i8_d128 : f32_d128);
-}
 #else
-/* 16 registers: groups of up to three rows, 4 vectors (32 columns) of each, one block at a time, so
- * that a block's values stay in the first-level cache across the groups and column spans */
-#define DEFINE_VALUES_OF(SUFFIX, T, LOAD, WEIGHT)                                                          \
-  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 1, 4)                                                             \
-  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 4)                                                             \
-  DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 3, 4)
-DEFINE_VALUES_OF(f32, float, VF_LOAD, AS_IS)
-DEFINE_VALUES_OF(i8, int8_t, VF_LOAD_I8, SCALED)
-static const ValuesFn *values_fns(int int8, int64_t D, int64_t *most, int64_t *span, int64_t *per_call) {
   static const ValuesFn f32[] = {values_f32_1x4, values_f32_2x4, values_f32_3x4},
                         i8[] = {values_i8_1x4, values_i8_2x4, values_i8_3x4};
   (void)D;
   *most = 3, *span = 4 * TURNED, *per_call = 1;
   return int8 ? i8 : f32;
-}
 #endif
+}
 
 /* the values pass of every row, in groups; head_dim D is 64 or 128 */
 static void values_pass(float *const *orow, int64_t rows, const float *scores, int64_t width, const void *pool_v,
