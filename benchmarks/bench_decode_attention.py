@@ -10,8 +10,9 @@ the tests compare the kernels with bit for bit), and the generic build (portable
 runs beside them. Each row is one decode step of ``batch`` sequences with ``context`` cached tokens
 each, one new token a sequence, over pools of random float32 (or ``--kv int8``) K/V in blocks of 16
 scattered through the pool, 2 ONNX Runtime threads, for SmolLM2's heads (9 query heads over 3 KV
-heads, D 64) and GLM-4.1V's (32 over 2, D 128). Rounds interleave the builds; each figure is the
-median over rounds, each ratio the median of the per-round ratios. Needs a C compiler.
+heads, D 64) and GLM-4.1V's (32 over 2, D 128). Rounds interleave the builds (whose sessions' threads
+do not spin between turns); each figure is the median over rounds, each ratio the median of the
+per-round ratios. The loops builds share the operator's softmax and its split of long pasts. Needs a C compiler.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def session(lib: Path, model: bytes, threads: int):
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(lib))
     so.intra_op_num_threads = threads
+    # the sessions take turns in one process: an idle session's threads must not spin beside the running one's
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 

@@ -38,9 +38,9 @@ def block_tables(rng, ctx: list[int], nb: int, bs: int) -> np.ndarray:
     return tables
 
 
-def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
+def op_session(library, hq, hkv, d, nb, bs, int8_kv=False, threads=0):
     """A session of the operator alone; ``int8_kv`` True: int8 pools with a scale per KV head,
-    "token": with a scale per stored token and KV head."""
+    "token": with a scale per stored token and KV head; ``threads``: ONNX Runtime's (0: its default)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -60,6 +60,7 @@ def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(library))
+    so.intra_op_num_threads = threads
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -70,10 +71,13 @@ def op_session(library, hq, hkv, d, nb, bs, int8_kv=False):
     ([0, 17, 40], [5, 2, 1], 5),  # prefill chunks of different lengths, padded to 5
     ([3, 0, 33], [4, 4, 4], 4),
     ([300], [1], 1),  # a long context over many blocks
+    ([2500, 7, 1030], [1, 1, 1], 1),  # pasts split into parts of 1,024 positions (PART_POSITIONS) and merged
+    ([1500, 3], [3, 2], 3),  # a split past with new tokens
 ])
 def test_kernel_matches_reference(library, hq, hkv, d, ctx, qlens, t, int8_kv):
     rng = np.random.default_rng(hq * 100 + sum(ctx) + t)
-    nb, bs = 48, 8
+    bs = 8
+    nb = max(48, -(-max(ctx) // bs))
     pool_k = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
     pool_v = rng.standard_normal((hkv, nb, bs, d), dtype=np.float32)
     feeds = {}
@@ -118,6 +122,28 @@ def test_per_token_scales_on_every_build(kernel_library, d):
     want = reference(q, k_new, v_new, stored[0] * k_scales[..., None], stored[1] * v_scales[..., None], tables, ctx,
                      qlens)
     np.testing.assert_allclose(out, want, atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bs", [16, 24])
+def test_a_split_past_gives_the_same_bits_on_any_number_of_threads(library, bs):
+    """A past longer than a part (1,024 positions, whole blocks: 1,008 at 24 a block) is attended
+    in parts that are merged afterwards; the parts depend on the context alone, so one, two and
+    four threads give the same bits, and the result is attention's (the reference)."""
+    rng = np.random.default_rng(bs)
+    hq, hkv, d, ctx, qlens = 8, 2, 64, [3000, 1008, 1009, 40], [1, 1, 1, 0]
+    nb = -(-max(ctx) // bs) + 1
+    feeds = {"q": rng.standard_normal((4, 1, hq, d), dtype=np.float32) * 0.3,
+             "k": rng.standard_normal((4, 1, hkv, d), dtype=np.float32),
+             "v": rng.standard_normal((4, 1, hkv, d), dtype=np.float32),
+             "pk": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32),
+             "pv": rng.standard_normal((hkv, nb, bs, d), dtype=np.float32), "bt": block_tables(rng, ctx, nb, bs),
+             "ctx": np.array(ctx, np.int64), "ql": np.array(qlens, np.int64)}
+    outs = [op_session(library, hq, hkv, d, nb, bs, threads=n).run(["out"], feeds)[0] for n in (1, 2, 4)]
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0], other)
+    want = reference(feeds["q"], feeds["k"], feeds["v"], feeds["pk"], feeds["pv"], feeds["bt"], ctx, qlens)
+    np.testing.assert_allclose(outs[0], want, atol=3e-6, rtol=1e-5)
+    assert not outs[0][3].any()
 
 
 def test_scale_pools_of_another_geometry_fail_the_run(library):

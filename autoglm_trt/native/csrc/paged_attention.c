@@ -48,6 +48,12 @@
 #include "parallel.h"
 #include "vec.h" /* with <immintrin.h> where the build has AVX2 */
 
+/* A past longer than this many positions (rounded down to whole blocks) is split into parts of
+ * that size, each its own work item, and their outputs merged (flash-decoding's split of the
+ * keys): a sequence's work spreads over more threads than it has KV heads (GLM-4.1V: 2). The
+ * split depends on the context alone, so the output does not depend on the number of threads. */
+#define PART_POSITIONS 1024
+
 /* The vector kernels below ("turned" loops) reproduce the roundings of the plain loops further down
  * as GCC vectorizes them for the build's vector width, 512 bits (AVX-512) or 256 (AVX2); the test
  * builds the plain loops too (-DAUTOGLM_LOOP_DOT4) and compares the two builds bit for bit. */
@@ -378,11 +384,14 @@ static void scale_past(float *scores, int64_t rows, int64_t width, const float *
 /* one sequence, one KV head: ``rows`` query rows (valid new token t = r / G, query head
  * h * G + r % G) at qr[r], their outputs at orow[r]; scores is [rows, ctx + qlen] scratch.
  * The pools hold float32, or int8 with this head's scales k_scale and v_scale, or with the
- * per-token scales k_ts and v_ts (this head's part of the scale pools; NULL for static scales). */
+ * per-token scales k_ts and v_ts (this head's part of the scale pools; NULL for static scales).
+ * ``stats`` NULL: the outputs are attention's; else each row's weights are left unnormalized,
+ * e^(score - top), and stats[2 r], stats[2 r + 1] get the row's top score and the weights' sum
+ * (a part of the past, merged with the others' by merge_parts). qlen 0: no new tokens. */
 static void attend(const float *const *qr, float *const *orow, int64_t rows, int64_t G, const float *k_new,
                    const float *v_new, int64_t new_stride, const void *pool_k, const void *pool_v, int int8,
                    float k_scale, float v_scale, const float *k_ts, const float *v_ts, const int64_t *table,
-                   int64_t ctx, int64_t qlen, int64_t BS, int64_t D, float *scores) {
+                   int64_t ctx, int64_t qlen, int64_t BS, int64_t D, float *scores, float *stats) {
   const int64_t width = ctx + qlen;
 #ifdef TURNED
   const int turned = D == 64 || D == 128;
@@ -412,7 +421,13 @@ static void attend(const float *const *qr, float *const *orow, int64_t rows, int
   if (int8) scale_past(scores, rows, width, k_ts, k_scale, table, ctx, BS);
   for (int64_t j = 0; j < qlen; j++) /* rows of tokens t >= j */
     key_scores_f32(qr + j * G, rows - j * G, k_new + j * new_stride, D, scores + j * G * width + ctx + j, width);
-  for (int64_t r = 0; r < rows; r++) vec_softmax(scores + r * width, ctx + r / G + 1);
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t len = qlen ? ctx + r / G + 1 : ctx; /* a row sees the new tokens up to its own */
+    if (stats == NULL)
+      vec_softmax(scores + r * width, len);
+    else
+      stats[2 * r + 1] = vec_exps(scores + r * width, len, &stats[2 * r]);
+  }
   if (v_ts != NULL) { /* each past probability takes its value row's scale, and the values pass none */
     scale_past(scores, rows, width, v_ts, 1.0f, table, ctx, BS);
     v_scale = 1.0f;
@@ -448,8 +463,17 @@ typedef struct {
   const int64_t *slots;             /* each sequence's slot for its new K/V, or NULL: none stored */
   const void *k_store, *v_store;    /* the new K/V to store, [B, 1, Hkv, D] of the pools' type */
   const float *ks_store, *vs_store; /* their per-token scales [B, 1, Hkv] (per-token pools) */
-  int failed;                    /* a work item found no memory for its scratch */
+  int64_t part;                     /* past positions a work item takes (a multiple of BS) */
+  const int64_t *items;             /* each work item's sequence, KV head, part of the past and where
+                                       its part's rows are (-1: none); after the count of them, each
+                                       sequence's and KV head's first item */
+  int64_t count;                    /* work items */
+  float *parts;                     /* split items' outputs and stats, at items[4 i + 3] (-1: none) */
+  int failed;                       /* a work item found no memory for its scratch */
 } Job;
+
+/* the parts a sequence's past of ``ctx`` positions is split into */
+static int64_t parts_of(const Job *j, int64_t ctx) { return ctx > j->part ? (ctx + j->part - 1) / j->part : 1; }
 
 /* sequence b's new K and V of KV head h into its slot, if that is inside the pools */
 static void store(const Job *j, int64_t b, int64_t h) {
@@ -465,36 +489,69 @@ static void store(const Job *j, int64_t b, int64_t h) {
   }
 }
 
-/* work item i: sequence i / Hkv, KV head i % Hkv (each with scratch of its own) */
+/* work item i: sequence b, KV head h and part c of its past (items[4 i ..]), with scratch of its
+ * own. A past of one part is attended whole into the output; each part of a longer one (its last
+ * part with the new tokens) into the item's rows of ``parts``, unnormalized, with its stats. */
 static void run_item(void *data, size_t i) {
   Job *j = data;
-  const int64_t b = (int64_t)i / j->Hkv, h = (int64_t)i % j->Hkv, G = j->Hq / j->Hkv, T = j->T, D = j->D;
-  const int64_t c = j->ctx_lens[b], n = j->q_lens[b];
+  const int64_t *item = j->items + 4 * i, b = item[0], h = item[1], c = item[2];
+  const int64_t G = j->Hq / j->Hkv, T = j->T, D = j->D, ctx = j->ctx_lens[b], n = j->q_lens[b];
+  const int64_t parts = parts_of(j, ctx), p0 = parts > 1 ? c * j->part : 0;
+  const int64_t past = parts > 1 && ctx - p0 > j->part ? j->part : ctx - p0, qlen = c == parts - 1 ? n : 0;
   if (n > 0) { /* a sequence of no new tokens (padding) has nothing to attend */
-    /* scratch: the scores [n G, c + n] (bounded by check_sequences), then the query and output row pointers */
-    const size_t score_bytes = ((size_t)(n * G * (c + n)) * sizeof(float) + 63) / 64 * 64;
+    /* scratch: the scores [n G, past + qlen] (bounded by check_sequences), then the query and output row pointers */
+    const size_t score_bytes = ((size_t)(n * G * (past + qlen)) * sizeof(float) + 63) / 64 * 64;
     char *scratch = thread_scratch(score_bytes + 2 * (size_t)(n * G) * sizeof(float *));
     if (scratch == NULL) {
       __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
       return;
     }
-    float *scores = (float *)scratch;
+    float *scores = (float *)scratch, *part = parts > 1 ? j->parts + item[3] : NULL;
     const float **qr = (const float **)(scratch + score_bytes);
     float **orow = (float **)(qr + n * G);
     for (int64_t r = 0; r < n * G; r++) {
       const int64_t at = ((b * T + r / G) * j->Hq + h * G + r % G) * D;
       qr[r] = j->q + at;
-      orow[r] = j->out + at;
+      orow[r] = part != NULL ? part + r * D : j->out + at;
     }
+    if (part != NULL) memset(part, 0, (size_t)(n * G * D) * sizeof(float));
     const int int8 = j->k_scales != NULL || j->k_ts != NULL, per_head = j->k_scales != NULL;
     const size_t pool = (size_t)(h * j->NB * j->BS * D) * (int8 ? sizeof(int8_t) : sizeof(float));
     const int64_t step = (b * T * j->Hkv + h) * D, head_scales = h * j->NB * j->BS;
     attend(qr, orow, n * G, G, j->k_new + step, j->v_new + step, j->Hkv * D, (const char *)j->pool_k + pool,
            (const char *)j->pool_v + pool, int8, per_head ? j->k_scales[h] : 1.0f, per_head ? j->v_scales[h] : 1.0f,
            j->k_ts != NULL ? j->k_ts + head_scales : NULL, j->v_ts != NULL ? j->v_ts + head_scales : NULL,
-           j->tables + b * j->MB, c, n, j->BS, D, scores);
+           j->tables + b * j->MB + p0 / j->BS, past, qlen, j->BS, D, scores, part != NULL ? part + n * G * D : NULL);
   }
-  if (j->slots != NULL) store(j, b, h);
+  if (j->slots != NULL && c == 0) store(j, b, h); /* its slot is past every part's positions */
+}
+
+/* item i's sequence and KV head, where its past was split: the parts' outputs into the output.
+ * Each part's rows were weighted by e^(score - top_c); with top the largest top_c, part c's rows
+ * count e^(top_c - top) / sum over parts of e^(top_c - top) sum_c, added in the parts' order. */
+static void merge_parts(void *data, size_t i) {
+  const Job *j = data;
+  const int64_t b = (int64_t)i / j->Hkv, h = (int64_t)i % j->Hkv, G = j->Hq / j->Hkv, D = j->D;
+  const int64_t ctx = j->ctx_lens[b], n = j->q_lens[b], parts = parts_of(j, ctx);
+  if (parts == 1 || n == 0) return;
+  const int64_t *first = j->items + 4 * j->items[4 * j->count + i]; /* KV head h's parts, in order */
+  for (int64_t r = 0; r < n * G; r++) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t c = 0; c < parts; c++) {
+      const float *stats = j->parts + first[4 * c + 3] + n * G * D;
+      top = stats[2 * r] > top ? stats[2 * r] : top;
+    }
+    for (int64_t c = 0; c < parts; c++) {
+      const float *stats = j->parts + first[4 * c + 3] + n * G * D;
+      total += exp_nonpositive(stats[2 * r] - top) * stats[2 * r + 1];
+    }
+    float *out = j->out + ((b * j->T + r / G) * j->Hq + h * G + r % G) * D;
+    for (int64_t c = 0; c < parts; c++) {
+      const float *part = j->parts + first[4 * c + 3], *stats = part + n * G * D;
+      const float w = exp_nonpositive(stats[2 * r] - top) / total;
+      for (int64_t d = 0; d < D; d++) out[d] += w * part[r * D + d];
+    }
+  }
 }
 
 /* the optional store inputs of a decode step (T = 1) into ``job`` (NULL), or why they do not fit */
@@ -548,6 +605,37 @@ static const char *check_sequences(const Job *j, int64_t B) {
   return NULL;
 }
 
+/* job->items: every sequence's KV heads and their parts of the past, in that order, and room in
+ * job->parts for the outputs and stats of each part of a split past; NULL, or why not */
+static const char *plan_items(Job *job, int64_t B) {
+  const int64_t G = job->Hq / job->Hkv;
+  int64_t count = 0, floats = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t parts = parts_of(job, job->ctx_lens[b]);
+    count += job->Hkv * parts;
+    if (parts > 1) floats += job->Hkv * parts * job->q_lens[b] * G * (job->D + 2);
+  }
+  int64_t *items = malloc((size_t)(4 * count + B * job->Hkv + 1) * sizeof(int64_t)), *firsts = items + 4 * count;
+  float *room = floats > 0 ? malloc((size_t)floats * sizeof(float)) : NULL;
+  if (items == NULL || (floats > 0 && room == NULL)) {
+    free(items), free(room);
+    return "out of memory for attention's work items";
+  }
+  int64_t i = 0, at = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t parts = parts_of(job, job->ctx_lens[b]), size = job->q_lens[b] * G * (job->D + 2);
+    for (int64_t h = 0; h < job->Hkv; h++)
+      for (int64_t c = 0; c < parts; c++, i++) {
+        if (c == 0) firsts[b * job->Hkv + h] = i;
+        int64_t *item = items + 4 * i;
+        item[0] = b, item[1] = h, item[2] = c, item[3] = parts > 1 ? at : -1;
+        at += parts > 1 ? size : 0;
+      }
+  }
+  job->items = items, job->parts = room, job->count = count;
+  return NULL;
+}
+
 /* both operators: inputs 0..7 as documented at the top; with int8 pools, 8 and 9 are the K and V
  * scales of each KV head; then the optional store inputs. NULL, or why the inputs do not fit. */
 static const char *run(OrtKernelContext *ctx, int int8) {
@@ -587,7 +675,11 @@ static const char *run(OrtKernelContext *ctx, int int8) {
       failed(API(API_GET_TENSOR_MUTABLE_DATA, MutableDataFn)(out_value, (void **)&job.out)))
     return "could not allocate the output";
   if (B * T > 0) memset(job.out, 0, (size_t)(B * T * Hq * D) * sizeof(float)); /* an empty output has no data */
-  parallel_for(ctx, run_item, (size_t)(B * Hkv), 2, &job);
+  job.part = PART_POSITIONS / BS > 0 ? PART_POSITIONS / BS * BS : BS;
+  if ((why = plan_items(&job, B)) != NULL) return why;
+  parallel_for(ctx, run_item, (size_t)job.count, 2, &job);
+  if (!job.failed && job.parts != NULL) parallel_for(ctx, merge_parts, (size_t)(B * Hkv), 2, &job);
+  free((void *)job.items), free(job.parts);
   return job.failed ? "out of memory for attention scores" : NULL;
 }
 

@@ -70,8 +70,8 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* softmax of row[0:len] in place */
-static inline void vec_softmax(float *row, int64_t len) {
+/* row[p] = e^(row[p] - top) in place, top the largest of row[0:len] (into *top_out); returns their sum */
+static inline float vec_exps(float *row, int64_t len, float *top_out) {
   float top = row[0], sum = 0.0f;
 #pragma omp simd reduction(max : top)
   for (int64_t p = 0; p < len; p++) top = row[p] > top ? row[p] : top;
@@ -98,7 +98,14 @@ static inline void vec_softmax(float *row, int64_t len) {
     sum += row[p];
   }
 #endif
-  const float inv = 1.0f / sum;
+  *top_out = top;
+  return sum;
+}
+
+/* softmax of row[0:len] in place */
+static inline void vec_softmax(float *row, int64_t len) {
+  float top;
+  const float inv = 1.0f / vec_exps(row, len, &top);
 #pragma omp simd
   for (int64_t p = 0; p < len; p++) row[p] *= inv;
 }
