@@ -615,13 +615,13 @@ static const char *plan_items(Job *job, int64_t B) {
     count += job->Hkv * parts;
     if (parts > 1) floats += job->Hkv * parts * job->q_lens[b] * G * (job->D + 2);
   }
-  int64_t *items = malloc((size_t)(4 * count + B * job->Hkv + 1) * sizeof(int64_t)), *firsts = items + 4 * count;
+  int64_t *items = malloc((size_t)(4 * count + B * job->Hkv + 1) * sizeof(int64_t));
   float *room = floats > 0 ? malloc((size_t)floats * sizeof(float)) : NULL;
   if (items == NULL || (floats > 0 && room == NULL)) {
     free(items), free(room);
     return "out of memory for attention's work items";
   }
-  int64_t i = 0, at = 0;
+  int64_t *firsts = items + 4 * count, i = 0, at = 0;
   for (int64_t b = 0; b < B; b++) {
     const int64_t parts = parts_of(job, job->ctx_lens[b]), size = job->q_lens[b] * G * (job->D + 2);
     for (int64_t h = 0; h < job->Hkv; h++)
