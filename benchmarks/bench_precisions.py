@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Speed of each precision of SmolLM2-135M side by side, one run: greedy decode at batch 1 and 8
 and the prefill of a 1,000-token prompt, for the fp32, int8 (W8A8), int8-wo, int8-dyn and int4-awq
-engines.
+engines, and int4-awq built with ``--int4-gate 1.04`` (int4-awq-gate).
 
     python -m benchmarks.bench_precisions [--rounds 3] [--gen 64] [--native-variant avx2] [--json OUT]
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from .common import machine
 
-PRECISIONS = ("fp32", "int8", "int8-wo", "int8-dyn", "int4-awq")
+PRECISIONS = ("fp32", "int8", "int8-wo", "int8-dyn", "int4-awq", "int4-awq-gate")
 
 
 def main() -> None:

@@ -51,10 +51,16 @@ PROMPT_TOKENS = 48  # each prompt of the concurrent runs
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
-def ensure_engine(precision: str) -> Path:
-    out = ROOT / "engines" / f"smollm2-{precision}"
+# engines built with options beyond their precision: name -> (precision, build options)
+BUILT_WITH = {"int4-awq-gate": ("int4-awq", ("--int4-gate", "1.04"))}
+
+
+def ensure_engine(name: str) -> Path:
+    """SmolLM2's engine of a precision (or of a name in ``BUILT_WITH``) in engines/smollm2-NAME, built if missing."""
+    out = ROOT / "engines" / f"smollm2-{name}"
+    precision, options = BUILT_WITH.get(name, (name, ()))
     if not (out / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "autoglm_trt", "build", str(SMOL), "--precision", precision,
+        subprocess.run([sys.executable, "-m", "autoglm_trt", "build", str(SMOL), "--precision", precision, *options,
                         "--backend", "onnxruntime", "-o", str(out)], check=True)
     return out
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """INT4 weights of SmolLM2-135M, one run: AWQ's scales and GPTQ's rounding each on and off, blocks
-of 32 and 128 inputs, zero points or symmetric, and the down projections kept at INT8.
+of 32 and 128 inputs, zero points or symmetric, the down projections kept at INT8, and the linears
+the accuracy gate keeps at INT8.
 
     python -m benchmarks.int4_ablation [--max-chunks 12] [--only TEXT] [--json OUT]
 
@@ -9,7 +10,8 @@ set for AWQ's rows and GPTQ's Gram matrices), its graph run by ONNX Runtime as t
 graph computes it (each DequantizeLinear + MatMul fused into a 4-bit ``MatMulNBits``, accuracy
 level 4). Scores: perplexity ratio and top-1 agreement against the float32 checkpoint in
 transformers on each kind of held-out text (``calibration/eval``, windows of 256 tokens), as
-``autoglm-trt eval``. ``--only``: the variants whose names hold TEXT.
+``autoglm-trt eval``; ``int8_linears``: the decoder linears kept at INT8 (of 120), ``graph_mb``: the
+INT4 graph's weights on disk. ``--only``: the variants whose names hold TEXT.
 
 First it prints how many of the checkpoint's decoder weight blocks (32 inputs of one output) lie
 exactly on a grid of 16 evenly spaced values from the block's minimum: SmolLM2's float32
@@ -38,7 +40,9 @@ VARIANTS = {"RTN, blocks of 128, zero points": {"block": 128, "awq": False, "gpt
             "GPTQ, blocks of 32, zero points, no AWQ": {"block": 32, "awq": False},
             "AWQ + GPTQ, blocks of 32, symmetric": {"block": 32, "symmetric": True},
             "AWQ + GPTQ, blocks of 32, zero points (int4-awq's default)": {"block": 32},
-            "the same, down projections INT8 (--int4-int8 down)": {"block": 32, "int8_kinds": ("down",)}}
+            "the same, down projections INT8 (--int4-int8 down)": {"block": 32, "int8_kinds": ("down",)},
+            "the same, gated: linears at INT8 until the expected ppl ratio is 1.04 (--int4-gate 1.04)":
+                {"block": 32, "gate": 1.04}}
 
 
 def on_q4_1_grid(checkpoint: Path) -> dict:
@@ -111,13 +115,15 @@ def main() -> None:
                           Int4Settings(**settings), log=lambda m: None)
         runner = GraphRunner(out)
         kinds = {k: score(runner.logits, c, replay(k)) for k, c in chunks.items()}
-        row = {"variant": name, **kind_scores(kinds)}
+        made = runner.record.data["int4"]
+        row = {"variant": name, "int8_linears": len(made["int8_linears"]),
+               "graph_mb": round((out / "model.int4.onnx.data").stat().st_size / 1e6, 1), **kind_scores(kinds)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n| variant | {KIND_COLUMNS} |")
-    print("|---|" + "---|" * len(KINDS))
+    print(f"\n| variant | linears at INT8 | graph MB | {KIND_COLUMNS} |")
+    print("|---|---|---|" + "---|" * len(KINDS))
     for row in rows:
-        print(f"| {row['variant']} | {kind_cells(row)} |")
+        print(f"| {row['variant']} | {row['int8_linears']} | {row['graph_mb']} | {kind_cells(row)} |")
     print("\n" + ", ".join(f"{k} {v}" for k, v in library_versions("onnxruntime", "transformers", "torch").items()))
     print(machine())
     if args.json:

@@ -113,7 +113,8 @@ SECTIONS = (
     Section("runtime_accuracy", "Accuracy as requests see it", ("benchmarks.runtime_accuracy",)),
     Section("chat_agreement", "Greedy answers of each precision against fp32",
             ("benchmarks.chat_agreement", "--show", "0",
-             *(f"--engine={p}=engines/smollm2-{p}" for p in ("int8", "int8-wo", "int8-dyn", "int4-awq")))),
+             *(f"--engine={p}=engines/smollm2-{p}" for p in ("int8", "int8-wo", "int8-dyn", "int4-awq",
+                                                              "int4-awq-gate")))),
     Section("int8_ceiling", "How close 8-bit weights come to fp32's answers", ("benchmarks.int8_weight_ceiling",),
             "SmolLM2's 100 chat prompts, 16 greedy tokens, in transformers with its weights rounded several ways "
             "(fake-quantized), against its float32 answers."),
@@ -123,14 +124,15 @@ SECTIONS = (
             "in transformers, and 100 chat prompts' 16 greedy tokens against the fp32 engine."),
     Section("precisions", "Speed of each precision", ("benchmarks.bench_precisions", "--rounds", "3"),
             "Batch-1 and batch-8 decode and a 1,000-token prefill of the fp32, int8, int8-wo, int8-dyn and int4-awq "
-            "engines."),
+            "engines, and of int4-awq with its accuracy gate (--int4-gate 1.04: int4-awq-gate)."),
     Section("precisions_avx2", "Speed of each precision, AVX2 kernels",
             ("benchmarks.bench_precisions", "--rounds", "3", "--native-variant", "avx2"),
             "The same with the native library's AVX2 build, what a CPU without AVX-512 runs: no precision has "
             "VNNI's 8-bit dot products there, and the 8-bit weights of int8, int8-wo and int8-dyn are all widened to "
             "16 bits for vpmaddwd."),
     Section("int4", "INT4 weights: AWQ, GPTQ, block size, zero points", ("benchmarks.int4_ablation",),
-            "SmolLM2-135M's INT4 variants on held-out text of four kinds against the float32 checkpoint; first, how "
+            "SmolLM2-135M's INT4 variants on held-out text of four kinds against the float32 checkpoint, with the "
+            "linears each keeps at INT8 and its graph's size; first, how "
             "many of the checkpoint's decoder weight blocks of 32 lie on a 16-level grid (it is a dequantized Q4_1 "
             "GGUF)."),
 )

@@ -51,7 +51,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", precision: str = "fp32", calib: Path | None = None,
-                      **config) -> Path:
+                      int4_gate: float | None = None, **config) -> Path:
     """A tiny ONNX Runtime engine (fp32 unless said; batch 8, prompts of 48, sequences of 96, 64
     blocks of 8)."""
     from autoglm_trt.builder.config import BuildConfig
@@ -60,7 +60,8 @@ def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", precision: str
     settings = {"max_batch_size": 8, "max_input_len": 48, "max_seq_len": 96, "kv_num_blocks": 64, "kv_block_size": 8,
                 **config}
     build_engine(BuildRequest(tiny_dir(family), out, precision=precision, calib=calib, backend="onnxruntime",
-                              config=BuildConfig(**settings), cache_dir=out.parent / ".cache"), log=lambda m: None)
+                              config=BuildConfig(**settings), cache_dir=out.parent / ".cache", int4_gate=int4_gate),
+                 log=lambda m: None)
     return out
 
 

@@ -23,7 +23,9 @@ the pass group of layers by group of layers, and each group is searched and roun
 its windows are through (``int4_rounding.LayerRounding``), so one group's Gram matrices are held
 at a time; where those (or, on the whole model's pass, all of them) exceed ``GRAM_BYTES``, or
 with ``gptq`` off, weights are rounded to nearest. ONNX Runtime's optimizer turns each
-DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
+DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``. With a ``gate``, the most sensitive
+linears are kept at INT8 until the model's expected perplexity ratio against float is at most
+that (``int4_gate``).
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ from ..graph.decoder import write_int8_graph
 from ..graph.names import KINDS, kind_of
 from ..graph.quant import QuantPlan
 from ..model.spec import ModelSpec
-from ..model.text import token_windows
+from ..model.text import TokenWindows, token_windows
+from .int4_gate import GATE_SEQ_LEN, GATE_WINDOWS, gated_plan
 from .int4_rounding import AwqSearch, LayerRounding, scaled
 
 GRAPH = "model.int4.onnx"
 # What this code writes from the same export and settings; a cached result of another version is redone.
-VERSION = 5
+VERSION = 7
 # The Gram matrices GPTQ needs (float32, in x in per linear) are summed only while they fit this;
 # a larger model's INT4 weights are rounded to nearest, and its record says why.
 GRAM_BYTES = 2 * 1024**3
@@ -69,6 +72,9 @@ class Int4Settings:
     seq_len: int = 128
     int8_kinds: tuple[str, ...] = ()  # kinds of linear (``graph.names.kind_of``) kept at INT8, blocks of 32
     int8_embedding: bool = True  # the token embedding INT8 in blocks of 32, as the LM head (else float32)
+    # the accuracy gate (``int4_gate``): the fewest most sensitive linears kept at INT8 for the expected
+    # perplexity ratio against the float graph to be at most this (None: no gate)
+    gate: float | None = None
 
     def check(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
@@ -77,6 +83,9 @@ class Int4Settings:
         if unknown:
             raise AutoGLMError(f"unknown kind of linear {', '.join(unknown)} to keep at INT8; "
                                f"choose from {', '.join(KINDS[:-1])} (the LM head is INT8 always)")
+        if self.gate is not None and not self.gate >= 1.0:
+            raise AutoGLMError(f"the INT4 gate's target is an expected perplexity ratio against float, at least 1.0 "
+                               f"(1.04: at most 4 % above float's perplexity), got {self.gate}")
 
 
 def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Settings = Int4Settings(),
@@ -97,12 +106,17 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     inputs = quantizable_inputs(export_dir, False, [])
     int8_linears = tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds))
     layers = layer_groups(export_dir, spec)
+    if settings.gate is not None and layers is not None:
+        raise AutoGLMError(f"the INT4 gate runs the whole float graph and a switchable INT4 graph at once; {export_dir} "
+                           f"holds over {GRAPH_BYTES / 1024**3:.0f} GiB of float32 weights, which the INT4 build "
+                           "takes layer by layer: build without --int4-gate (or keep kinds at INT8 with --int4-int8)")
     gptq, rounding = gptq_linears(spec, [n for n in inputs if n != "lm_head" and n not in int8_linears], settings,
                                   layers)
     more = token_windows(data, export_dir, settings.gram_windows, settings.seq_len, separator) if gptq else None
+    held = token_windows(data, export_dir, GATE_WINDOWS, GATE_SEQ_LEN, separator) if settings.gate else None
     made = {"source": export.identity(), "version": VERSION, "settings": asdict(settings),
             "data_sha256": windows.sha256, "images_sha256": [image_digest(i) for i in images],
-            "gram_data_sha256": more.sha256 if more else None}
+            "gram_data_sha256": more.sha256 if more else None, "gate_data_sha256": held.sha256 if held else None}
     if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).data.get("int4", {}), made):
         log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
         return out_dir
@@ -121,14 +135,29 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
             f"{time.perf_counter() - t0:.1f} s; INT4 rounding: {rounding}")
         with staged_directory(out_dir, True) as tmp:
             t1 = time.perf_counter()
-            write_int8_graph(tmp, GRAPH, spec, weights, plan, export.max_seq_len)
+            plan, gate = _write(Path(scratch), tmp, export_dir, weights, plan, export.max_seq_len, held, settings,
+                                threads, log)
             log(f"INT4 graph written in {time.perf_counter() - t1:.1f} s")
             record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq")
             record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
-                              "weights": _weights_text(settings), "rounding": rounding, "awq": report}
+                              "weights": _weights_text(settings, len(plan.int8_linears) - len(int8_linears)),
+                              "int8_linears": list(plan.int8_linears), "rounding": rounding, "awq": report,
+                              "gate": gate}
             copy_tokenizer_files(export_dir, tmp)
             write_json(tmp / EXPORT_RECORD, record)
     return out_dir
+
+
+def _write(scratch: Path, out: Path, export_dir: Path, weights: SmoothedWeights, plan: QuantPlan, max_seq_len: int,
+           held: TokenWindows | None, settings: Int4Settings, threads: int | None,
+           log: Callable[[str], None]) -> tuple[QuantPlan, dict | None]:
+    """The INT4 graph written in ``out``: gated on the windows ``held`` where the settings say so;
+    the plan written and the gate's report (None: no gate)."""
+    if held is None or settings.gate is None:
+        write_int8_graph(out, GRAPH, weights.spec, weights, plan, max_seq_len)
+        return plan, None
+    return gated_plan(scratch, out, GRAPH, export_dir, weights, plan, max_seq_len, held.windows, settings.gate,
+                      threads, log)
 
 
 def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: tuple, gptq: tuple[str, ...],
@@ -159,10 +188,11 @@ def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: t
     return SmoothedWeights(st.weights.base, spec, scales), plan, awq.report() if awq is not None else {}
 
 
-def _weights_text(settings: Int4Settings) -> str:
+def _weights_text(settings: Int4Settings, gated: int) -> str:
     return (f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, one scale (a float16 "
             f"value) per {settings.block} inputs of each output; LM head "
-            + "".join(f"and {k} " for k in settings.int8_kinds) + "int8 per 32"
+            + "".join(f"and {k} " for k in settings.int8_kinds)
+            + (f"and {gated} linears the gate kept " if gated else "") + "int8 per 32"
             + ("; token embedding int8 per 32" if settings.int8_embedding else ""))
 
 

@@ -55,6 +55,7 @@ class BuildRequest:
     force: bool = False
     int4_block: int = 32  # int4-awq: inputs per weight scale
     int4_int8: tuple[str, ...] = ()  # int4-awq: kinds of linear kept at INT8
+    int4_gate: float | None = None  # int4-awq: the accuracy gate's expected perplexity ratio (None: no gate)
 
 
 def resolve_backend(requested: str, log: Callable[[str], None]) -> str:
@@ -162,7 +163,8 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
         # TensorRT's block-quantized INT4 takes no zero points: symmetric there; its embedding stays
         # float (the INT8 rows' Gather + Cast is untested with TensorRT)
         trt = backend == "tensorrt"
-        settings = Int4Settings(block=req.int4_block, symmetric=trt, int8_kinds=req.int4_int8, int8_embedding=not trt)
+        settings = Int4Settings(block=req.int4_block, symmetric=trt, int8_kinds=req.int4_int8, int8_embedding=not trt,
+                                gate=req.int4_gate)
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
 

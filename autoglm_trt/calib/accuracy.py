@@ -50,14 +50,13 @@ def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: Weig
     if keep is None:
         raise AutoGLMError("no INT8 plan meets the accuracy gate even with every linear in float; check the export")
     reference = GraphRunner(export_dir, threads=gs.threads).logits
-    final = Gate(windows, gs.target_ppl_ratio, gs.target_top1, reference)
-    for attempt in range(FINAL_GATE_ATTEMPTS):
+
+    def written(keep: list[str]) -> Callable[[np.ndarray], np.ndarray]:
         write_int8_graph(tmp, "model.int8.onnx", spec, weights, plan.without(keep), max_seq_len)
-        result = final.check(GraphRunner(tmp, threads=gs.threads).logits, CLEAR)
-        log(f"gate on the INT8 graph with {len(keep)} linears in float: {describe(result)}")
-        if result["passed"] or attempt == FINAL_GATE_ATTEMPTS - 1:
-            break
-        keep = search.ranked(log)[: len(keep) + max(1, len(keep) // 2)]
+        return GraphRunner(tmp, threads=gs.threads).logits
+
+    keep, result = final_check(keep, written, Gate(windows, gs.target_ppl_ratio, gs.target_top1, reference),
+                               search, "INT8", log)
     if not result["passed"]:
         raise AutoGLMError(
             f"the INT8 graph misses the accuracy gate (expected ppl ratio {result['expected_ppl_ratio']:.4f} > "
@@ -71,3 +70,18 @@ def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: Weig
     switch_path.unlink()
     (tmp / "switch.onnx.data").unlink()
     return keep, report
+
+
+def final_check(keep: list[str], written: Callable[[list[str]], Callable[[np.ndarray], np.ndarray]], gate: Gate,
+                search: SensitivitySearch, what: str, log: Callable[[str], None]) -> tuple[list[str], dict]:
+    """The search's answer ``keep`` checked on the real graph (``written(keep)`` writes it and
+    returns its logits) against the targets loosened by ``CLEAR``; while that misses them, the
+    next most sensitive linears are kept too, half as many again (``FINAL_GATE_ATTEMPTS`` checks
+    at most). Returns the linears kept and the last check."""
+    for attempt in range(FINAL_GATE_ATTEMPTS):
+        result = gate.check(written(keep), CLEAR)
+        log(f"gate on the {what} graph with {len(keep)} linears {search.labels[1]}: {describe(result)}")
+        if result["passed"] or attempt == FINAL_GATE_ATTEMPTS - 1:
+            break
+        keep = search.ranked(log)[: len(keep) + max(1, len(keep) // 2)]
+    return keep, result

@@ -84,8 +84,9 @@ def mean_output_error(x: np.ndarray, w: np.ndarray, amax: float) -> np.ndarray:
     return (ref - quant).astype(np.float32)
 
 
-def fewest_float(ranked: list[str], passes: Callable[[list[str]], bool], log: Callable[[str], None]) -> list[str] | None:
-    """Smallest prefix of ``ranked`` to keep in float for which ``passes`` holds (None if none does)."""
+def fewest_float(ranked: list[str], passes: Callable[[list[str]], bool], log: Callable[[str], None],
+                 kept: str = "in float") -> list[str] | None:
+    """Smallest prefix of ``ranked`` to keep (in float) for which ``passes`` holds (None if none does)."""
     if passes([]):
         return []
     lo, k = 0, 1  # lo: largest k known to fail
@@ -104,7 +105,7 @@ def fewest_float(ranked: list[str], passes: Callable[[list[str]], bool], log: Ca
             hi = mid
         else:
             lo = mid
-    log(f"sensitivity: {hi} of {len(ranked)} linears kept in float")
+    log(f"sensitivity: {hi} of {len(ranked)} linears kept {kept}")
     return ranked[:hi]
 
 
@@ -174,9 +175,16 @@ class SensitivitySearch:
     """Ranking and search over one switchable INT8 session (see the module docstring)."""
 
     def __init__(self, session, spec: ModelSpec, order: list[str], gate_windows: np.ndarray,
-                 max_ratio: float, min_top1: float, corrected: list[str] | None = None):
-        """``corrected``: the linears the graph has a bias correction for (its ``bias_mask`` input)."""
+                 max_ratio: float, min_top1: float, corrected: list[str] | None = None,
+                 reference: Callable[[np.ndarray], np.ndarray] | None = None, candidates: list[str] | None = None,
+                 nudge: bool = True, labels: tuple[str, str] = ("INT8", "in float")):
+        """``corrected``: the linears the graph has a bias correction for (its ``bias_mask`` input).
+        ``reference``: the gate's logits to match [default: the switchable graph's, every linear
+        kept]; ``candidates``: the linears ranked and kept [default: ``order``]; ``nudge``: whether
+        a plan is also judged under its activation scales nudged (a graph without any: no);
+        ``labels``: the log's words for a linear quantized and kept."""
         self.session, self.spec, self.order = session, spec, order
+        self.candidates, self.nudge, self.labels = list(candidates or order), nudge, labels
         self.corrected = list(corrected or [])
         self.bias_on = np.zeros(len(order), np.float32)  # the corrections in use (``choose_corrections``)
         self.report: dict = {}
@@ -191,7 +199,7 @@ class SensitivitySearch:
             return fn
 
         self._run = run
-        self.gate = Gate(gate_windows, max_ratio, min_top1, run(np.zeros(len(order), np.float32)))
+        self.gate = Gate(gate_windows, max_ratio, min_top1, reference or run(np.zeros(len(order), np.float32)))
         self.rank_windows = gate_windows[:RANK_WINDOWS, :RANK_SEQ_LEN]
 
     def check(self, keep: list[str]) -> dict:
@@ -199,7 +207,9 @@ class SensitivitySearch:
         and, unless that verdict is clear (``Gate.clear``), under all of them ``NUDGE`` times larger
         too; then the mean of both, their verdict and ``spread``, how far each metric moved."""
         a = self.gate.check(self._run(self.mask(keep)))
-        return a if self.gate.clear(a) else self.gate.mean(a, self.gate.check(self._run(self.mask(keep), NUDGE)))
+        if not self.nudge or self.gate.clear(a):
+            return a
+        return self.gate.mean(a, self.gate.check(self._run(self.mask(keep), NUDGE)))
 
     def choose_corrections(self, log: Callable[[str], None]) -> list[str]:
         """The bias corrections to keep, kind by kind: each kind's are kept when, with every linear
@@ -245,12 +255,12 @@ class SensitivitySearch:
             lq = log_softmax(self._run(mask)(self.rank_windows), np.float32)
             return float((p * (ref - lq)).sum(-1, dtype=np.float64).mean())
 
-        progress, alone = Progress(len(self.order), "ranking linears"), {}
-        for n in self.order:
+        progress, alone = Progress(len(self.candidates), "ranking linears"), {}
+        for n in self.candidates:
             alone[n] = kl(self.mask_of([n]))
             progress.update()
-        ranked = sorted(self.order, key=lambda n: (-float(f"{alone[n]:.3g}"), n))
-        log("  sensitivity (KL with only that linear INT8): "
+        ranked = sorted(self.candidates, key=lambda n: (-float(f"{alone[n]:.3g}"), n))
+        log(f"  sensitivity (KL with only that linear {self.labels[0]}): "
             + ", ".join(f"{n} {alone[n]:.5f}" for n in ranked[:6]) + ", ...")
         self.report.update({"kl_all_int8": kl(self.mask([])), "kl_alone": alone, "ranked": ranked})
         return ranked
@@ -261,8 +271,8 @@ class SensitivitySearch:
 
     def run(self, log: Callable[[str], None]) -> list[str] | None:
         first = self.check([])
-        trials = [{"float_linears": 0, **first}]
-        log(f"  gate with every linear INT8: {describe(first)}")
+        trials = [{"kept_linears": 0, **first}]
+        log(f"  gate with every linear {self.labels[0]}: {describe(first)}")
         if first["passed"]:
             self.report["trials"] = trials
             return []
@@ -272,10 +282,10 @@ class SensitivitySearch:
             if not keep:
                 return False
             r = self.check(keep)
-            trials.append({"float_linears": len(keep), **r})
-            log(f"  gate with {len(keep)} linears in float: {describe(r)} -> {'pass' if r['passed'] else 'fail'}")
+            trials.append({"kept_linears": len(keep), **r})
+            log(f"  gate with {len(keep)} linears {self.labels[1]}: {describe(r)} -> {'pass' if r['passed'] else 'fail'}")
             return bool(r["passed"])
 
-        chosen = fewest_float(ranked, passes, log)
+        chosen = fewest_float(ranked, passes, log, self.labels[1])
         self.report["trials"] = trials
         return chosen

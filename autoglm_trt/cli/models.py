@@ -179,10 +179,14 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--int4-int8", default="", metavar="KINDS",
               help="int4-awq: kinds of linear kept at INT8 (comma-separated of qkv, o_proj, gate_up, down), "
                    "as the LM head is [default: none].")
+@click.option("--int4-gate", type=float, default=None, metavar="RATIO",
+              help="int4-awq: keep the fewest most sensitive linears at INT8 for the expected perplexity ratio "
+                   "against float on calibration text to be at most RATIO, e.g. 1.04 [default: no gate].")
 @click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
-              out_dir: Path | None, int4_block: int, int4_int8: str, print_config: bool, force: bool,
+              out_dir: Path | None, int4_block: int, int4_int8: str, int4_gate: float | None, print_config: bool,
+              force: bool,
               **overrides) -> None:
     """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""
     from ..builder.config import dump_config, load_config
@@ -195,7 +199,7 @@ def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, co
     out = out_dir or Path("engines") / f"{source.name}-{precision}"
     build_engine(BuildRequest(source=source, out_dir=out, precision=precision, calib=calib, backend=backend,
                               config=cfg, force=force, int4_block=int4_block,
-                              int4_int8=tuple(k for k in int4_int8.split(",") if k)), log=_log)
+                              int4_int8=tuple(k for k in int4_int8.split(",") if k), int4_gate=int4_gate), log=_log)
     click.echo(f"engine: {out}")
 
 

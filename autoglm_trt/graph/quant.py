@@ -65,7 +65,8 @@ class QuantPlan:
     # a 4-bit plan's linear name -> the Gram matrix X^T X of its inputs as the graph feeds them
     # (after AWQ's scaling): its weights rounded by GPTQ (``gptq``) instead of to nearest
     gram: dict[str, np.ndarray] = field(default_factory=dict)
-    # a 4-bit plan's linear name -> its weights already rounded (GPTQ layer by layer), read when written
+    # a 4-bit plan's linear name -> its weights already rounded (GPTQ layer by layer, or by an earlier
+    # write of the graph: GPTQ's roundings are kept here as they are made), read when written
     rounded: dict[str, Callable[[], Int4Blocks]] = field(default_factory=dict)
     # a weight-only plan's token embedding as INT8 rows in blocks of ``WEIGHT_BLOCK`` (the LM head's
     # quantization; ``embedding_rows``), gathered and scaled in the graph; else float
@@ -98,7 +99,12 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
     in a weight-only plan."""
     if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
-        return g.op("MatMul", [x, int4_weight_dq(g, name, _int4_weight(w, name, plan))], name)
+        w4 = int4_weight_dq(g, name, _int4_weight(w, name, plan))
+        if plan.switchable:  # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
+            wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
+            w4, _ = _switch(g, name, plan, w4,
+                            _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8"))
+        return g.op("MatMul", [x, w4], name)
     if plan.weight_only:
         wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
         return g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws, name)], name)
@@ -107,12 +113,18 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     wq, ws = quantize_weight_per_channel(w)
     xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), ws, name, plan)
     if plan.switchable:
-        idx = g.const(np.int64(plan.switch_order.index(name)), f"{name}.switch_idx")
-        on = g.op("Gather", ["quant_mask", idx], f"{name}.switch")
+        wdq, on = _switch(g, name, plan, wdq, g.weight(f"{name}.weight", w.astype(np.float32)))
         xdq = g.op("Add", [x, g.op("Mul", [on, g.op("Sub", [xdq, x])])], f"{name}.switch_x")
-        wdq = g.op("Where", [g.op("Greater", [on, g.const(np.float32(0.5), "half")]), wdq,
-                             g.weight(f"{name}.weight", w.astype(np.float32))], f"{name}.switch_w")
     return g.op("MatMul", [xdq, wdq], name)
+
+
+def _switch(g: GraphBuilder, name: str, plan: QuantPlan, quantized: str, kept: str) -> tuple[str, str]:
+    """A switchable graph's weight of linear ``name`` (``quantized`` where its ``quant_mask`` entry
+    is 1, else ``kept``: float, or INT8 in an INT4 plan) and that entry."""
+    idx = g.const(np.int64(plan.switch_order.index(name)), f"{name}.switch_idx")
+    on = g.op("Gather", ["quant_mask", idx], f"{name}.switch")
+    return g.op("Where", [g.op("Greater", [on, g.const(np.float32(0.5), "half")]), quantized, kept],
+                f"{name}.switch_w"), on
 
 
 def _int4_weight(w: np.ndarray, name: str, plan: QuantPlan) -> Int4Blocks:
@@ -123,8 +135,10 @@ def _int4_weight(w: np.ndarray, name: str, plan: QuantPlan) -> Int4Blocks:
             raise ValueError(f"{name}: weights rounded as {qw.q.shape} in blocks of {qw.block}, "
                              f"written as {w.shape} in blocks of {plan.weight_block}")
         return qw
-    if name in plan.gram:
-        return gptq_int4_blocks(w, plan.gram[name], plan.weight_block, plan.weight_symmetric)
+    if name in plan.gram:  # kept in ``rounded``: a gated build writes the graph twice
+        qw = gptq_int4_blocks(w, plan.gram[name], plan.weight_block, plan.weight_symmetric)
+        plan.rounded[name] = lambda: qw
+        return qw
     return quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric)
 
 

@@ -285,16 +285,18 @@ def test_an_int8_wo_build_keeps_the_float_encoder_and_answers_image_prompts(tiny
 def test_an_int4_awq_build_searches_its_scales_on_image_windows_too(tiny_dir, tmp_path):
     """``build --precision int4-awq`` on GLM-4.1V: the AWQ search's rows include one window per
     calibration image (the synthetic screenshots), GPTQ's Gram matrices those and more text
-    windows, the engine keeps the float encoder, and its answers read the image."""
+    windows, the engine keeps the float encoder, and its answers read the image. Built with a
+    loose accuracy gate, which runs its switchable graph on GLM-4.1V's decoder and passes at once."""
     import json
 
     from conftest import build_tiny_engine
 
     engine_dir = build_tiny_engine(tiny_dir, tmp_path / "int4", family="glm4v", precision="int4-awq", max_seq_len=256,
-                                   kv_num_blocks=64)
+                                   kv_num_blocks=64, int4_gate=2.0)
     [record] = [json.loads(p.read_text()) for p in (tmp_path / ".cache").glob("*/int4-awq/export.json")]
     assert len(record["int4"]["images_sha256"]) == 4 and (engine_dir / "vision.onnx").is_file()
     assert record["int4"]["rounding"].startswith("GPTQ") and record["int4"]["gram_data_sha256"]
+    assert record["int4"]["gate"]["result"]["passed"] and record["int4"]["int8_linears"] == []
     prompts = [image_message("what is on the screen? ", random_image(120, 200, seed)) for seed in (3, 4)]
     with Engine.load(engine_dir) as engine:
         answers = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))

@@ -263,3 +263,43 @@ def test_the_int4_engines_embedding_is_int8_rows_the_lm_head_quantization(tiny_d
     np.testing.assert_array_equal(got, want)
     step = np.repeat(scale[..., 0], 32, axis=1)[ids]
     assert np.all(np.abs(got - table[ids]) <= step / 2 + 1e-7) and np.abs(got - table[ids]).max() > 0
+
+
+def test_the_gate_keeps_the_most_sensitive_linears_at_int8(int4_engines, tmp_path, monkeypatch):
+    """``--int4-gate``: a target every plan meets keeps none at INT8; one halfway from the all-INT4
+    model's expected perplexity ratio to float keeps a prefix of the sensitivity ranking at INT8
+    (8-bit weights in the written graph, the others 4-bit) and its final check passes; a target
+    no plan meets (float's own 1.0), a bad one, and a model the build takes layer by layer are
+    refused with what to do."""
+    from autoglm_trt.builder import int4_awq
+    from autoglm_trt.errors import AutoGLMError
+
+    _, int4 = int4_engines
+    export = next((int4.parent / ".cache").glob("*/export-float32"))
+
+    def gate_record(name: str, target: float) -> tuple[dict, set[str]]:
+        out = int4_awq.int4_export(export, tmp_path / name, DATA, int4_awq.Int4Settings(gate=target), log=print)
+        model = onnx.load(str(out / "model.int4.onnx"), load_external_data=False)
+        return json.loads((out / "export.json").read_text())["int4"], {t.name for t in model.graph.initializer}
+
+    loose, _ = gate_record("loose", 100.0)
+    all_int4 = loose["gate"]["sensitivity"]["trials"][0]["expected_ppl_ratio"]
+    assert loose["gate"]["kept_at_int8"] == [] and all_int4 > 1.0 and loose["gate"]["result"]["passed"]
+    target = 1.0 + (all_int4 - 1.0) / 2
+    rec, weights = gate_record("gated", target)
+    gate = rec["gate"]
+    kept, ranked = gate["kept_at_int8"], gate["sensitivity"]["ranked"]
+    assert len(ranked) == 8 and 0 < len(kept) < 8 and sorted(ranked[: len(kept)]) == kept
+    assert gate["sensitivity"]["trials"][-1]["expected_ppl_ratio"] <= target and gate["result"]["passed"]
+    assert rec["int8_linears"] == kept and f"and {len(kept)} linears the gate kept int8" in rec["weights"]
+    for name in ranked:
+        assert (f"{name}.weight_i8" in weights, f"{name}.weight_i4" in weights) == ((True, False) if name in kept
+                                                                                      else (False, True))
+    assert not list(tmp_path.glob("**/switch.int4.onnx*"))
+    with pytest.raises(AutoGLMError, match="even with every decoder linear at INT8"):
+        int4_awq.int4_export(export, tmp_path / "tight", DATA, int4_awq.Int4Settings(gate=1.0), log=print)
+    with pytest.raises(AutoGLMError, match="at least 1.0"):
+        int4_awq.int4_export(export, tmp_path / "bad", DATA, int4_awq.Int4Settings(gate=0.5), log=print)
+    monkeypatch.setattr(int4_awq, "GRAPH_BYTES", 1)
+    with pytest.raises(AutoGLMError, match="build without --int4-gate"):
+        int4_awq.int4_export(export, tmp_path / "layers", DATA, int4_awq.Int4Settings(gate=1.04), log=print)
