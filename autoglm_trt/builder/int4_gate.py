@@ -33,7 +33,7 @@ from ..graph.runner import GraphRunner
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
 
-GATE_WINDOWS = 12  # held-back calibration windows, as the INT8 calibration's gate
+GATE_WINDOWS = 12  # calibration windows of GATE_SEQ_LEN tokens, as the INT8 calibration's gate
 GATE_SEQ_LEN = 256
 SWITCH = "switch.int4.onnx"
 

@@ -262,7 +262,7 @@ class SensitivitySearch:
         ranked = sorted(self.candidates, key=lambda n: (-float(f"{alone[n]:.3g}"), n))
         log(f"  sensitivity (KL with only that linear {self.labels[0]}): "
             + ", ".join(f"{n} {alone[n]:.5f}" for n in ranked[:6]) + ", ...")
-        self.report.update({"kl_all_int8": kl(self.mask([])), "kl_alone": alone, "ranked": ranked})
+        self.report.update({"kl_all_quantized": kl(self.mask([])), "kl_alone": alone, "ranked": ranked})
         return ranked
 
     def ranked(self, log: Callable[[str], None]) -> list[str]:

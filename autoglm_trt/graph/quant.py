@@ -65,8 +65,8 @@ class QuantPlan:
     # a 4-bit plan's linear name -> the Gram matrix X^T X of its inputs as the graph feeds them
     # (after AWQ's scaling): its weights rounded by GPTQ (``gptq``) instead of to nearest
     gram: dict[str, np.ndarray] = field(default_factory=dict)
-    # a 4-bit plan's linear name -> its weights already rounded (GPTQ layer by layer, or by an earlier
-    # write of the graph: GPTQ's roundings are kept here as they are made), read when written
+    # a 4-bit plan's linear name -> its weights already rounded (GPTQ layer by layer, or GPTQ's
+    # roundings as a switchable graph was written, for the final graph), read when written
     rounded: dict[str, Callable[[], Int4Blocks]] = field(default_factory=dict)
     # a weight-only plan's token embedding as INT8 rows in blocks of ``WEIGHT_BLOCK`` (the LM head's
     # quantization; ``embedding_rows``), gathered and scaled in the graph; else float
@@ -135,9 +135,10 @@ def _int4_weight(w: np.ndarray, name: str, plan: QuantPlan) -> Int4Blocks:
             raise ValueError(f"{name}: weights rounded as {qw.q.shape} in blocks of {qw.block}, "
                              f"written as {w.shape} in blocks of {plan.weight_block}")
         return qw
-    if name in plan.gram:  # kept in ``rounded``: a gated build writes the graph twice
+    if name in plan.gram:
         qw = gptq_int4_blocks(w, plan.gram[name], plan.weight_block, plan.weight_symmetric)
-        plan.rounded[name] = lambda: qw
+        if plan.switchable:  # the INT4 gate's graph: kept for the graph written after it
+            plan.rounded[name] = lambda: qw
         return qw
     return quantize_int4_blocks(w, plan.weight_block, plan.weight_symmetric)
 
