@@ -108,6 +108,11 @@ SECTIONS = (
             "int4-awq's model with its default settings (AWQ's search and GPTQ's rounding one layer at a time) on a "
             "24 GB machine: wall time, peak RSS, the INT4 graph's size per layer and outside the layers, and from "
             "them the 40-layer INT4 graph's size against fp16's (needs ~15 GB of disk)."),
+    Section("engine_load", "Loading a 9B-wide engine", ("benchmarks.bench_engine_load",),
+            "The GLM-4-9B shape cut to 2 of its 40 layers, built as an int8-wo engine twice: with the native "
+            "operators' packed weights saved in model.native.bin, and with them made when the engine loads (what a "
+            "build does when they pass 1 GiB, as every 9B's do): each engine's size on disk and time to load, and "
+            "whether the two compute the same logits (needs ~20 GB of disk)."),
     Section("accuracy", "Calibration and accuracy", ("benchmarks.accuracy_table",)),
     Section("accuracy_kinds", "Accuracy by kind of text", ("benchmarks.accuracy_kinds",)),
     Section("runtime_accuracy", "Accuracy as requests see it", ("benchmarks.runtime_accuracy",)),

@@ -147,6 +147,28 @@ def test_only_4_bit_blocks_of_32_at_accuracy_level_4_are_taken(tmp_path):
     assert nbits.int4_blocks(node, inits, numpy_helper.to_array) is None
 
 
+def test_the_tiles_hold_every_weight_where_the_operators_read_it():
+    """Every nibble of a 4-bit ``MatMulNBits``' weights, and every byte of 8-bit blocked weights (zeros
+    past K), at the place the operators' docstrings give, element by element."""
+    rng = np.random.default_rng(3)
+    b = rng.integers(0, 256, (32, 3, 16), dtype=np.uint8)  # [N, KB, 16]: inputs 2j (low) and 2j + 1 of byte j
+    tiles = nbits.int4_tiles(b)
+    assert tiles.shape == (2, 3, 8, 32) and tiles.dtype == np.uint8
+    for c in range(32):
+        for blk in range(3):
+            for i in range(32):
+                byte = tiles[c // 16, blk].reshape(-1)[64 * (i // 8) + 4 * (c % 16) + i % 4]
+                assert (byte >> 4 if i % 8 >= 4 else byte & 0x0F) == b[c, blk, i // 2] >> 4 * (i % 2) & 0x0F
+    q = rng.integers(-127, 128, (32, 70), dtype=np.int8)  # [N, K]: K = 70, three blocks, the last short
+    parts = nbits.int8_block_tiles(q, rng.random((3, 32)).astype(np.float16))
+    tiles8 = parts["tiles8"]
+    assert tiles8.shape == (2, 3, 16, 32) and tiles8.dtype == np.int8
+    for c in range(32):
+        for k in range(96):
+            want = q[c, k] if k < 70 else 0
+            assert tiles8[c // 16, k // 32, k % 32 // 2, 2 * (c % 16) + k % 2] == want
+
+
 @pytest.mark.parametrize("k,n,split", [(576, 960, False), (576, 49152, False), (80, 48, False), (576, 3072, True)])
 @pytest.mark.parametrize("rows", [0, 1, 5, 37, 300])
 def test_int8_block_linear_computes_the_reference_bit_for_bit(kernel_library, k, n, split, rows):

@@ -1,4 +1,5 @@
-"""The ONNX Runtime rewrite passes run when an engine is built; loading it only chooses a saved graph."""
+"""The ONNX Runtime rewrite passes run when an engine is built; loading it only chooses a saved graph
+(and, where the build saved no packed weights, runs the same passes again to make them)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import json
 import shutil
 
 import pytest
+from conftest import build_tiny_engine
 
 from autoglm_trt.artifacts import Manifest
 from autoglm_trt.backends import open_runner
-from autoglm_trt.backends.onnxrt import passes
+from autoglm_trt.backends.onnxrt import loader, passes
 
 
 def test_the_manifest_records_every_pass_in_order(tiny_int8_engine, library):
@@ -60,3 +62,40 @@ def test_a_native_graph_this_library_cannot_run_gives_way_to_the_plain_graph(tin
     runner = open_runner(Manifest.read(tiny_engine), num_blocks=32, threads=1)
     assert runner.attention.startswith("graph (the engine's native graph needs fma")
     runner.close()
+
+
+def test_packed_weights_over_the_limit_are_made_when_the_engine_loads(tiny_dir, tiny_engine, library, tmp_path,
+                                                                       monkeypatch):
+    import numpy as np
+
+    from autoglm_trt.evaluate.perplexity import _engine_runner
+
+    saved = Manifest.read(tiny_engine).ort_graphs
+    if saved["native_weights"] is None:
+        pytest.skip("this machine's library packs no weights for the tiny fp32 engine (no fused multiply-add)")
+    monkeypatch.setattr(loader, "PACK_AT_LOAD_BYTES", 0)
+    engine = build_tiny_engine(tiny_dir, tmp_path / "at-load")
+    graphs = Manifest.read(engine).ort_graphs
+    assert graphs["native_weights"] is None and not (engine / "model.native.bin").exists()
+    assert graphs["packed_at_load"] == {"kv_dtype": "float32", "dynamic_int8": False, "bf16_attention": False}
+    assert (engine / "model.native.onnx").is_file() and graphs["requires"] == saved["requires"]
+    window = np.arange(3, 35, dtype=np.int64)[None]
+    made, kept = _engine_runner(engine, 1), _engine_runner(tiny_engine, 1)
+    assert np.array_equal(made.logits(window), kept.logits(window))  # the same graph and weights, bit for bit
+    runner = open_runner(Manifest.read(engine), num_blocks=32, threads=1)
+    assert runner.attention == "native"
+    runner.close()
+
+    # passes that make another graph than the build saved: the plain graph, and why
+    monkeypatch.setattr(passes, "PASSES", tuple(p for p in passes.PASSES if p[0] != "skip_norm"))
+    runner = open_runner(Manifest.read(engine), num_blocks=32, threads=1)
+    assert runner.attention.startswith("graph (the passes made another native graph here than the engine's build")
+    runner.close()
+
+
+def test_a_malformed_packed_at_load_record_is_refused(tiny_engine, tmp_path):
+    from autoglm_trt.artifacts import EngineError
+
+    engine = _edited(tiny_engine, tmp_path, lambda g: g.update(packed_at_load={"kv_dtype": "int4"}))
+    with pytest.raises(EngineError, match="packed_at_load must name a KV dtype"):
+        Manifest.read(engine)

@@ -17,7 +17,9 @@ passes of ``passes/`` (native operators for attention, rope, the linears and wha
 one branch per step), and the plain graph. ``open_session`` takes the native one where this
 machine's native library loads and has what that graph requires (and the graph was made by
 this version's passes), else the plain one; ``attention`` says which attention decode steps run
-and why. Nothing is rewritten when an engine is loaded.
+and why. Nothing is rewritten when an engine is loaded, but where the build saved no packed
+weights (over ``loader.PACK_AT_LOAD_BYTES``): the same passes then run again and must give the
+saved native graph (``loader.pack_at_load``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ...artifacts import Manifest
 from ...graph import names
 from ...graph.session import make_session
 from ...kvcache.host_pools import KVPools, SlotMap
@@ -64,15 +67,20 @@ def open_session(engine_dir: Path, graphs: dict, threads: int,
         why = native_graph_here(graphs, target)
     if not why:
         try:
-            if rewritten is not None:
-                session = make_session(rewritten.model.SerializeToString(), threads=threads, external_data_dir=engine_dir,
-                                       custom_ops=target.library, initializers=rewritten.packed)
-                return session, rewritten.attention
+            made = rewritten
+            if made is None and graphs.get("packed_at_load") is not None:
+                made = loader.pack_at_load(engine_dir, graphs, Manifest.read(engine_dir).spec, target)
+            if made is not None:
+                session = make_session(made.model.SerializeToString(), threads=threads, external_data_dir=engine_dir,
+                                       custom_ops=target.library, initializers=made.packed)
+                return session, made.attention
             model = onnx.load(str(engine_dir / graphs["native_graph"]), load_external_data=False)
             packed = loader.read_packed(model, engine_dir)
             session = make_session(engine_dir / graphs["native_graph"], threads=threads, custom_ops=target.library,
                                    initializers=packed)
             return session, graphs["attention"]
+        except loader.OtherNativeGraph as exc:
+            why = str(exc)
         except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
             why = f"the native library {target.library} did not load: {exc}"
     return make_session(engine_dir / graphs["plain_graph"], threads=threads), f"graph ({why})"
