@@ -78,12 +78,12 @@ def float_tiles_shape(k: int, n: int) -> tuple[int, int, int]:
 
 
 def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx.TensorProto, bool]],
-              array, block_parts: dict[str, dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+              array, block_parts: dict[str, nbits.BlockParts] | None = None) -> dict[str, np.ndarray]:
     """Each int8 ``[K, N]`` weight packed, with its column sums, each float weight as 16-column
     tiles (``[N / 16, K, 16]``; ``floats`` says whether the tensor holds ``W`` transposed, as a
     ``Gemm``'s ``transB``), and the inputs of each ``Int4WeightLinear``, ``Int8BlockLinear`` and
-    ``Int8WeightLinear`` (``nbits``), all into one buffer of ``weights_arena`` (huge pages where
-    the system has them); by initializer name."""
+    ``Int8WeightLinear`` (``nbits``, each made as it is copied), all into one buffer of
+    ``weights_arena`` (huge pages where the system has them); by initializer name."""
     names: list[str] = []
     specs: list[tuple[tuple[int, ...], np.dtype]] = []
     for name, t in weights.items():
@@ -96,8 +96,8 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         specs.append((float_tiles_shape(k, n), np.dtype(np.float32)))
     block_parts = block_parts or {}
     for name, parts in block_parts.items():
-        names += [f"{name}.{part}" for part in parts]
-        specs += [(arr.shape, arr.dtype) for arr in parts.values()]
+        names += [f"{name}.{part}" for part in parts.specs]
+        specs += list(parts.specs.values())
     buf = weights_arena.allocate(weights_arena.layout(specs)[1])
     out = dict(zip(names, weights_arena.views(buf, specs)))
     for name, t in weights.items():
@@ -108,7 +108,9 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         tiles[...] = (w.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1) if transposed
                       else w.reshape(tiles.shape[1], tiles.shape[0], 16).transpose(1, 0, 2))
     for name, parts in block_parts.items():
-        for part, arr in parts.items():
+        for part, arr in parts.make().items():
+            if (arr.shape, arr.dtype) != parts.specs[part]:
+                raise ValueError(f"{name}.{part}: made as {arr.dtype} {arr.shape}, laid out as {parts.specs[part]}")
             out[f"{name}.{part}"][...] = arr
     weights_arena.settle(buf)
     return out
@@ -157,7 +159,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
 
     weights: dict[str, onnx.TensorProto] = {}
     float_weights: dict[str, tuple[onnx.TensorProto, bool]] = {}
-    block_weights: dict[str, dict[str, np.ndarray]] = {}  # Int4WeightLinear's, Int8BlockLinear's, Int8WeightLinear's
+    block_weights: dict[str, nbits.BlockParts] = {}  # Int4WeightLinear's, Int8BlockLinear's, Int8WeightLinear's
     dynamic_int8 = dynamic_int8 or any(n.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 4
                                                                        for a in n.attribute) for n in old)
     added: dict[int, onnx.NodeProto] = {}  # a node to put after the one replaced
@@ -165,15 +167,15 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for mm in old:
-        int4 = nbits.int4_blocks(mm, inits, array) if fma else None
+        int4 = nbits.int4_parts(mm, inits, array) if fma else None
         if int4 is not None:
             block_weights[mm.input[1]] = int4
             names = [f"{mm.input[1]}.{part}" for part in nbits.INT4_PARTS]
             _replace_nbits(mm, INT4_OP, names, widths, replaced, added)
             continue
-        blocked = nbits.int8_blocks(mm, inits, array) if fma else None
+        blocked = nbits.int8_parts(mm, inits, array) if fma else None
         if blocked is not None:
-            block_weights[mm.input[1]] = nbits.int8_block_tiles(*blocked)
+            block_weights[mm.input[1]] = blocked
             names = [f"{mm.input[1]}.{part}" for part in nbits.INT8_PARTS]
             _replace_nbits(mm, BLOCK_OP if dynamic_int8 else WEIGHT_OP, names, widths, replaced, added)
             continue

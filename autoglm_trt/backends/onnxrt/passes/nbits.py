@@ -12,16 +12,19 @@ The operators hold each scale as float16 (and 4-bit zero points two to a byte): 
 float32 scales are not all float16 values (``graph.int4.half_scales`` makes this toolkit's so)
 is left to ONNX Runtime, as is one of another block size or bit width, columns not a multiple of
 16, or a ``g_idx``; either function then gives None. A bias (input 5) is left to the caller,
-which adds it after.
+which adds it after. ``int4_parts`` and ``int8_parts`` check a node the same way and return
+the inputs' shapes with a function that makes them (``BlockParts``): the linears pass lays out the
+buffer first and reads each node's weights only as it packs them, so one node's are held at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from .common import MICROSOFT
 
@@ -31,6 +34,16 @@ INT4_ZERO = 8  # and of 4-bit ones
 INT4_PARTS = ("tiles4", "scales4", "zeros4")  # Int4WeightLinear's inputs 1-3, by name suffix
 INT8_PARTS = ("tiles8", "scales8")  # Int8BlockLinear's inputs 1-2
 Array = Callable[[onnx.TensorProto], np.ndarray]
+Spec = tuple[tuple[int, ...], np.dtype]
+
+
+@dataclass(frozen=True)
+class BlockParts:
+    """An operator's weight inputs by name suffix: their shapes and dtypes, and ``make`` (reads the
+    node's weights and lays them out)."""
+
+    specs: dict[str, Spec]
+    make: Callable[[], dict[str, np.ndarray]]
 
 
 def _node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], bits: int) -> dict | None:
@@ -56,25 +69,53 @@ def half(scales: np.ndarray) -> np.ndarray | None:
     return halves if np.all(np.isfinite(halves)) and np.array_equal(halves.astype(np.float32), scales) else None
 
 
-def int8_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
-                array: Array) -> tuple[np.ndarray, np.ndarray] | None:
-    """For an 8-bit node with zero points of 128 and float16 values as scales: (int8 weights
-    ``[N, K]``, float16 scales ``[ceil(K / QUANT_BLOCK), N]``); else None."""
+def _int8_checked(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
+                  array: Array) -> tuple[int, int, np.ndarray] | None:
+    """For an 8-bit node with zero points of 128 and float16 values as scales: (K, N, its scales as
+    float16 ``[N, KB]``), its weights unread; else None."""
     attrs = _node(node, inits, 8)
     if attrs is None:
         return None
     k, n = attrs["K"], attrs["N"]
     blocks = -(-k // QUANT_BLOCK)
-    b, scales = array(inits[node.input[1]]), array(inits[node.input[2]])
-    if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK) or scales.dtype != np.float32 or \
-            scales.size != n * blocks:
+    weights, scales = inits[node.input[1]], array(inits[node.input[2]])
+    if weights.data_type != TensorProto.UINT8 or tuple(weights.dims) != (n, blocks, QUANT_BLOCK) or \
+            scales.dtype != np.float32 or scales.size != n * blocks:
         return None
     zeros = _zeros(node, inits, array)
     halves = half(scales)
     if halves is None or (zeros is not None and (zeros.size != n * blocks or np.any(zeros != INT8_ZERO))):
         return None
-    q = (b.reshape(n, blocks * QUANT_BLOCK)[:, :k] ^ np.uint8(INT8_ZERO)).view(np.int8)  # v - 128 as int8: v ^ 0x80
-    return q, np.ascontiguousarray(halves.reshape(n, blocks).T)
+    return k, n, halves.reshape(n, blocks)
+
+
+def _int8_weights(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Array, k: int) -> np.ndarray:
+    b = array(inits[node.input[1]])
+    return (b.reshape(b.shape[0], -1)[:, :k] ^ np.uint8(INT8_ZERO)).view(np.int8)  # v - 128 as int8: v ^ 0x80
+
+
+def int8_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
+                array: Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """For an 8-bit node with zero points of 128 and float16 values as scales: (int8 weights
+    ``[N, K]``, float16 scales ``[ceil(K / QUANT_BLOCK), N]``); else None."""
+    checked = _int8_checked(node, inits, array)
+    if checked is None:
+        return None
+    k, _, halves = checked
+    return _int8_weights(node, inits, array, k), np.ascontiguousarray(halves.T)
+
+
+def int8_parts(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Array) -> BlockParts | None:
+    """``int8_block_tiles`` of ``int8_blocks``, made when asked; None where ``int8_blocks`` is."""
+    checked = _int8_checked(node, inits, array)
+    if checked is None:
+        return None
+    k, n, halves = checked
+    blocks = halves.shape[1]
+    specs: dict[str, Spec] = {"tiles8": ((n // 16, blocks, QUANT_BLOCK // 2, 32), np.dtype(np.int8)),
+                              "scales8": ((n // 16, blocks, 16), np.dtype(np.float16))}
+    return BlockParts(specs, lambda: int8_block_tiles(_int8_weights(node, inits, array, k),
+                                                      np.ascontiguousarray(halves.T)))
 
 
 def int8_block_tiles(q: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
@@ -98,14 +139,20 @@ def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array:
     inputs 1-3 by ``INT4_PARTS`` suffix (tiles uint8 ``[N/16, KB, 8, 32]``, scales float16 ``[N/16,
     KB, 16]``, zero points uint8 ``[N/16, KB, 8]``, two to a byte: outputs 2i and 2i + 1 of a
     tile's block in byte i's low and high nibble; KB = ceil(K / 32)); else None."""
+    parts = int4_parts(node, inits, array)
+    return None if parts is None else parts.make()
+
+
+def int4_parts(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array: Array) -> BlockParts | None:
+    """``int4_blocks``' inputs, made when asked; None where ``int4_blocks`` is."""
     attrs = _node(node, inits, 4)
     if attrs is None or attrs.get("accuracy_level") != 4:
         return None
     k, n = attrs["K"], attrs["N"]
     blocks = -(-k // QUANT_BLOCK)
-    b, scales = array(inits[node.input[1]]), array(inits[node.input[2]])
-    if b.dtype != np.uint8 or b.shape != (n, blocks, QUANT_BLOCK // 2) or scales.dtype != np.float32 or \
-            scales.size != n * blocks:
+    weights, scales = inits[node.input[1]], array(inits[node.input[2]])
+    if weights.data_type != TensorProto.UINT8 or tuple(weights.dims) != (n, blocks, QUANT_BLOCK // 2) or \
+            scales.dtype != np.float32 or scales.size != n * blocks:
         return None
     halves = half(scales)
     if halves is None:
@@ -118,13 +165,16 @@ def int4_blocks(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], array:
         zero = np.stack([pairs & 0x0F, pairs >> 4], axis=-1).reshape(n, -1)[:, :blocks]
     else:
         return None
-    tiles = int4_tiles(b)
 
     def by_tile(a: np.ndarray) -> np.ndarray:  # [N, KB] -> [N/16, KB, 16]
         return np.ascontiguousarray(a.reshape(n // 16, 16, blocks).transpose(0, 2, 1))
 
     zero16 = by_tile(zero.astype(np.uint8))
-    return dict(zip(INT4_PARTS, (tiles, by_tile(halves.reshape(n, blocks)), zero16[..., 0::2] | (zero16[..., 1::2] << 4))))
+    small = (by_tile(halves.reshape(n, blocks)), zero16[..., 0::2] | (zero16[..., 1::2] << 4))
+    specs: dict[str, Spec] = {"tiles4": ((n // 16, blocks, 8, 32), np.dtype(np.uint8)),
+                              "scales4": ((n // 16, blocks, 16), np.dtype(np.float16)),
+                              "zeros4": ((n // 16, blocks, 8), np.dtype(np.uint8))}
+    return BlockParts(specs, lambda: dict(zip(INT4_PARTS, (int4_tiles(array(weights)), *small))))
 
 
 def _spread(v: np.ndarray) -> np.ndarray:
