@@ -28,6 +28,9 @@ its native graph; the engine's plain graph and the graph TensorRT builds keep
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -100,18 +103,29 @@ def _pack_all(weights: dict[str, onnx.TensorProto], floats: dict[str, tuple[onnx
         specs += list(parts.specs.values())
     buf = weights_arena.allocate(weights_arena.layout(specs)[1])
     out = dict(zip(names, weights_arena.views(buf, specs)))
-    for name, t in weights.items():
+
+    def int8(name: str, t: onnx.TensorProto) -> None:
         pack_weights(array(t), (out[f"{name}.packed"], out[f"{name}.col_sums"]))
-    for name, (t, transposed) in floats.items():
+
+    def float_tiles(name: str, t: onnx.TensorProto, transposed: bool) -> None:
         w = array(t)
         tiles = out[f"{name}.tiles"]
         tiles[...] = (w.reshape(tiles.shape[0], 16, tiles.shape[1]).transpose(0, 2, 1) if transposed
                       else w.reshape(tiles.shape[1], tiles.shape[0], 16).transpose(1, 0, 2))
-    for name, parts in block_parts.items():
+
+    def blocked(name: str, parts: nbits.BlockParts) -> None:
         for part, arr in parts.make().items():
             if (arr.shape, arr.dtype) != parts.specs[part]:
                 raise ValueError(f"{name}.{part}: made as {arr.dtype} {arr.shape}, laid out as {parts.specs[part]}")
             out[f"{name}.{part}"][...] = arr
+
+    jobs = [partial(int8, name, t) for name, t in weights.items()] + \
+        [partial(float_tiles, name, t, transposed) for name, (t, transposed) in floats.items()] + \
+        [partial(blocked, name, parts) for name, parts in block_parts.items()]
+    # each linear's weights read and laid out on a thread of their own (numpy and file reads let go
+    # of the GIL), into parts of the buffer no other job writes
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda job: job(), jobs))  # each job's error, if any, raised here
     weights_arena.settle(buf)
     return out
 
