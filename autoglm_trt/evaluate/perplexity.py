@@ -53,7 +53,7 @@ def _engine_runner(engine_dir: Path, threads: int | None) -> GraphRunner:
     from ..backends.onnxrt.runner import open_session
 
     manifest = Manifest.read(engine_dir)
-    session, _ = open_session(manifest.dir, manifest.data["onnxruntime"], threads or 0)
+    session, _ = open_session(manifest.dir, manifest.ort_graphs, manifest.spec, threads or 0)
     slots = SLOTS if SLOTS in {i.name for i in session.get_inputs()} else None
     return GraphRunner(engine_dir, session=session, no_store=slots)
 

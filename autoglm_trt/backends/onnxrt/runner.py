@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ...artifacts import Manifest
 from ...graph import names
 from ...graph.session import make_session
 from ...kvcache.host_pools import KVPools, SlotMap
@@ -55,10 +54,11 @@ def native_graph_here(graphs: dict, target: passes.Target) -> str:
     return ""
 
 
-def open_session(engine_dir: Path, graphs: dict, threads: int,
+def open_session(engine_dir: Path, graphs: dict, spec: ModelSpec, threads: int,
                  rewritten: passes.Rewritten | None = None) -> tuple[Any, str]:
     """A session over the engine's native graph where it can run here (``native_graph_here``), else
     over its plain graph; and which attention decode steps run: "native" or "graph (<why>)".
+    ``spec``: the engine's model, for passes run again at load (``loader.pack_at_load``).
     ``rewritten``: run that graph instead of the saved native one (tests comparing sets of passes)."""
     target = passes.Target.here()
     if rewritten is not None:
@@ -69,7 +69,7 @@ def open_session(engine_dir: Path, graphs: dict, threads: int,
         try:
             made = rewritten
             if made is None and graphs.get("packed_at_load") is not None:
-                made = loader.pack_at_load(engine_dir, graphs, Manifest.read(engine_dir).spec, target)
+                made = loader.pack_at_load(engine_dir, graphs, spec, target)
             if made is not None:
                 session = make_session(made.model.SerializeToString(), threads=threads, external_data_dir=engine_dir,
                                        custom_ops=target.library, initializers=made.packed)
@@ -94,7 +94,7 @@ class OrtRunner:
         import onnxruntime as ort
 
         self._ort = ort
-        self.session, self.attention = open_session(Path(engine_dir), graphs, threads, rewritten)
+        self.session, self.attention = open_session(Path(engine_dir), graphs, spec, threads, rewritten)
         self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         inputs = {i.name for i in self.session.get_inputs()}
