@@ -117,7 +117,7 @@ def run_transformers(ckpt: Path, system: str, steps: list, engine_rows: list[dic
     return rows
 
 
-def _current(engine: Path) -> bool:
+def is_current(engine: Path) -> bool:
     """Whether ``engine`` exists and was built by this code's graph and vision record (else rebuild it)."""
     from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.errors import AutoGLMError
@@ -146,7 +146,7 @@ def main() -> None:
     args = ap.parse_args()
     ckpt = checkpoint(args.work / "checkpoint")
     engine = args.work / "engine-fp32"
-    if not _current(engine):
+    if not is_current(engine):
         build_engine(BuildRequest(ckpt, engine, precision="fp32", backend="onnxruntime", force=engine.exists(),
                                   config=BuildConfig(max_seq_len=8192, max_input_len=2048, max_batch_size=4)),
                      log=lambda m: print(m, file=sys.stderr))

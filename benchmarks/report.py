@@ -82,6 +82,11 @@ SECTIONS = (
     Section("agent_images", "The phone agent on a small GLM-4.1V", ("benchmarks.bench_agent", "--images"),
             "Open-AutoGLM's trace: one new 1080 x 2400 screenshot a turn (3,108 image tokens at max_pixels "
             "5,000,000), a 1,500-token system prompt, the engine's time to first token split, against transformers."),
+    Section("encode_overlap", "Decoding beside a screenshot's encoding",
+            ("benchmarks.bench_encode_overlap", "--rounds", "3"),
+            "A GLM-4.1V engine (SmolLM2's decoder shape, the small vision tower above, int8-wo) loaded with its "
+            "decoder's ONNX Runtime threads spinning and blocking, in turns: decode tokens/s with 1 and 4 streams "
+            "alone and while 1080 x 2400 screenshots are encoded, and the encoder's seconds a screenshot."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),

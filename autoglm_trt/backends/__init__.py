@@ -67,13 +67,15 @@ def check_engine(engine_dir, verify_hashes: bool = True) -> Manifest:
     return manifest
 
 
-def open_runner(manifest: Manifest, num_blocks: int, threads: int = 0) -> StepRunner:
-    """The runner of an engine's backend with a pool of ``num_blocks`` KV blocks."""
+def open_runner(manifest: Manifest, num_blocks: int, threads: int = 0, spinning: bool = True) -> StepRunner:
+    """The runner of an engine's backend with a pool of ``num_blocks`` KV blocks; ``threads`` and
+    ``spinning`` are ONNX Runtime's (``graph.session.session_options``)."""
     kv, limits = manifest.kv, manifest.limits
     if manifest.backend == "onnxruntime":
         from .onnxrt.runner import OrtRunner
 
-        return OrtRunner(manifest.dir, manifest.ort_graphs, manifest.spec, num_blocks, kv.block_size, kv.dtype, threads)
+        return OrtRunner(manifest.dir, manifest.ort_graphs, manifest.spec, num_blocks, kv.block_size, kv.dtype, threads,
+                         spinning=spinning)
     from .trt.runner import TrtRunner
 
     return TrtRunner(manifest.engine_path, manifest.spec, num_blocks, kv.block_size, kv.dtype,

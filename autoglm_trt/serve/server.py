@@ -16,7 +16,8 @@ from pathlib import Path
 from ..errors import require
 
 
-def serve(engine_dir: Path, host: str, port: int, cfg, threads: int = 0, log=print) -> None:
+def serve(engine_dir: Path, host: str, port: int, cfg, threads: int = 0, log=print,
+          spinning: bool | None = None) -> None:
     for module in ("uvicorn", "fastapi", "prometheus_client"):
         require(module, "autoglm-trt[serve]", "autoglm-trt serve")
     import uvicorn
@@ -24,7 +25,8 @@ def serve(engine_dir: Path, host: str, port: int, cfg, threads: int = 0, log=pri
     from ..runtime import Engine
     from .app import create_app
 
-    engine = Engine.load(engine_dir, threads=threads, prefix_caching=cfg.prefix_caching, images=cfg.images)
+    engine = Engine.load(engine_dir, threads=threads, prefix_caching=cfg.prefix_caching, images=cfg.images,
+                         spinning=spinning)
     app = create_app(engine, cfg)
     serving = app.state.serving
 

@@ -213,6 +213,23 @@ def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
         assert engine.prepare(image_message(image, image)).ids.count(IMAGE_TOKEN) == 8
 
 
+def _spins(engine: Engine) -> str:
+    return engine.backend.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+
+
+@pytest.mark.parametrize("spinning, image_engine, text_engine", [(None, "0", "1"), (True, "1", "1"), (False, "0", "0")])
+def test_the_decoder_of_an_image_engine_does_not_spin_unless_asked(glm4v_engine, tiny_engine, spinning, image_engine,
+                                                                   text_engine):
+    """A screenshot is encoded on the caller's thread beside the decoder's steps: by default the
+    decoder's idle ONNX Runtime threads block there (a text engine's spin), and its encoder's spin."""
+    with Engine.load(glm4v_engine, spinning=spinning) as engine:
+        assert _spins(engine) == image_engine
+        encoder = engine.images.encoder.session.get_session_options()
+        assert encoder.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    with Engine.load(tiny_engine, spinning=spinning) as engine:
+        assert _spins(engine) == text_engine
+
+
 def test_the_export_records_its_image_parity(glm4v_engine):
     from autoglm_trt.artifacts import ExportRecord
 

@@ -55,11 +55,12 @@ def native_graph_here(graphs: dict, target: passes.Target) -> str:
 
 
 def open_session(engine_dir: Path, graphs: dict, spec: ModelSpec, threads: int,
-                 rewritten: passes.Rewritten | None = None) -> tuple[Any, str]:
+                 rewritten: passes.Rewritten | None = None, spinning: bool = True) -> tuple[Any, str]:
     """A session over the engine's native graph where it can run here (``native_graph_here``), else
     over its plain graph; and which attention decode steps run: "native" or "graph (<why>)".
     ``spec``: the engine's model, for passes run again at load (``loader.pack_at_load``).
-    ``rewritten``: run that graph instead of the saved native one (tests comparing sets of passes)."""
+    ``rewritten``: run that graph instead of the saved native one (tests comparing sets of passes).
+    ``spinning``: whether its threads spin waiting for work (``graph.session.session_options``)."""
     target = passes.Target.here()
     if rewritten is not None:
         why = target.why if target.library is None else "" if rewritten.native else "the graph has no native operator"
@@ -72,29 +73,29 @@ def open_session(engine_dir: Path, graphs: dict, spec: ModelSpec, threads: int,
                 made = loader.pack_at_load(engine_dir, graphs, spec, target)
             if made is not None:
                 session = make_session(made.model.SerializeToString(), threads=threads, external_data_dir=engine_dir,
-                                       custom_ops=target.library, initializers=made.packed)
+                                       custom_ops=target.library, initializers=made.packed, spinning=spinning)
                 return session, made.attention
             model = onnx.load(str(engine_dir / graphs["native_graph"]), load_external_data=False)
             packed = loader.read_packed(model, engine_dir)
             session = make_session(engine_dir / graphs["native_graph"], threads=threads, custom_ops=target.library,
-                                   initializers=packed)
+                                   initializers=packed, spinning=spinning)
             return session, graphs["attention"]
         except loader.OtherNativeGraph as exc:
             why = str(exc)
         except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
             why = f"the native library {target.library} did not load: {exc}"
-    return make_session(engine_dir / graphs["plain_graph"], threads=threads), f"graph ({why})"
+    return make_session(engine_dir / graphs["plain_graph"], threads=threads, spinning=spinning), f"graph ({why})"
 
 
 class OrtRunner:
     MAX_BINDINGS = 64  # decode batch sizes kept bound
 
     def __init__(self, engine_dir: Path, graphs: dict, spec: ModelSpec, num_blocks: int, block_size: int,
-                 kv_dtype: str, threads: int = 0, rewritten: passes.Rewritten | None = None):
+                 kv_dtype: str, threads: int = 0, rewritten: passes.Rewritten | None = None, spinning: bool = True):
         import onnxruntime as ort
 
         self._ort = ort
-        self.session, self.attention = open_session(Path(engine_dir), graphs, spec, threads, rewritten)
+        self.session, self.attention = open_session(Path(engine_dir), graphs, spec, threads, rewritten, spinning)
         self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         inputs = {i.name for i in self.session.get_inputs()}
