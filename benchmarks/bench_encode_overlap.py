@@ -12,7 +12,9 @@ built ``int8-wo``, loaded twice in one process: with the decoder's intra-op thre
 over ``--rounds``. Each prints decode tokens/s with 1 and 4 streams alone and while three
 1080 x 2400 screenshots are encoded back to back (Open-AutoGLM's max_pixels: 3,108 image tokens
 each), and the encoder's seconds a screenshot alone and beside the streams; then the blocking
-decoder's figures over the spinning one's (medians over rounds).
+decoder's figures over the spinning one's (medians over rounds). Last, four agents' screenshots
+prepared at once (the default engine): the seconds each took to be decoded, preprocessed and
+encoded, with the engine's one-encode-at-a-time and with every encode let run at once.
 """
 
 from __future__ import annotations
@@ -103,6 +105,29 @@ def measure(eng, system: str, steps: list, seconds: float) -> dict:
     return row
 
 
+def agents_at_once(eng, system: str, pngs: list[bytes], one_at_a_time: bool) -> list[float]:
+    """Seconds each of ``pngs`` took to be prepared, all started together on threads of their own."""
+    import contextlib
+
+    if not one_at_a_time:  # what the engine did before it encoded one image at a time
+        eng.images._encoding = contextlib.nullcontext()
+    took = [0.0] * len(pngs)
+    start = threading.Barrier(len(pngs))
+
+    def agent(k: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        eng.prepare(messages(system, [], f"Step {k + 1}: open the settings", pngs[k]))
+        took[k] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=agent, args=(k,)) for k in range(len(pngs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return took
+
+
 def main() -> None:
     import argparse
 
@@ -128,6 +153,22 @@ def main() -> None:
                           **{k: round(v, 2 if k.startswith("encode") else 1) for k, v in med[s].items()}}))
     print(json.dumps({"blocking_over_spinning": {k: round(med[False][k] / med[True][k], 3) for k in med[True]},
                       "machine": machine()}))
+    from autoglm_trt.model.screens import ui_screenshot_png
+
+    pngs = [ui_screenshot_png(10 + k) for k in range(4)]
+    took: dict[bool, list[list[float]]] = {True: [], False: []}
+    for r in range(args.rounds):
+        for one in ((True, False) if r % 2 == 0 else (False, True)):
+            with Engine.load(path, images=ImageOptions(max_pixels=5_000_000, encoder_cache_bytes=0)) as eng:
+                eng.prepare(messages(system, [], "warm up", ui_screenshot_png(20)))
+                took[one].append(agents_at_once(eng, system, pngs, one))
+    summary = {one: {"mean_s": statistics.median(statistics.mean(t) for t in took[one]),
+                     "last_s": statistics.median(max(t) for t in took[one])} for one in took}
+    for one in (True, False):
+        print(json.dumps({"screenshots_at_once": len(pngs), "encoder": "one at a time" if one else "all at once",
+                          "rounds": args.rounds, **{k: round(v, 2) for k, v in summary[one].items()}}))
+    print(json.dumps({"all_at_once_over_one_at_a_time": {k: round(summary[False][k] / summary[True][k], 3)
+                                                         for k in summary[True]}}))
 
 
 if __name__ == "__main__":

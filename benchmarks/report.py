@@ -86,7 +86,8 @@ SECTIONS = (
             ("benchmarks.bench_encode_overlap", "--rounds", "3"),
             "A GLM-4.1V engine (SmolLM2's decoder shape, the small vision tower above, int8-wo) loaded with its "
             "decoder's ONNX Runtime threads spinning and blocking, in turns: decode tokens/s with 1 and 4 streams "
-            "alone and while 1080 x 2400 screenshots are encoded, and the encoder's seconds a screenshot."),
+            "alone and while 1080 x 2400 screenshots are encoded, and the encoder's seconds a screenshot; then four "
+            "screenshots sent at once, encoded one at a time (the engine's way) and all at once."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),

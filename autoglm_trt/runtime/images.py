@@ -11,7 +11,7 @@ and hashed (its decoded RGB pixels and grid); the prompt's length is checked aft
 and before any encoding; then each image's embeddings come from ``EncoderCache`` (by that hash),
 or it is preprocessed as transformers' ``Glm4vImageProcessor`` does and encoded. This runs on
 the caller's thread, so the engine's loop goes on with other requests' steps while a screenshot
-is encoded.
+is encoded; the encoder takes one image at a time (``ImagePipeline._encoded``).
 """
 
 from __future__ import annotations
@@ -116,14 +116,15 @@ class EncoderCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def get(self, key: bytes) -> np.ndarray | None:
+    def get(self, key: bytes, count: bool = True) -> np.ndarray | None:
+        """The output kept for ``key``, or None; ``count``: add the lookup to the hits or misses."""
         with self._lock:
             found = self._items.get(key)
             if found is None:
-                self.misses += 1
+                self.misses += count
                 return None
             self._items.move_to_end(key)
-            self.hits += 1
+            self.hits += count
             return found
 
     def put(self, key: bytes, value: np.ndarray) -> None:
@@ -153,7 +154,7 @@ class PreparedPrompt:
     images: PromptImages | None = None
     mrope: MRope | None = None
     block_extras: list[bytes] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # decode, preprocess, encode
+    seconds: dict[str, float] = field(default_factory=dict)  # decode, preprocess, encoder_wait, encode
 
 
 class Encoder(Protocol):
@@ -168,6 +169,7 @@ class ImagePipeline:
         self.vision, self.config, self.block_size = vision, config, block_size
         self.encoder = encoder
         self.cache = EncoderCache(cache_bytes)
+        self._encoding = threading.Lock()  # one image through the encoder at a time (``_encoded``)
 
     def prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None]) -> PreparedPrompt:
         """``ids`` (one placeholder per image) with the images of ``sources`` in place; ``check`` is
@@ -185,21 +187,38 @@ class ImagePipeline:
         v = self.vision
         ids, spans = expand(ids, v.image_token_id, grids, digests, v.merge_size)
         check(ids)
-        embeds, preprocess_s = [], 0.0
+        embeds, preprocess_s, wait_s = [], 0.0, 0.0
         for arr, grid, digest in zip(arrays, grids, digests):
-            found = self.cache.get(digest)
-            if found is None:  # an image seen before skips preprocessing and the encoder
-                t = time.perf_counter()
-                rows = pixel_rows(arr, self.config)
-                preprocess_s += time.perf_counter() - t
-                found = self.encoder.encode(rows, grid)
-                self.cache.put(digest, found)
+            found, preprocessed, waited = self._encoded(arr, grid, digest)
             embeds.append(found)
+            preprocess_s, wait_s = preprocess_s + preprocessed, wait_s + waited
         t2 = time.perf_counter()
         positions, delta = mrope_positions(len(ids), spans, v.merge_size)
         return PreparedPrompt(ids, PromptImages(tuple(s.start for s in spans), tuple(embeds)), MRope(positions, delta),
                               block_extras(len(ids), spans, self.block_size),
-                              {"decode": t1 - t0, "preprocess": preprocess_s, "encode": t2 - t1 - preprocess_s})
+                              {"decode": t1 - t0, "preprocess": preprocess_s, "encoder_wait": wait_s,
+                               "encode": t2 - t1 - preprocess_s - wait_s})
+
+    def _encoded(self, arr: np.ndarray, grid: tuple[int, int, int], digest: bytes) -> tuple[np.ndarray, float, float]:
+        """An image's encoder output, and the seconds spent preprocessing it and waiting for the
+        encoder. An image seen before skips both. Images are encoded one at a time: an encode
+        already runs on every encoder thread, so several at once would share the cores and all
+        finish late (four agents' screenshots at once on 2 cores: 1.8x the mean time to be
+        encoded, ``docs/runtime.md``). Once it is an image's turn the cache is read again, as
+        another request may just have encoded the same screenshot."""
+        found = self.cache.get(digest)
+        if found is not None:
+            return found, 0.0, 0.0
+        t0 = time.perf_counter()
+        rows = pixel_rows(arr, self.config)
+        t1 = time.perf_counter()
+        with self._encoding:
+            t2 = time.perf_counter()
+            found = self.cache.get(digest, count=False)
+            if found is None:
+                found = self.encoder.encode(rows, grid)
+                self.cache.put(digest, found)
+        return found, t1 - t0, t2 - t1
 
 
 def image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -> ImagePipeline:

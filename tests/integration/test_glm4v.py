@@ -213,6 +213,52 @@ def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
         assert engine.prepare(image_message(image, image)).ids.count(IMAGE_TOKEN) == 8
 
 
+def test_screenshots_are_encoded_one_at_a_time_and_a_repeated_one_once(glm4v_engine):
+    """Four requests prepared at once (two with the same screenshot): the encoder never runs two
+    images at once, the repeated screenshot is encoded once (the cache is read again when its turn
+    comes), and each request's embeddings are what preparing it alone gives."""
+    import threading
+    import time
+
+    images = [random_image(100, 160, seed) for seed in (11, 12, 13, 11)]
+    with Engine.load(glm4v_engine) as engine:
+        want = [engine.prepare(image_message("look ", im)).images.embeds[0] for im in images[:3]]
+    with Engine.load(glm4v_engine) as engine:
+        real, watch = engine.images.encoder, {"inside": 0, "most": 0, "calls": 0}
+        lock = threading.Lock()
+
+        class Watched:
+            def encode(self, rows, grid):
+                with lock:
+                    watch["inside"] += 1
+                    watch["calls"] += 1
+                    watch["most"] = max(watch["most"], watch["inside"])
+                time.sleep(0.1)
+                try:
+                    return real.encode(rows, grid)
+                finally:
+                    with lock:
+                        watch["inside"] -= 1
+
+        engine.images.encoder = Watched()
+        got: list = [None] * 4
+        start = threading.Barrier(4)
+
+        def prepare(k: int) -> None:
+            start.wait()
+            got[k] = engine.prepare(image_message("look ", images[k]))
+
+        threads = [threading.Thread(target=prepare, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert watch["most"] == 1 and watch["calls"] == 3
+    for k, expected in enumerate(want + [want[0]]):
+        np.testing.assert_array_equal(got[k].images.embeds[0], expected)
+    assert max(p.seconds["encoder_wait"] for p in got) >= 0.1
+
+
 def _spins(engine: Engine) -> str:
     return engine.backend.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
 
