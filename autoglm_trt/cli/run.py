@@ -128,7 +128,7 @@ def _image_size(text: str) -> tuple[int, int]:
               help="Require 'Authorization: Bearer KEY' (or set AUTOGLM_API_KEY); /health stays open.")
 @click.option("--served-model-name", default=None, help="Model name clients send [default: the engine directory's name].")
 @click.option("--max-waiting", type=click.IntRange(0), default=256, show_default=True,
-              help="Queued requests beyond which new ones get 429.")
+              help="Requests queued (or having their images encoded) beyond which new ones get 429.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds a request may run; it then ends with the text so far and finish_reason 'length'.")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,

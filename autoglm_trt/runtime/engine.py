@@ -365,7 +365,7 @@ class Engine:
             return {"free_blocks": self.allocator.num_free, "num_blocks": self.allocator.num_blocks,
                     "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                     "preemptions": self.scheduler.preemptions, **self.kv.stats(),
-                    **(self.images.cache.stats() if self.images is not None else {})}
+                    **(self.images.stats() if self.images is not None else {})}
 
     @property
     def alive(self) -> bool:

@@ -170,10 +170,27 @@ class ImagePipeline:
         self.encoder = encoder
         self.cache = EncoderCache(cache_bytes)
         self._encoding = threading.Lock()  # one image through the encoder at a time (``_encoded``)
+        self._preparing = 0  # requests in ``prepare``
+        self._count = threading.Lock()
+
+    def stats(self) -> dict:
+        """The encoder cache's counts, and how many requests are having their images decoded,
+        waiting for the encoder or encoded (``images_preparing``)."""
+        with self._count:
+            return {**self.cache.stats(), "images_preparing": self._preparing}
 
     def prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None]) -> PreparedPrompt:
         """``ids`` (one placeholder per image) with the images of ``sources`` in place; ``check`` is
         called on the expanded ids before anything is encoded (it raises to refuse the prompt)."""
+        with self._count:
+            self._preparing += 1
+        try:
+            return self._prepare(ids, sources, check)
+        finally:
+            with self._count:
+                self._preparing -= 1
+
+    def _prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None]) -> PreparedPrompt:
         t0 = time.perf_counter()
         arrays = []
         for k, source in enumerate(sources):

@@ -90,7 +90,8 @@ class Serving:
             raise ApiError(400, f"priority {body.priority} is more urgent than this server lets clients ask for "
                                 f"(lower runs first; at least {self.max_client_priority}: serve --max-client-priority)",
                            param="priority", code="priority_not_allowed")
-        if self.engine.stats()["waiting"] >= self.max_waiting:
+        stats = self.engine.stats()  # a request whose images are being encoded waits too
+        if stats["waiting"] + stats.get("images_preparing", 0) >= self.max_waiting:
             raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry shortly",
                            "rate_limit_error", "queue_full", headers={"Retry-After": "1"})
         # tokens, and images decoded and encoded, off the event loop; RequestError -> 400

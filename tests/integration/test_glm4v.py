@@ -216,7 +216,8 @@ def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
 def test_screenshots_are_encoded_one_at_a_time_and_a_repeated_one_once(glm4v_engine):
     """Four requests prepared at once (two with the same screenshot): the encoder never runs two
     images at once, the repeated screenshot is encoded once (the cache is read again when its turn
-    comes), and each request's embeddings are what preparing it alone gives."""
+    comes), each request's embeddings are what preparing it alone gives, and the engine counts the
+    four as preparing while the first is encoded."""
     import threading
     import time
 
@@ -224,7 +225,7 @@ def test_screenshots_are_encoded_one_at_a_time_and_a_repeated_one_once(glm4v_eng
     with Engine.load(glm4v_engine) as engine:
         want = [engine.prepare(image_message("look ", im)).images.embeds[0] for im in images[:3]]
     with Engine.load(glm4v_engine) as engine:
-        real, watch = engine.images.encoder, {"inside": 0, "most": 0, "calls": 0}
+        real, watch = engine.images.encoder, {"inside": 0, "most": 0, "calls": 0, "preparing": 0}
         lock = threading.Lock()
 
         class Watched:
@@ -234,6 +235,7 @@ def test_screenshots_are_encoded_one_at_a_time_and_a_repeated_one_once(glm4v_eng
                     watch["calls"] += 1
                     watch["most"] = max(watch["most"], watch["inside"])
                 time.sleep(0.1)
+                watch["preparing"] = max(watch["preparing"], engine.stats()["images_preparing"])
                 try:
                     return real.encode(rows, grid)
                 finally:
@@ -253,7 +255,8 @@ def test_screenshots_are_encoded_one_at_a_time_and_a_repeated_one_once(glm4v_eng
             t.start()
         for t in threads:
             t.join()
-    assert watch["most"] == 1 and watch["calls"] == 3
+        assert engine.stats()["images_preparing"] == 0
+    assert watch["most"] == 1 and watch["calls"] == 3 and watch["preparing"] == 4
     for k, expected in enumerate(want + [want[0]]):
         np.testing.assert_array_equal(got[k].images.embeds[0], expected)
     assert max(p.seconds["encoder_wait"] for p in got) >= 0.1

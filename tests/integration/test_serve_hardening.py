@@ -128,3 +128,49 @@ def test_python_version_bound_matches_what_is_tested():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["requires-python"] == ">=3.11"
+
+
+def test_requests_whose_images_wait_for_the_encoder_count_toward_max_waiting(glm4v_engine):
+    """A request whose screenshot is being encoded holds a place among ``--max-waiting``: with a
+    limit of 1 and one request held in the encoder, the next gets 429 (before, requests piled up in
+    the encoder unbounded), and /metrics shows it as preparing; once the encoder lets go it answers."""
+    import threading
+
+    import uvicorn
+    from conftest import free_port, image_message, random_image
+
+    from autoglm_trt.runtime import Engine
+    from autoglm_trt.serve.app import ServeConfig, create_app
+
+    release = threading.Event()
+    with Engine.load(glm4v_engine) as engine:
+        real = engine.images.encoder
+
+        class Held:
+            def encode(self, rows, grid):
+                release.wait(60)
+                return real.encode(rows, grid)
+
+        engine.images.encoder = Held()
+        port = free_port()
+        web = uvicorn.Server(uvicorn.Config(create_app(engine, ServeConfig("tiny-glm4v", max_waiting=1)),
+                                            host="127.0.0.1", port=port, log_level="error"))
+        serving = threading.Thread(target=web.run, daemon=True)
+        serving.start()
+        try:
+            assert wait_for(lambda: web.started, 30)
+            body = {"model": "tiny-glm4v", "max_tokens": 2, "messages": image_message("look ", random_image(64, 96, 1))}
+            first: list = []
+            held = threading.Thread(target=lambda: first.append(request(port, "POST", "/v1/chat/completions", body)))
+            held.start()
+            assert wait_for(lambda: engine.stats()["images_preparing"] == 1)
+            assert metrics(port)["autoglm_requests_preparing"] == 1
+            status, err, _ = request(port, "POST", "/v1/chat/completions", body)
+            assert status == 429 and err["error"]["code"] == "queue_full"
+            release.set()
+            held.join(60)
+            assert first[0][0] == 200 and engine.stats()["images_preparing"] == 0
+        finally:
+            release.set()
+            web.should_exit = True
+            serving.join(30)
