@@ -68,6 +68,7 @@ def test_packed_weights_over_the_limit_are_made_when_the_engine_loads(tiny_dir, 
                                                                        monkeypatch):
     import numpy as np
 
+    from autoglm_trt.cli.models import _native_report
     from autoglm_trt.evaluate.perplexity import _engine_runner
 
     saved = Manifest.read(tiny_engine).ort_graphs
@@ -85,12 +86,17 @@ def test_packed_weights_over_the_limit_are_made_when_the_engine_loads(tiny_dir, 
     runner = open_runner(Manifest.read(engine), num_blocks=32, threads=1)
     assert runner.attention == "native"
     runner.close()
+    report = _native_report(Manifest.read(engine))  # doctor runs the passes again, as loading does
+    assert "native weights: packed when the engine loads (the passes give the saved native graph here)" in report
+    assert "graph: model.native.onnx (native operators)" in report
 
     # passes that make another graph than the build saved: the plain graph, and why
     monkeypatch.setattr(passes, "PASSES", tuple(p for p in passes.PASSES if p[0] != "skip_norm"))
     runner = open_runner(Manifest.read(engine), num_blocks=32, threads=1)
     assert runner.attention.startswith("graph (the passes made another native graph here than the engine's build")
     runner.close()
+    [line] = [r for r in _native_report(Manifest.read(engine)) if r.startswith("graph: ")]
+    assert line.startswith("graph: model.plain.onnx (the plain graph: the passes made another native graph here")
 
 
 def test_a_malformed_packed_at_load_record_is_refused(tiny_engine, tmp_path):
