@@ -8,7 +8,7 @@ requests' decode steps, so on a CPU the encoder's ONNX Runtime threads and the d
 cores. This runs one random GLM-4.1V checkpoint (fixed seed) with a decoder of SmolLM2-135M's
 shape (30 layers, width 576; a byte vocabulary) and the phone-agent benchmark's vision tower,
 built ``int8-wo``, loaded twice in one process: with the decoder's intra-op threads spinning
-(ONNX Runtime's default) and blocking (this toolkit's default for image engines), taking turns
+(ONNX Runtime's default, and this toolkit's) and blocking (``spinning=False``), taking turns
 over ``--rounds``. Each prints decode tokens/s with 1 and 4 streams alone and while three
 1080 x 2400 screenshots are encoded back to back (Open-AutoGLM's max_pixels: 3,108 image tokens
 each), and the encoder's seconds a screenshot alone and beside the streams; then the blocking

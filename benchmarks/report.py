@@ -88,6 +88,11 @@ SECTIONS = (
             "decoder's ONNX Runtime threads spinning and blocking, in turns: decode tokens/s with 1 and 4 streams "
             "alone and while 1080 x 2400 screenshots are encoded, and the encoder's seconds a screenshot; then four "
             "screenshots sent at once, encoded one at a time (the engine's way) and all at once."),
+    Section("agents_serve", "Phone agents through the server", ("benchmarks.bench_agents_serve", "--rounds", "2",
+                                                                  "--gen-len", "200"),
+            "serve on the GLM-4.1V engine above (SmolLM2's decoder shape, int8-wo), measured by bench --url "
+            "--image 1080x2400: each request a new screenshot (3,108 image tokens) as a data: URL, streamed, 200 "
+            "tokens; 1 client, then 4; the server as by default and with --no-spinning, in turns."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),

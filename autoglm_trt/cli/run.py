@@ -134,9 +134,9 @@ def _image_size(text: str) -> tuple[int, int]:
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, how long running requests may take to finish.")
 @click.option("--threads", type=click.IntRange(0, 256), default=0, help="ONNX Runtime intra-op threads (0: all cores).")
-@click.option("--spinning/--no-spinning", default=None,
-              help="Whether the decoder's idle threads spin waiting for work [default: they do, but an image-text "
-                   "engine's, whose screenshots are encoded beside the decoder's steps, block].")
+@click.option("--spinning/--no-spinning", default=True, show_default=True,
+              help="Whether the decoder's idle threads spin waiting for work (ONNX Runtime's default) or block; "
+                   "blocking helps an image-text engine whose decoding, more than its prefill, overlaps encodes.")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Share the KV blocks of prompts' common prefixes (agent loops resend the same history).")
 @click.option("--max-pixels", type=click.IntRange(1), default=None,
@@ -155,7 +155,7 @@ def _image_size(text: str) -> tuple[int, int]:
                    "lower their own; a request asking for more gets 400.")
 def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
               max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
-              spinning: bool | None, prefix_caching: bool, max_pixels: int | None, max_images: int | None,
+              spinning: bool, prefix_caching: bool, max_pixels: int | None, max_images: int | None,
               allowed_local_media_path: Path | None, max_body_bytes: int, max_client_priority: int) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require

@@ -95,7 +95,7 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, verify: bool = True, num_blocks: int | None = None,
              kv_memory_bytes: int | None = None, threads: int = 0, prefix_caching: bool = True,
-             images: ImageOptions | None = None, spinning: bool | None = None) -> Engine:
+             images: ImageOptions | None = None, spinning: bool = True) -> Engine:
         """Load an engine directory made by ``autoglm-trt build``.
 
         Args:
@@ -106,9 +106,9 @@ class Engine:
             prefix_caching: share the KV blocks of prompts' common prefixes (on by default).
             images: an image-text engine's image limits and encoder cache (``ImageOptions``).
             spinning: whether the decoder's ONNX Runtime threads spin between operators waiting for
-                work (None: they do unless the engine reads images). An image is encoded on the
-                caller's thread beside the decoder's steps, and spinning threads take the cores
-                the other session works on (``docs/runtime.md``).
+                work (ONNX Runtime's default) or block. An image is encoded on the caller's thread
+                beside the decoder's steps, and spinning threads take cores the encoder works on:
+                blocking helps where decoding, not prefill, overlaps encodes (``docs/runtime.md``).
         """
         manifest, backend, tokenizer = _open_parts(Path(path), verify, num_blocks, kv_memory_bytes, threads, spinning)
         if images is not None and images.threads is None:
@@ -391,14 +391,14 @@ class Engine:
 
 
 def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_bytes: int | None,
-               threads: int, spinning: bool | None = None) -> tuple[Manifest, StepRunner, TextTokenizer | None]:
+               threads: int, spinning: bool = True) -> tuple[Manifest, StepRunner, TextTokenizer | None]:
     """The checked manifest, a runner for its backend, its tokenizer. The KV pool may be resized for
     ONNX Runtime engines; a pool larger than the memory available here is refused before anything
     is allocated."""
     if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
         raise EngineError(f"threads must be an integer from 0 (one per core) to {MAX_THREADS}, got {threads!r}")
-    if spinning is not None and not isinstance(spinning, bool):
-        raise EngineError(f"spinning must be True, False or None (the engine's default), got {spinning!r}")
+    if not isinstance(spinning, bool):
+        raise EngineError(f"spinning must be True or False, got {spinning!r}")
     manifest = check_engine(path, verify_hashes=verify)
     kv = manifest.kv
     per_block = kv.bytes // kv.num_blocks
@@ -413,6 +413,6 @@ def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_byte
         if have is not None and pool > have:
             raise EngineError(f"the KV pool of {blocks} blocks would take {pool / 2**30:.1f} GiB but this machine "
                               f"has {have / 2**30:.1f} GiB available; load with fewer blocks (num_blocks=...)")
-    backend = open_runner(manifest, blocks, threads, not manifest.spec.vision if spinning is None else spinning)
+    backend = open_runner(manifest, blocks, threads, spinning)
     tokenizer = TextTokenizer(path) if (path / "tokenizer.json").is_file() else None
     return manifest, backend, tokenizer

@@ -17,7 +17,7 @@ from ..errors import require
 
 
 def serve(engine_dir: Path, host: str, port: int, cfg, threads: int = 0, log=print,
-          spinning: bool | None = None) -> None:
+          spinning: bool = True) -> None:
     for module in ("uvicorn", "fastapi", "prometheus_client"):
         require(module, "autoglm-trt[serve]", "autoglm-trt serve")
     import uvicorn

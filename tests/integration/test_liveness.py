@@ -235,7 +235,7 @@ def test_stream_holds_back_a_possible_stop_string(tiny_engine):
 def test_threads_are_bounded(tiny_engine):
     with pytest.raises(AutoGLMError, match="threads must be an integer from 0"):
         Engine.load(tiny_engine, threads=10**6)
-    with pytest.raises(AutoGLMError, match="spinning must be True, False or None"):
+    with pytest.raises(AutoGLMError, match="spinning must be True or False"):
         Engine.load(tiny_engine, spinning="no")
 
 

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Phone agents through the server: one and four at once, each request a new screenshot, streamed.
+
+    python -m benchmarks.bench_agents_serve [--rounds 2] [--gen-len 100]
+
+``autoglm-trt serve`` on the GLM-4.1V engine of ``bench_encode_overlap`` (SmolLM2's decoder shape,
+the small vision tower, int8-wo) with Open-AutoGLM's max_pixels, measured by ``autoglm-trt bench
+--url --image 1080x2400``: each request a chat with a new 1080 x 2400 synthetic screenshot
+(3,108 image tokens) as a data: URL, streamed, ``--gen-len`` tokens; 1 client for 2 requests,
+then 4 clients for 8. The server runs as it does by default (the decoder's idle threads
+spinning) and with ``--no-spinning``, in turns over ``--rounds``; it prints each level's time to
+first token, per-token latency and tokens/s (medians over rounds), then ``--no-spinning``'s over
+the default's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .bench_encode_overlap import engine
+from .common import ROOT, machine
+
+KEYS = ("ttft_ms_p50", "ttft_ms_p90", "token_ms_p50", "token_ms_p90", "tokens_per_s", "wall_s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measured(path: Path, blocking: bool, gen_len: int) -> list[dict]:
+    """``bench --url`` rows against a server started for it (and always stopped)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "serve", str(path), "--port", str(port),
+                               "--max-pixels", "5000000", *(["--no-spinning"] if blocking else [])],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if server.poll() is not None:
+                    raise SystemExit(f"serve exited: {server.stderr.read() if server.stderr else ''}") from None
+                time.sleep(0.2)
+        out = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", url, "--image", "1080x2400",
+                              "--concurrency", "1,4", "--prompt-len", "64", "--gen-len", str(gen_len), "--json"],
+                             capture_output=True, text=True, check=True, timeout=1800)
+        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gen-len", type=int, default=100)
+    ap.add_argument("--work", type=Path, default=ROOT / "engines" / "bench-glm4v-overlap")
+    args = ap.parse_args()
+    path = engine(args.work)
+    runs: dict[bool, list[list[dict]]] = {False: [], True: []}
+    for r in range(args.rounds):
+        for blocking in ((False, True) if r % 2 == 0 else (True, False)):
+            runs[blocking].append(measured(path, blocking, args.gen_len))
+    med = {s: [{"concurrency": rows[0]["concurrency"], "requests": rows[0]["requests"],
+                **{k: statistics.median(row[k] for row in rows) for k in KEYS}}
+               for rows in zip(*runs[s])] for s in runs}
+    for s in (False, True):
+        for row in med[s]:
+            print(json.dumps({"server": "--no-spinning" if s else "default", "rounds": args.rounds,
+                              **{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}}))
+    for default, blocking in zip(med[False], med[True]):
+        print(json.dumps({"concurrency": default["concurrency"], "no_spinning_over_default":
+                          {k: round(blocking[k] / default[k], 3) for k in KEYS}}))
+    print(json.dumps({"gen_len": args.gen_len, "image": "1080x2400", "machine": machine()}))
+
+
+if __name__ == "__main__":
+    main()
