@@ -55,7 +55,7 @@ class ServeConfig:
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="autoglm-trt", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(lambda: serving.stats())
     serving = Serving(engine, cfg.served_model_name, metrics, cfg.max_waiting, cfg.request_timeout,
                       cfg.max_client_priority)
     app.state.serving = serving

@@ -25,8 +25,8 @@ class _EngineCollector(Collector):
         s = self.stats()
         yield GaugeMetricFamily("autoglm_requests_running", "Requests with KV blocks, being computed", s["running"])
         yield GaugeMetricFamily("autoglm_requests_waiting", "Requests queued for admission", s["waiting"])
-        yield GaugeMetricFamily("autoglm_requests_preparing", "Requests whose images are decoded, wait for the encoder "
-                                "or are encoded", s.get("images_preparing", 0))
+        yield GaugeMetricFamily("autoglm_requests_preparing", "Requests whose images wait for a thread, are "
+                                "decoded, wait for the encoder or are encoded", s.get("images_preparing", 0))
         yield GaugeMetricFamily("autoglm_kv_blocks_used", "KV cache blocks in use", s["num_blocks"] - s["free_blocks"])
         yield GaugeMetricFamily("autoglm_kv_blocks_total", "KV cache blocks in the pool", s["num_blocks"])
         yield CounterMetricFamily("autoglm_preemptions", "Sequences preempted for want of KV blocks",

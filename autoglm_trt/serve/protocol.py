@@ -272,6 +272,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # a call is one tool call here; true allows that, false asks it
 
+    def carries_images(self) -> bool:
+        return any(isinstance(p, ImagePart) for m in self.messages if isinstance(m.content, list) for p in m.content)
+
     def called_tool(self) -> str | None:
         """The function a named ``tool_choice`` calls, "*" when one is required, None when none is."""
         choice = self.tool_choice

@@ -2,8 +2,10 @@
 
 The engine's loop thread stays the only owner of sequences. A request is prepared in a worker
 thread (tokenization and chat templates are bounded, but not free; images are decoded and
-encoded there), submitted with a sink that hands each text piece to the event loop
-(``call_soon_threadsafe``), and awaited there.
+encoded there: a request with images on one of ``IMAGE_WORKERS`` threads of its own, so those
+waiting for the encoder, which takes one image at a time, never hold every thread of Starlette's
+pool that text requests are prepared on), submitted with a sink that hands each text piece to
+the event loop (``call_soon_threadsafe``), and awaited there.
 A client that disconnects cancels its request at once (its KV blocks are freed): a stream by
 the cancellation of its generator, a plain request by a watch on the connection.
 """
@@ -11,16 +13,19 @@ the cancellation of its generator, a plain request by a watch on the connection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import AutoGLMError
 from ..runtime import Engine
+from ..runtime.images import PreparedPrompt
 from ..runtime.request import Prompt
 from ..runtime.request import Request as EngineRequest
 from .metrics import ServerMetrics
@@ -43,6 +48,9 @@ from .tool_parsers import ToolFormat, detect
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.25
+# threads preparing requests with images: one is encoded at a time, the others' decoding and
+# preprocessing overlap it (more would only wait for the encoder holding a thread)
+IMAGE_WORKERS = 4
 
 
 class ApiError(Exception):
@@ -81,6 +89,14 @@ class Serving:
         self.tool_format = detect(engine.tokenizer)  # the model's own tool calls, for tool_choice "auto"
         self.draining = False
         self.inflight = 0
+        self.image_requests = 0  # requests with images not yet submitted: waiting for a worker, or in prepare
+        self._image_workers: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
+
+    def stats(self) -> dict:
+        """The engine's stats, with ``images_preparing`` counting the requests with images that wait
+        for one of this server's image workers too."""
+        stats = self.engine.stats()
+        return {**stats, "images_preparing": max(self.image_requests, stats.get("images_preparing", 0))}
 
     async def complete(self, request: Request, body: _Sampling, prompt: Prompt, chat: bool) -> Response:
         if body.model != self.model:
@@ -90,8 +106,8 @@ class Serving:
             raise ApiError(400, f"priority {body.priority} is more urgent than this server lets clients ask for "
                                 f"(lower runs first; at least {self.max_client_priority}: serve --max-client-priority)",
                            param="priority", code="priority_not_allowed")
-        stats = self.engine.stats()  # a request whose images are being encoded waits too
-        if stats["waiting"] + stats.get("images_preparing", 0) >= self.max_waiting:
+        stats = self.stats()  # a request whose images are being encoded waits too
+        if stats["waiting"] + stats["images_preparing"] >= self.max_waiting:
             raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry shortly",
                            "rate_limit_error", "queue_full", headers={"Retry-After": "1"})
         # tokens, and images decoded and encoded, off the event loop; RequestError -> 400
@@ -103,7 +119,9 @@ class Serving:
                                 "and this model's chat template writes none that this server parses (GLM-4's, "
                                 'GLM-4.5\'s, Hermes\'); use "required", a named function, or "none"', param="tool_choice")
         parse = (self.tool_format, auto) if auto and self.tool_format is not None else None
-        prepared = await run_in_threadpool(self.engine.prepare, prompt, None, tools)
+        images = isinstance(body, ChatCompletionRequest) and body.carries_images()
+        prepared = await (self._prepare_images(prompt, tools) if images
+                          else run_in_threadpool(self.engine.prepare, prompt, None, tools))
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
             room = max(1, self.engine.max_seq_len - len(prepared.ids))  # a prompt too long is refused by submit
@@ -124,6 +142,16 @@ class Serving:
             return await self._whole(request, req, sink, rid, chat, called, parse)
         finally:
             self.inflight -= 1
+
+    async def _prepare_images(self, prompt: Prompt, tools: list[dict] | None) -> PreparedPrompt:
+        if self._image_workers is None:
+            self._image_workers = anyio.CapacityLimiter(IMAGE_WORKERS)
+        self.image_requests += 1  # the event loop's thread alone counts
+        try:
+            return await anyio.to_thread.run_sync(functools.partial(self.engine.prepare, prompt, None, tools),
+                                                  limiter=self._image_workers)
+        finally:
+            self.image_requests -= 1
 
     async def _whole(self, request: Request, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
                      called: str | None, parse: tuple[ToolFormat, list[str]] | None = None) -> Response:

@@ -5,6 +5,7 @@ request when the client goes away."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 
@@ -130,20 +131,20 @@ def test_python_version_bound_matches_what_is_tested():
     assert project["project"]["requires-python"] == ">=3.11"
 
 
-def test_requests_whose_images_wait_for_the_encoder_count_toward_max_waiting(glm4v_engine):
-    """A request whose screenshot is being encoded holds a place among ``--max-waiting``: with a
-    limit of 1 and one request held in the encoder, the next gets 429 (before, requests piled up in
-    the encoder unbounded), and /metrics shows it as preparing; once the encoder lets go it answers."""
+@contextlib.contextmanager
+def held_encoder_server(engine_dir, max_waiting: int):
+    """``serve`` in-process (uvicorn on a free port) on ``engine_dir``'s engine, whose vision encoder
+    waits for the yielded event before each image: yields (port, engine, release event)."""
     import threading
 
     import uvicorn
-    from conftest import free_port, image_message, random_image
+    from conftest import free_port
 
     from autoglm_trt.runtime import Engine
     from autoglm_trt.serve.app import ServeConfig, create_app
 
     release = threading.Event()
-    with Engine.load(glm4v_engine) as engine:
+    with Engine.load(engine_dir) as engine:
         real = engine.images.encoder
 
         class Held:
@@ -153,24 +154,72 @@ def test_requests_whose_images_wait_for_the_encoder_count_toward_max_waiting(glm
 
         engine.images.encoder = Held()
         port = free_port()
-        web = uvicorn.Server(uvicorn.Config(create_app(engine, ServeConfig("tiny-glm4v", max_waiting=1)),
+        web = uvicorn.Server(uvicorn.Config(create_app(engine, ServeConfig("tiny-glm4v", max_waiting=max_waiting)),
                                             host="127.0.0.1", port=port, log_level="error"))
         serving = threading.Thread(target=web.run, daemon=True)
         serving.start()
         try:
             assert wait_for(lambda: web.started, 30)
-            body = {"model": "tiny-glm4v", "max_tokens": 2, "messages": image_message("look ", random_image(64, 96, 1))}
-            first: list = []
-            held = threading.Thread(target=lambda: first.append(request(port, "POST", "/v1/chat/completions", body)))
-            held.start()
-            assert wait_for(lambda: engine.stats()["images_preparing"] == 1)
-            assert metrics(port)["autoglm_requests_preparing"] == 1
-            status, err, _ = request(port, "POST", "/v1/chat/completions", body)
-            assert status == 429 and err["error"]["code"] == "queue_full"
-            release.set()
-            held.join(60)
-            assert first[0][0] == 200 and engine.stats()["images_preparing"] == 0
+            yield port, engine, release
         finally:
             release.set()
             web.should_exit = True
             serving.join(30)
+
+
+def in_threads(port: int, bodies: list[dict]) -> tuple[list, list]:
+    """Each body POSTed to /v1/chat/completions on a thread of its own: (the threads, their answers)."""
+    import threading
+
+    answers: list = []
+    threads = [threading.Thread(target=lambda b=b: answers.append(request(port, "POST", "/v1/chat/completions", b)))
+               for b in bodies]
+    for t in threads:
+        t.start()
+    return threads, answers
+
+
+def image_body(seed: int) -> dict:
+    from conftest import image_message, random_image
+
+    return {"model": "tiny-glm4v", "max_tokens": 2, "messages": image_message("look ", random_image(64, 96, seed))}
+
+
+def test_requests_whose_images_wait_for_the_encoder_count_toward_max_waiting(glm4v_engine):
+    """A request whose screenshot is being encoded holds a place among ``--max-waiting``: with a
+    limit of 1 and one request held in the encoder, the next gets 429 (before, requests piled up in
+    the encoder unbounded), and /metrics shows it as preparing; once the encoder lets go it answers."""
+    with held_encoder_server(glm4v_engine, max_waiting=1) as (port, engine, release):
+        held, first = in_threads(port, [image_body(1)])
+        assert wait_for(lambda: engine.stats()["images_preparing"] == 1)
+        assert metrics(port)["autoglm_requests_preparing"] == 1
+        status, err, _ = request(port, "POST", "/v1/chat/completions", image_body(1))
+        assert status == 429 and err["error"]["code"] == "queue_full"
+        release.set()
+        held[0].join(60)
+        assert first[0][0] == 200 and engine.stats()["images_preparing"] == 0
+
+
+def test_requests_with_images_are_prepared_on_threads_of_their_own(glm4v_engine):
+    """Six requests whose screenshots wait for a held encoder: at most ``IMAGE_WORKERS`` of them are
+    in the engine's ``prepare``, each holding a thread (before, all six, and 40 such held every
+    thread text requests are prepared on), /metrics counts all six as preparing, 429 comes at the
+    limit, and a text request is answered meanwhile; once the encoder lets go all six answer."""
+    from autoglm_trt.serve.serving import IMAGE_WORKERS
+
+    with held_encoder_server(glm4v_engine, max_waiting=7) as (port, engine, release):
+        threads, answers = in_threads(port, [image_body(seed) for seed in range(6)])
+        assert wait_for(lambda: metrics(port)["autoglm_requests_preparing"] == 6)
+        assert engine.stats()["images_preparing"] == IMAGE_WORKERS < 6
+        status, text, _ = request(port, "POST", "/v1/chat/completions", {
+            "model": "tiny-glm4v", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]})
+        assert status == 200 and text["choices"][0]["finish_reason"] == "length"
+        more, late = in_threads(port, [image_body(6)])
+        assert wait_for(lambda: metrics(port)["autoglm_requests_preparing"] == 7)
+        status, err, _ = request(port, "POST", "/v1/chat/completions", image_body(7))
+        assert status == 429 and err["error"]["code"] == "queue_full"
+        release.set()
+        for t in threads + more:
+            t.join(60)
+        assert [a[0] for a in answers + late] == [200] * 7
+        assert metrics(port)["autoglm_requests_preparing"] == 0 == engine.stats()["images_preparing"]
