@@ -15,6 +15,7 @@ import yaml
 
 from ..artifacts import brief
 from ..errors import AutoGLMError
+from ..graph.vision_trt import VISION_DTYPES
 from ..model.spec import ModelSpec
 
 
@@ -43,6 +44,8 @@ class BuildConfig:
     # config; a TensorRT vision engine is built for it), and images per prompt (the runtime's defaults)
     max_pixels: int | None = None
     max_images: int = 10
+    # a TensorRT vision engine's linears and attention: bfloat16 (GLM-4.1V's own), float16 or float32
+    vision_dtype: str = "bfloat16"
 
     def check(self) -> None:
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size", "kv_memory_bytes",
@@ -51,6 +54,8 @@ class BuildConfig:
                 raise BuildConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_pixels is not None and self.max_pixels < 1:
             raise BuildConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
+        if self.vision_dtype not in VISION_DTYPES:
+            raise BuildConfigError(f"vision_dtype must be one of {', '.join(VISION_DTYPES)}, got {brief(self.vision_dtype)}")
         if self.max_images < 0:
             raise BuildConfigError(f"max_images must be >= 0, got {self.max_images}")
         if self.max_input_len > self.max_seq_len:

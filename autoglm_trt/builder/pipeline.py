@@ -192,13 +192,14 @@ def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, 
 
 def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig, req: BuildRequest,
                  log: Callable[[str], None]) -> dict:
-    """A TensorRT engine of the vision encoder (``vision.plan``): its graph with the attention in plain
-    ONNX, one profile over the patch count up to ``max_pixels``."""
+    """A TensorRT engine of the vision encoder (``vision.plan``): its graph in TensorRT's form
+    (``graph.vision_trt``: plain attention, linears and attention in ``cfg.vision_dtype``), one
+    profile over the patch count up to ``max_pixels``."""
     import onnx
 
     from ..backends.trt.loader import build_plan
     from ..backends.trt.vision import VISION_PLAN
-    from ..graph.vision import standard_attention
+    from ..graph.vision_trt import tensorrt_vision_graph
     from ..model.image import ImageConfig
     from .profiles import vision_profile
 
@@ -206,11 +207,13 @@ def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildCon
     assert vision is not None
     graph = record.vision_files()[0]
     max_pixels = cfg.max_pixels or ImageConfig.from_dir(model_dir).max_pixels
-    plain = standard_attention(onnx.load(str(graph), load_external_data=False), vision.head_dim)
-    log(f"building the vision engine for images of up to {max_pixels} pixels ({vision.max_patches(max_pixels)} patches)")
+    form = tensorrt_vision_graph(onnx.load(str(graph), load_external_data=False), vision.head_dim, cfg.vision_dtype)
+    log(f"building the {cfg.vision_dtype} vision engine for images of up to {max_pixels} pixels "
+        f"({vision.max_patches(max_pixels)} patches)")
     timing = Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
-    return build_plan(graph, tmp, vision_profile(vision, max_pixels), cfg.workspace_bytes,
-                      cfg.builder_optimization_level, timing, plain.SerializeToString(), VISION_PLAN)
+    report = build_plan(graph, tmp, vision_profile(vision, max_pixels), cfg.workspace_bytes,
+                        cfg.builder_optimization_level, timing, form.SerializeToString(), VISION_PLAN)
+    return {**report, "dtype": cfg.vision_dtype}
 
 
 def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]) -> dict:

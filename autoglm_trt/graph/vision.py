@@ -33,8 +33,8 @@ VISION_PREFIX = "model.visual."
 OPSET = 17
 MICROSOFT = "com.microsoft"
 # "fused": ONNX Runtime's com.microsoft.MultiHeadAttention (flash attention on the CPU; the form the
-# engine runs); "standard": MatMul, Softmax, MatMul in plain ONNX (for a parser without ONNX Runtime's
-# contrib operators, such as TensorRT's)
+# engine runs); "standard": MatMul, Softmax, MatMul in plain ONNX (TensorRT's form is
+# ``graph.vision_trt``'s rewrite of the fused graph)
 ATTENTION_FORMS = ("fused", "standard")
 
 
@@ -175,45 +175,3 @@ def write_vision_graph(ckpt, out_dir, name: str = "vision.onnx", attention: str 
         builder.close()
     onnx.save_model(model, str(out_dir / name))
     return out_dir / name
-
-
-def standard_attention(model, head_dim: int):
-    """A copy of a vision graph with each fused ``MultiHeadAttention`` written out in plain ONNX
-    (the ``standard`` form: for TensorRT's parser). The weights keep their external-data references."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes: list = []
-    extra: list = []
-    scale = numpy_helper.from_array(np.asarray(head_dim ** -0.5, np.float32), "visual_std_scale")
-    for node in out.graph.node:
-        if node.op_type != "MultiHeadAttention" or node.domain != MICROSOFT:
-            nodes.append(node)
-            continue
-        heads = next(a.i for a in node.attribute if a.name == "num_heads")
-        shape = f"{node.name}_heads_shape"
-        if not any(t.name == shape for t in extra):
-            extra.append(numpy_helper.from_array(np.asarray([-1, heads, head_dim], np.int64), shape))
-        p = node.name
-        q, k, v = node.input[:3]
-        per_head = []
-        for x, perm in ((q, [1, 0, 2]), (k, [1, 2, 0]), (v, [1, 0, 2])):  # [heads, n, d]; keys as [heads, d, n]
-            nodes.append(helper.make_node("Reshape", [x, shape], [f"{p}_{x}_h"]))
-            nodes.append(helper.make_node("Transpose", [f"{p}_{x}_h"], [f"{p}_{x}_t"], perm=perm))
-            per_head.append(f"{p}_{x}_t")
-        nodes += [helper.make_node("MatMul", per_head[:2], [f"{p}_scores"]),
-                  helper.make_node("Mul", [f"{p}_scores", scale.name], [f"{p}_scaled"]),
-                  helper.make_node("Softmax", [f"{p}_scaled"], [f"{p}_probs"], axis=-1),
-                  helper.make_node("MatMul", [f"{p}_probs", per_head[2]], [f"{p}_ctx"]),
-                  helper.make_node("Transpose", [f"{p}_ctx"], [f"{p}_ctx_t"], perm=[1, 0, 2]),
-                  helper.make_node("Reshape", [f"{p}_ctx_t", f"{p}_out_shape"], [node.output[0]])]
-        extra.append(numpy_helper.from_array(np.asarray([1, -1, heads * head_dim], np.int64), f"{p}_out_shape"))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    out.graph.initializer.extend([scale, *extra])
-    kept = [o for o in out.opset_import if o.domain != MICROSOFT]
-    del out.opset_import[:]
-    out.opset_import.extend(kept)
-    return out

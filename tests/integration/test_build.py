@@ -35,6 +35,7 @@ def test_yaml_config_with_overrides(tmp_path):
     ("kv_num_blocks: 1.5\n", "'kv_num_blocks' must be int or null"),
     ("max_input_len: 4096\nmax_seq_len: 1024\n", "exceeds max_seq_len"),
     ("- a list\n", "must hold a mapping"),
+    ("vision_dtype: half\n", "vision_dtype must be one of bfloat16, float16, float32, got 'half'"),
 ])
 def test_bad_yaml_config(tmp_path, text, message):
     f = tmp_path / "b.yaml"

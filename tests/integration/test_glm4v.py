@@ -175,28 +175,112 @@ def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size, 
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_the_plain_attention_form_equals_the_fused_one(glm4v_engine):
-    """What a TensorRT vision engine is built from (``standard_attention``: each fused
-    MultiHeadAttention written out as MatMul, Softmax, MatMul) computes the fused graph's output."""
+def tensorrt_forms(engine_dir, dtype: str):
+    """(the fused graph, its TensorRT form in ``dtype``, an image's feeds, the fused graph's output)."""
     import onnx
 
     from autoglm_trt.artifacts import ExportRecord
-    from autoglm_trt.graph.session import make_session
-    from autoglm_trt.graph.vision import MICROSOFT, standard_attention
     from autoglm_trt.graph.vision_runner import VisionEncoder
+    from autoglm_trt.graph.vision_trt import tensorrt_vision_graph
     from autoglm_trt.model.image import ImageConfig, preprocess
 
-    vision = ExportRecord.read(glm4v_engine).vision()
-    fused = onnx.load(str(glm4v_engine / "vision.onnx"), load_external_data=False)
-    plain = standard_attention(fused, vision.head_dim)
-    assert sum(n.op_type == "MultiHeadAttention" for n in fused.graph.node) == 2
-    assert not any(n.domain == MICROSOFT for n in plain.graph.node)
-    encoder = VisionEncoder(glm4v_engine, vision)
-    pixels, grids = preprocess([random_image(90, 130, 1)], ImageConfig.from_dir(glm4v_engine))
+    vision = ExportRecord.read(engine_dir).vision()
+    fused = onnx.load(str(engine_dir / "vision.onnx"), load_external_data=False)
+    form = tensorrt_vision_graph(fused, vision.head_dim, dtype)
+    encoder = VisionEncoder(engine_dir, vision)
+    pixels, grids = preprocess([random_image(90, 130, 1)], ImageConfig.from_dir(engine_dir))
     feeds = {"pixel_values": pixels, **encoder.grid_inputs(int(grids[0][1]), int(grids[0][2]))}
-    want = encoder.session.run(None, feeds)[0]
-    got = make_session(plain.SerializeToString(), external_data_dir=glm4v_engine).run(None, feeds)[0]
-    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+    return fused, form, feeds, encoder.session.run(None, feeds)[0]
+
+
+def half_rounded(form, half: int):
+    """``form`` computed in float32 on values rounded to ``half`` where it holds them: each cast to
+    ``half`` a round trip through it, each MatMul's half output rounded likewise (what a GPU's
+    tensor cores do: half operands and results, float32 sums; ONNX's reference evaluator sums
+    bfloat16 in bfloat16, which overstates the error tenfold, and ONNX Runtime's CPU has no
+    bfloat16 MatMul)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(form)
+    nodes = []
+    for n in out.graph.node:
+        if n.op_type != "Cast":
+            nodes.append(n)
+            continue
+        y = n.output[0]  # to half, or a half MatMul's result to float32: rounded to half either way
+        nodes += [helper.make_node("Cast", [n.input[0]], [f"{y}_rounded"], to=half),
+                  helper.make_node("Cast", [f"{y}_rounded"], [y], to=TensorProto.FLOAT)]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    for t in out.graph.initializer:
+        if t.data_type == half:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+    return out
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-6), ("float16", 2e-3), ("bfloat16", 2e-2)])
+def test_the_tensorrt_vision_graph_computes_the_fused_one(glm4v_engine, dtype, tolerance):
+    """What a TensorRT vision engine is built from (``tensorrt_vision_graph``: each fused
+    MultiHeadAttention written out as MatMul, Softmax, MatMul; in a half type, the linears and the
+    attention in it) computes the fused graph's output within the half type's rounding (``half_rounded``),
+    relative to the output's norm (measured on a 1080 x 2400 screenshot through the benchmarks'
+    SmolLM2-shaped GLM-4.1V: 9.2e-4 float16, 7.5e-3 bfloat16). ONNX Runtime runs the float16
+    graph itself too."""
+    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.graph.vision import MICROSOFT
+    from autoglm_trt.graph.vision_trt import HALF
+
+    fused, form, feeds, want = tensorrt_forms(glm4v_engine, dtype)
+    assert sum(n.op_type == "MultiHeadAttention" for n in fused.graph.node) == 2
+    assert not any(n.domain == MICROSOFT for n in form.graph.node)
+    runs = [form] if dtype != "bfloat16" else []
+    runs += [half_rounded(form, HALF[dtype])] if dtype in HALF else []
+    for graph in runs:
+        got = make_session(graph.SerializeToString(), external_data_dir=glm4v_engine).run(None, feeds)[0]
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.linalg.norm(got - want) <= tolerance * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_tensorrt_vision_graph_types(glm4v_engine, dtype):
+    """The types a strongly typed TensorRT network runs: every MatMul (linears, the attention's two)
+    and the Softmax in the half type, every norm's ReduceMean, the residual adds and the GELU in
+    float32, inputs and output float32; each attention's query scaled before its first MatMul (the
+    pattern TensorRT fuses), and each linear's input cast once (gate and up share one cast, the
+    projection after the attention takes the attention's half output)."""
+    import onnx
+
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.graph.vision_trt import HALF
+
+    _, form, _, _ = tensorrt_forms(glm4v_engine, dtype)
+    inferred = onnx.shape_inference.infer_shapes(form, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.input,
+                                                              *inferred.graph.output]}
+    types.update({t.name: t.data_type for t in form.graph.initializer})
+    producer = {o: n for n in form.graph.node for o in n.output}
+    half, f32 = HALF[dtype], onnx.TensorProto.FLOAT
+    by_op: dict[str, list] = {}
+    for n in form.graph.node:
+        by_op.setdefault(n.op_type, []).append(n)
+    assert by_op["MatMul"] and all(types[i] == half for n in by_op["MatMul"] for i in n.input)
+    assert all(types[n.input[0]] == half for n in by_op["Softmax"])
+    assert all(types[n.input[0]] == f32 for op in ("ReduceMean", "Erf", "Sqrt") for n in by_op[op])
+    residuals = [n for n in by_op["Add"] if "residual" in n.output[0]]
+    assert residuals and all(types[n.output[0]] == f32 for n in residuals)
+    assert {i.name: types[i.name] for i in form.graph.input} == {i.name: f32 for i in form.graph.input}
+    assert types["image_embeds"] == f32
+    scores = [n for n in by_op["MatMul"] if producer[n.input[0]].op_type == "Mul"]
+    assert len(scores) == 2 == len(by_op["Softmax"])
+    head_dim = ExportRecord.read(glm4v_engine).vision().head_dim
+    for n in scores:
+        scale = next(t for t in form.graph.initializer if t.name == producer[n.input[0]].input[1])
+        assert onnx.numpy_helper.to_array(scale).astype(np.float32) == np.float32(head_dim ** -0.5)
+    to_half = [n for n in by_op["Cast"] if n.attribute[0].i == half]
+    assert len({n.input[0] for n in to_half}) == len(to_half)  # one cast a tensor
+    assert not any(n.input[0] in producer and producer[n.input[0]].op_type == "Cast" for n in to_half)
 
 
 def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):

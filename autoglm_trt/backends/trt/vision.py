@@ -1,5 +1,6 @@
-"""The vision encoder as a TensorRT engine (``vision.plan``, built from the plain-attention form of
-``vision.onnx`` with one optimization profile over the patch count, ``builder.profiles.vision_profile``).
+"""The vision encoder as a TensorRT engine (``vision.plan``, built from ``vision.onnx`` in TensorRT's
+form, ``graph.vision_trt``, with one optimization profile over the patch count,
+``builder.profiles.vision_profile``; float32 in and out whatever type it computes in).
 
 Same contract as ``graph.vision_runner.VisionEncoder``: ``encode(pixel rows, grid)`` -> the image
 tokens' embeddings, with the per-grid inputs from the host (``grid_inputs``). Device buffers are
