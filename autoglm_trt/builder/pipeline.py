@@ -198,6 +198,7 @@ def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildCon
     import onnx
 
     from ..backends.trt.loader import build_plan
+    from ..backends.trt.probe import bfloat16_refusal, cuda_device
     from ..backends.trt.vision import VISION_PLAN
     from ..graph.vision_trt import tensorrt_vision_graph
     from ..model.image import ImageConfig
@@ -207,6 +208,8 @@ def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildCon
     assert vision is not None
     graph = record.vision_files()[0]
     max_pixels = cfg.max_pixels or ImageConfig.from_dir(model_dir).max_pixels
+    if cfg.vision_dtype == "bfloat16" and (refusal := bfloat16_refusal(cuda_device())):
+        raise AutoGLMError(refusal)
     form = tensorrt_vision_graph(onnx.load(str(graph), load_external_data=False), vision.head_dim, cfg.vision_dtype)
     log(f"building the {cfg.vision_dtype} vision engine for images of up to {max_pixels} pixels "
         f"({vision.max_patches(max_pixels)} patches)")

@@ -64,3 +64,14 @@ def test_a_vision_family_plans_its_image_inputs_and_a_vision_profile():
     assert profile["pixel_values"] == ((4, 1176), (12755, 1176), (12755, 1176))
     assert profile["pos_embed"][2] == (12755, 1536) and profile["rope_cos"][0] == (4, 128)
     assert 12432 <= vision.max_patches(5_000_000)
+
+
+def test_bfloat16_is_refused_before_ampere_with_what_to_set():
+    from autoglm_trt.backends.trt.probe import bfloat16_refusal
+
+    assert bfloat16_refusal(None) is None
+    for capability in ("8.0", "8.9", "9.0", "10.0", "12.1"):
+        assert bfloat16_refusal({"name": "GPU", "compute_capability": capability}) is None
+    for capability in ("7.5", "7.0", "6.1"):
+        message = bfloat16_refusal({"name": "Tesla T4", "compute_capability": capability})
+        assert message is not None and "Tesla T4" in message and "vision_dtype float16" in message

@@ -2,7 +2,8 @@
 
 ``tensorrt_available`` answers (usable, reason): the ``tensorrt`` module importable (not only
 its type stubs) and a CUDA GPU visible to ``cuda.bindings``; ``cuda_device`` names GPU 0 and
-its compute capability; ``require_tensorrt`` raises with an install hint.
+its compute capability; ``require_tensorrt`` raises with an install hint; ``bfloat16_refusal``
+says why a GPU cannot run bfloat16 layers.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def cuda_device() -> dict[str, Any] | None:
         return None
     name = prop.name.decode(errors="replace").rstrip("\0") if isinstance(prop.name, bytes) else str(prop.name)
     return {"name": name, "compute_capability": f"{prop.major}.{prop.minor}"}
+
+
+def bfloat16_refusal(gpu: dict[str, Any] | None) -> str | None:
+    """Why ``gpu`` (``cuda_device``'s) cannot run bfloat16 layers, or None: TensorRT runs them from
+    compute capability 8.0 (Ampere) on."""
+    if gpu is None:
+        return None
+    major, _, minor = str(gpu["compute_capability"]).partition(".")
+    if (int(major), int(minor or 0)) >= (8, 0):
+        return None
+    return (f"{gpu['name']} (compute capability {gpu['compute_capability']}) has no bfloat16; TensorRT needs "
+            "compute capability 8.0 (Ampere) or newer for it: set vision_dtype float16 in the build config")
 
 
 def require_tensorrt() -> None:
