@@ -274,10 +274,30 @@ def doctor_cmd(engine_dir: Path) -> None:
             click.echo(f"ok       {what}")
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
-    if manifest.backend == "onnxruntime":
-        for line in _native_report(manifest):
-            click.echo("info     " + line)
+    lines = _native_report(manifest) if manifest.backend == "onnxruntime" else []
+    for line in lines + _vision_report(manifest):
+        click.echo("info     " + line)
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")
+
+
+def _vision_report(manifest) -> list[str]:
+    """An image-text engine's vision encoder: what runs it, and the images its defaults take."""
+    from ..artifacts import ExportRecord
+    from ..model.image import ImageConfig
+    from ..runtime.images import ImageOptions, image_options
+
+    vision = ExportRecord.read(manifest.dir).vision()
+    if vision is None:
+        return []
+    options = image_options(manifest, ImageOptions())
+    pixels = ImageConfig.from_dir(manifest.dir, **({} if options.max_pixels is None
+                                                   else {"max_pixels": options.max_pixels})).max_pixels
+    patches = vision.max_patches(pixels)
+    runs = (f"vision.plan on TensorRT ({manifest.data.get('build_config', {}).get('vision_dtype', 'float32')} "
+            "linears and attention)" if manifest.backend == "tensorrt"
+            else "vision.onnx on ONNX Runtime (float32, fused MultiHeadAttention)")
+    return [f"vision encoder: {runs}; by default images of up to {pixels:,} pixels ({patches:,} patches, "
+            f"{patches // vision.merge_size ** 2:,} image tokens), {options.max_images} a prompt, encoded one at a time"]
 
 
 def _native_report(manifest) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import image_message, random_image
+from conftest import image_message, random_image, run_cli
 
 from autoglm_trt.errors import RequestError
 from autoglm_trt.runtime import Engine, ImageOptions, SamplingParams
@@ -295,6 +295,10 @@ def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
             engine.prepare(image_message(image, image))
     with Engine.load(engine_dir, images=ImageOptions(max_images=2)) as engine:  # the caller's options win
         assert engine.prepare(image_message(image, image)).ids.count(IMAGE_TOKEN) == 8
+    doctor = run_cli("doctor", str(engine_dir))
+    assert doctor.returncode == 0, doctor.stderr
+    assert ("vision encoder: vision.onnx on ONNX Runtime (float32, fused MultiHeadAttention); by default images of "
+            "up to 7,200 pixels (18 patches, 4 image tokens), 1 a prompt") in doctor.stdout
 
 
 def test_screenshots_are_encoded_one_at_a_time_and_a_repeated_one_once(glm4v_engine):
