@@ -11,7 +11,11 @@ and hashed (its decoded RGB pixels and grid); the prompt's length is checked aft
 and before any encoding; then each image's embeddings come from ``EncoderCache`` (by that hash),
 or it is preprocessed as transformers' ``Glm4vImageProcessor`` does and encoded. This runs on
 the caller's thread, so the engine's loop goes on with other requests' steps while a screenshot
-is encoded; the encoder takes one image at a time (``ImagePipeline._encoded``).
+is encoded; the encoder takes one image at a time (``ImagePipeline._encoded``), and at most
+``PREPARED_AT_ONCE`` requests at a time decode and preprocess their images, the others waiting
+with their images still compressed (a 1080 x 2400 screenshot is 7.8 MB decoded and 58 MB of
+float32 patch rows: a burst of requests from many threads, Triton's or the Python API's, would
+otherwise hold all of them at once).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from ..model.vision import VisionSpec
 
 MAX_IMAGES = 10  # per prompt, as Open-AutoGLM's deployment sets it
 ENCODER_CACHE_BYTES = 256 * 1024**2  # encoder outputs kept by image hash
+# requests decoding, preprocessing and encoding their images at once: one is encoded while the
+# others' next images are decoded and preprocessed
+PREPARED_AT_ONCE = 4
 
 
 def image_url_source(url: object, allowed_dir: Path | None) -> object:
@@ -172,10 +179,11 @@ class ImagePipeline:
         self._encoding = threading.Lock()  # one image through the encoder at a time (``_encoded``)
         self._preparing = 0  # requests in ``prepare``
         self._count = threading.Lock()
+        self._admitted = threading.BoundedSemaphore(PREPARED_AT_ONCE)
 
     def stats(self) -> dict:
-        """The encoder cache's counts, and how many requests are having their images decoded,
-        waiting for the encoder or encoded (``images_preparing``)."""
+        """The encoder cache's counts, and how many requests are waiting to decode their images,
+        having them decoded, waiting for the encoder or encoded (``images_preparing``)."""
         with self._count:
             return {**self.cache.stats(), "images_preparing": self._preparing}
 
@@ -185,7 +193,8 @@ class ImagePipeline:
         with self._count:
             self._preparing += 1
         try:
-            return self._prepare(ids, sources, check)
+            with self._admitted:
+                return self._prepare(ids, sources, check)
         finally:
             with self._count:
                 self._preparing -= 1

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import AutoGLMError
 from ..runtime import Engine
-from ..runtime.images import PreparedPrompt
+from ..runtime.images import PREPARED_AT_ONCE, PreparedPrompt
 from ..runtime.request import Prompt
 from ..runtime.request import Request as EngineRequest
 from .metrics import ServerMetrics
@@ -48,9 +48,9 @@ from .tool_parsers import ToolFormat, detect
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.25
-# threads preparing requests with images: one is encoded at a time, the others' decoding and
-# preprocessing overlap it (more would only wait for the encoder holding a thread)
-IMAGE_WORKERS = 4
+# threads preparing requests with images: as many as the engine lets decode and preprocess
+# their images at once (more would only wait there, holding a thread)
+IMAGE_WORKERS = PREPARED_AT_ONCE
 
 
 class ApiError(Exception):

@@ -301,6 +301,61 @@ def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
             "up to 7,200 pixels (18 patches, 4 image tokens), 1 a prompt") in doctor.stdout
 
 
+def test_at_most_a_few_requests_hold_decoded_images_at_once(glm4v_engine, monkeypatch):
+    """Six requests prepared at once while the encoder is held: only ``PREPARED_AT_ONCE`` of them
+    decode their screenshot (the others wait with it still compressed, so a burst of requests
+    does not hold every one decoded and preprocessed), all six count as preparing, and once the
+    encoder lets go every request is prepared."""
+    import threading
+    import time
+
+    from autoglm_trt.runtime import images as pipeline
+
+    def wait_until(condition, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    decoded, lock, release = [0], threading.Lock(), threading.Event()
+    real_open = pipeline.open_image
+
+    def counted(source, max_pixels):
+        with lock:
+            decoded[0] += 1
+        return real_open(source, max_pixels)
+
+    monkeypatch.setattr(pipeline, "open_image", counted)
+    with Engine.load(glm4v_engine) as engine:
+        real = engine.images.encoder
+
+        class Held:
+            def encode(self, rows, grid):
+                release.wait(60)
+                return real.encode(rows, grid)
+
+        engine.images.encoder = Held()
+        got: list = [None] * 6
+
+        def prepare(k: int) -> None:
+            got[k] = engine.prepare(image_message("look ", random_image(64, 96, 20 + k)))
+
+        threads = [threading.Thread(target=prepare, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            assert wait_until(lambda: engine.stats()["images_preparing"] == 6 and decoded[0] == pipeline.PREPARED_AT_ONCE)
+            time.sleep(0.3)
+            assert decoded[0] == pipeline.PREPARED_AT_ONCE < 6
+        finally:
+            release.set()
+            for t in threads:
+                t.join(60)
+    assert decoded[0] == 6 and all(g is not None and g.images is not None for g in got)
+
+
 def test_screenshots_are_encoded_one_at_a_time_and_a_repeated_one_once(glm4v_engine):
     """Four requests prepared at once (two with the same screenshot): the encoder never runs two
     images at once, the repeated screenshot is encoded once (the cache is read again when its turn
