@@ -131,11 +131,23 @@ def is_current(engine: Path) -> bool:
         return False
 
 
-def main() -> None:
-    import argparse
-
+def fp32_engine(work: Path) -> Path:
+    """``work``/engine-fp32: the fp32 ONNX Runtime engine of ``checkpoint(work / "checkpoint")``,
+    built unless a current one is there."""
     from autoglm_trt.builder.config import BuildConfig
     from autoglm_trt.builder.pipeline import BuildRequest, build_engine
+
+    engine = work / "engine-fp32"
+    if not is_current(engine):
+        build_engine(BuildRequest(checkpoint(work / "checkpoint"), engine, precision="fp32", backend="onnxruntime",
+                                  force=engine.exists(),
+                                  config=BuildConfig(max_seq_len=8192, max_input_len=2048, max_batch_size=4)),
+                     log=lambda m: print(m, file=sys.stderr))
+    return engine
+
+
+def main() -> None:
+    import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", action="store_true", help="(the flag bench_agent dispatches on)")
@@ -145,11 +157,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "engines" / "bench-glm4v")
     args = ap.parse_args()
     ckpt = checkpoint(args.work / "checkpoint")
-    engine = args.work / "engine-fp32"
-    if not is_current(engine):
-        build_engine(BuildRequest(ckpt, engine, precision="fp32", backend="onnxruntime", force=engine.exists(),
-                                  config=BuildConfig(max_seq_len=8192, max_input_len=2048, max_batch_size=4)),
-                     log=lambda m: print(m, file=sys.stderr))
+    engine = fp32_engine(args.work)
     system, steps = trace(args.turns, args.system_tokens)
     mine = run_engine(engine, system, steps, args.answer_tokens)
     ref = run_transformers(ckpt, system, steps, mine)

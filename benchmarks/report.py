@@ -93,6 +93,10 @@ SECTIONS = (
             "serve on the GLM-4.1V engine above (SmolLM2's decoder shape, int8-wo), measured by bench --url "
             "--image 1080x2400: each request a new screenshot (3,108 image tokens) as a data: URL, streamed, 200 "
             "tokens; 1 client, then 4; the server as by default and with --no-spinning, in turns."),
+    Section("vision_half", "The TensorRT vision engine's half types", ("benchmarks.vision_half",),
+            "A 1080 x 2400 screenshot through the small GLM-4.1V vision tower above: the float32 encoder as ONNX "
+            "Runtime runs it against the graph a TensorRT build compiles (graph/vision_trt.py) in float32, float16 "
+            "and bfloat16, the half types also as tensor cores compute (half operands and results, float32 sums)."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),

@@ -14,7 +14,8 @@
   merger's LayerNorm and GELU stay float32, as do the graph's inputs and its output. The network
   is strongly typed, so these types are what runs.
 
-``dtype`` float32 gives the attention's rewrite alone.
+``dtype`` float32 gives the attention's rewrite alone. ``half_rounded`` turns a half form into
+float32 ONNX that rounds as tensor cores do, to check it where no GPU is.
 """
 
 from __future__ import annotations
@@ -146,3 +147,28 @@ def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto
         if len(kept) == len(nodes):
             return kept
         nodes = kept
+
+
+def half_rounded(form: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
+    """``form`` (``tensorrt_vision_graph``'s, in the half ``dtype``) computed in float32 on values
+    rounded to ``dtype`` where it holds them: each cast to ``dtype`` a round trip through it, and
+    each half result cast to float32 rounded likewise first. That is what a GPU's tensor cores
+    compute (half operands and results, float32 sums); ONNX's reference evaluator sums bfloat16
+    in bfloat16, which overstates the error tenfold, and ONNX Runtime's CPU has no bfloat16 MatMul."""
+    half = HALF[dtype]
+    out = onnx.ModelProto()
+    out.CopyFrom(form)
+    nodes = []
+    for n in out.graph.node:
+        if n.op_type != "Cast" or n.attribute[0].i not in (half, TensorProto.FLOAT):
+            nodes.append(n)
+            continue
+        y = n.output[0]
+        nodes += [helper.make_node("Cast", [n.input[0]], [f"{y}_rounded"], f"{y}_rounded", to=half),
+                  helper.make_node("Cast", [f"{y}_rounded"], [y], n.name, to=TensorProto.FLOAT)]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    for t in out.graph.initializer:
+        if t.data_type == half:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+    return out

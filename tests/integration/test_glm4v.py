@@ -193,50 +193,22 @@ def tensorrt_forms(engine_dir, dtype: str):
     return fused, form, feeds, encoder.session.run(None, feeds)[0]
 
 
-def half_rounded(form, half: int):
-    """``form`` computed in float32 on values rounded to ``half`` where it holds them: each cast to
-    ``half`` a round trip through it, each MatMul's half output rounded likewise (what a GPU's
-    tensor cores do: half operands and results, float32 sums; ONNX's reference evaluator sums
-    bfloat16 in bfloat16, which overstates the error tenfold, and ONNX Runtime's CPU has no
-    bfloat16 MatMul)."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    out = onnx.ModelProto()
-    out.CopyFrom(form)
-    nodes = []
-    for n in out.graph.node:
-        if n.op_type != "Cast":
-            nodes.append(n)
-            continue
-        y = n.output[0]  # to half, or a half MatMul's result to float32: rounded to half either way
-        nodes += [helper.make_node("Cast", [n.input[0]], [f"{y}_rounded"], to=half),
-                  helper.make_node("Cast", [f"{y}_rounded"], [y], to=TensorProto.FLOAT)]
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    for t in out.graph.initializer:
-        if t.data_type == half:
-            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
-    return out
-
-
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-6), ("float16", 2e-3), ("bfloat16", 2e-2)])
 def test_the_tensorrt_vision_graph_computes_the_fused_one(glm4v_engine, dtype, tolerance):
     """What a TensorRT vision engine is built from (``tensorrt_vision_graph``: each fused
     MultiHeadAttention written out as MatMul, Softmax, MatMul; in a half type, the linears and the
-    attention in it) computes the fused graph's output within the half type's rounding (``half_rounded``),
-    relative to the output's norm (measured on a 1080 x 2400 screenshot through the benchmarks'
-    SmolLM2-shaped GLM-4.1V: 9.2e-4 float16, 7.5e-3 bfloat16). ONNX Runtime runs the float16
-    graph itself too."""
+    attention in it) computes the fused graph's output within the half type's rounding as tensor
+    cores compute (``half_rounded``), relative to the output's norm (``benchmarks.vision_half``
+    measures it on a screenshot). ONNX Runtime runs the float16 graph itself too."""
     from autoglm_trt.graph.session import make_session
     from autoglm_trt.graph.vision import MICROSOFT
-    from autoglm_trt.graph.vision_trt import HALF
+    from autoglm_trt.graph.vision_trt import HALF, half_rounded
 
     fused, form, feeds, want = tensorrt_forms(glm4v_engine, dtype)
     assert sum(n.op_type == "MultiHeadAttention" for n in fused.graph.node) == 2
     assert not any(n.domain == MICROSOFT for n in form.graph.node)
     runs = [form] if dtype != "bfloat16" else []
-    runs += [half_rounded(form, HALF[dtype])] if dtype in HALF else []
+    runs += [half_rounded(form, dtype)] if dtype in HALF else []
     for graph in runs:
         got = make_session(graph.SerializeToString(), external_data_dir=glm4v_engine).run(None, feeds)[0]
         assert got.dtype == np.float32 and got.shape == want.shape
