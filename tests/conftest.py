@@ -273,6 +273,19 @@ def same_pools_over_steps(runners, steps: int) -> None:
         new = [[int(t)] for t in logits[0].argmax(axis=-1)]
 
 
+def hold_encoder(engine, release) -> None:
+    """Make an image-text ``engine``'s vision encoder wait for the ``threading.Event`` ``release``
+    before each image it encodes."""
+    real = engine.images.encoder
+
+    class Held:
+        def encode(self, rows, grid):
+            release.wait(60)
+            return real.encode(rows, grid)
+
+    engine.images.encoder = Held()
+
+
 def free_port() -> int:
     from autoglm_trt.fileutil import free_port as pick
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import image_message, random_image, run_cli
+from conftest import hold_encoder, image_message, random_image, run_cli
 
 from autoglm_trt.errors import RequestError
 from autoglm_trt.runtime import Engine, ImageOptions, SamplingParams
@@ -301,14 +301,7 @@ def test_at_most_a_few_requests_hold_decoded_images_at_once(glm4v_engine, monkey
 
     monkeypatch.setattr(pipeline, "open_image", counted)
     with Engine.load(glm4v_engine) as engine:
-        real = engine.images.encoder
-
-        class Held:
-            def encode(self, rows, grid):
-                release.wait(60)
-                return real.encode(rows, grid)
-
-        engine.images.encoder = Held()
+        hold_encoder(engine, release)
         got: list = [None] * 6
 
         def prepare(k: int) -> None:

@@ -139,21 +139,14 @@ def held_encoder_server(engine_dir, max_waiting: int):
     import threading
 
     import uvicorn
-    from conftest import free_port
+    from conftest import free_port, hold_encoder
 
     from autoglm_trt.runtime import Engine
     from autoglm_trt.serve.app import ServeConfig, create_app
 
     release = threading.Event()
     with Engine.load(engine_dir) as engine:
-        real = engine.images.encoder
-
-        class Held:
-            def encode(self, rows, grid):
-                release.wait(60)
-                return real.encode(rows, grid)
-
-        engine.images.encoder = Held()
+        hold_encoder(engine, release)
         port = free_port()
         web = uvicorn.Server(uvicorn.Config(create_app(engine, ServeConfig("tiny-glm4v", max_waiting=max_waiting)),
                                             host="127.0.0.1", port=port, log_level="error"))
