@@ -68,7 +68,7 @@ def _attention(graph: onnx.GraphProto, node: onnx.NodeProto, head_dim: int, half
                         (out_shape, np.asarray([1, -1, heads * head_dim], np.int64))):
         if name not in names:
             graph.initializer.append(numpy_helper.from_array(value, name))
-    graph.initializer.append(helper.make_tensor(scale, half or TensorProto.FLOAT, [], [head_dim ** -0.5]))
+    graph.initializer.append(scalar(scale, head_dim ** -0.5, half or TensorProto.FLOAT))
     nodes = []
     per_head = []
     for x, perm in zip(node.input[:3], ([1, 0, 2], [1, 2, 0], [1, 0, 2])):  # [heads, n, d]; keys as [heads, d, n]
@@ -89,6 +89,18 @@ def _attention(graph: onnx.GraphProto, node: onnx.NodeProto, head_dim: int, half
         nodes.append(helper.make_node("Cast", [ctx], [node.output[0]], to=TensorProto.FLOAT))
         from_half[node.output[0]] = ctx
     return _named(nodes)
+
+
+def scalar(name: str, value: float, elem_type: int) -> onnx.TensorProto:
+    """A scalar initializer of float32, float16 or bfloat16 ``elem_type`` in ``raw_data`` (bfloat16:
+    float32's upper 16 bits, rounded to nearest, ties to even)."""
+    f32 = np.asarray(value, np.float32)
+    if elem_type == TensorProto.BFLOAT16:
+        bits = int(f32.view(np.uint32))
+        raw = np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).tobytes()
+    else:
+        raw = f32.astype(np.float16 if elem_type == TensorProto.FLOAT16 else np.float32).tobytes()
+    return helper.make_tensor(name, elem_type, [], raw, raw=True)
 
 
 class Fresh:

@@ -55,3 +55,18 @@ def test_the_position_embedding_resampled_as_transformers_does(visual, h, w):
                                 pos[:, 0], pos[:, 1])
     table = model.embeddings.position_embedding.weight.detach().numpy()
     np.testing.assert_allclose(resampled_positions(table, h, w, 2), want.numpy(), atol=1e-5, rtol=0)  # float32 taps there
+
+
+def test_half_scalars_round_to_nearest_as_torch_does():
+    """The TensorRT vision form's scale constant in each type: float32's value rounded to nearest,
+    ties to even (the attention's ``head_dim ** -0.5`` for every head size, and values that round)."""
+    import torch
+    from onnx import TensorProto, numpy_helper
+
+    from autoglm_trt.graph.vision_trt import scalar
+
+    types = {TensorProto.BFLOAT16: torch.bfloat16, TensorProto.FLOAT16: torch.float16, TensorProto.FLOAT: torch.float32}
+    for value in [d ** -0.5 for d in (16, 64, 72, 80, 128)] + [1 / 3, 1 + 2 ** -8, 1 + 3 * 2 ** -9, 3.14159]:
+        for elem_type, dtype in types.items():
+            got = numpy_helper.to_array(scalar("s", value, elem_type)).astype(np.float32)
+            assert got == torch.tensor(value, dtype=torch.float32).to(dtype).float().item(), (value, elem_type)
