@@ -193,7 +193,7 @@ def tensorrt_forms(engine_dir, dtype: str):
     return fused, form, feeds, encoder.session.run(None, feeds)[0]
 
 
-@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-6), ("float16", 2e-3), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("float16", 2e-3), ("bfloat16", 2e-2)])
 def test_the_tensorrt_vision_graph_computes_the_fused_one(glm4v_engine, dtype, tolerance):
     """What a TensorRT vision engine is built from (``tensorrt_vision_graph``: each fused
     MultiHeadAttention written out as MatMul, Softmax, MatMul; in a half type, the linears and the

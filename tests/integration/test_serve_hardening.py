@@ -198,7 +198,7 @@ def test_requests_with_images_are_prepared_on_threads_of_their_own(glm4v_engine)
     """Six requests whose screenshots wait for a held encoder: at most ``IMAGE_WORKERS`` of them are
     in the engine's ``prepare``, each holding a thread (before, all six, and 40 such held every
     thread text requests are prepared on), /metrics counts all six as preparing, 429 comes at the
-    limit, and a text request is answered meanwhile; once the encoder lets go all six answer."""
+    limit, and a text request is answered meanwhile; once the encoder lets go all seven answer."""
     from autoglm_trt.serve.serving import IMAGE_WORKERS
 
     with held_encoder_server(glm4v_engine, max_waiting=7) as (port, engine, release):
