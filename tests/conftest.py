@@ -51,9 +51,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", precision: str = "fp32", calib: Path | None = None,
-                      int4_gate: float | None = None, **config) -> Path:
+                      int4_gate: float | None = None, log=None, **config) -> Path:
     """A tiny ONNX Runtime engine (fp32 unless said; batch 8, prompts of 48, sequences of 96, 64
-    blocks of 8)."""
+    blocks of 8); ``log`` gets the build's messages."""
     from autoglm_trt.builder.config import BuildConfig
     from autoglm_trt.builder.pipeline import BuildRequest, build_engine
 
@@ -61,7 +61,7 @@ def build_tiny_engine(tiny_dir, out: Path, family: str = "llama", precision: str
                 **config}
     build_engine(BuildRequest(tiny_dir(family), out, precision=precision, calib=calib, backend="onnxruntime",
                               config=BuildConfig(**settings), cache_dir=out.parent / ".cache", int4_gate=int4_gate),
-                 log=lambda m: None)
+                 log=log or (lambda m: None))
     return out
 
 

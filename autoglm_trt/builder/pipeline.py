@@ -190,6 +190,18 @@ def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, 
                                      timing, None if rewritten is None else rewritten.SerializeToString())
 
 
+def _vision_engine(backend: str, model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig,
+                   req: BuildRequest, report: dict, log: Callable[[str], None]) -> None:
+    """An image-text model's vision encoder in the build: on TensorRT its engine (``report["vision"]``),
+    on ONNX Runtime nothing to build (the export's float32 graph runs)."""
+    if record.vision() is None:
+        return
+    if backend == "tensorrt":
+        report["vision"] = _vision_plan(model_dir, record, tmp, cfg, req, log)
+    elif cfg.vision_dtype != BuildConfig.vision_dtype:
+        log(f"vision_dtype {cfg.vision_dtype} is for a TensorRT vision engine; ONNX Runtime's encoder runs float32")
+
+
 def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig, req: BuildRequest,
                  log: Callable[[str], None]) -> dict:
     """A TensorRT engine of the vision encoder (``vision.plan``): its graph in TensorRT's form
@@ -272,8 +284,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     with staged_directory(out_dir, req.force) as tmp:
         log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
         engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
-        if backend == "tensorrt" and record.vision() is not None:
-            report["vision"] = _vision_plan(model_dir, record, tmp, cfg, req, log)
+        _vision_engine(backend, model_dir, record, tmp, cfg, req, report, log)
         graphs = _ort_graphs(tmp, record, kv_dtype, req.precision, log) if backend == "onnxruntime" else None
         copy_tokenizer_files(model_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))

@@ -258,8 +258,10 @@ def test_the_tensorrt_vision_graph_types(glm4v_engine, dtype):
 def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
     from conftest import build_tiny_engine
 
-    engine_dir = build_tiny_engine(tiny_dir, tmp_path / "engine", family="glm4v", max_seq_len=256,
-                                   kv_num_blocks=64, max_images=1, max_pixels=2 * 60 * 60)
+    said: list[str] = []
+    engine_dir = build_tiny_engine(tiny_dir, tmp_path / "engine", family="glm4v", max_seq_len=256, log=said.append,
+                                   kv_num_blocks=64, max_images=1, max_pixels=2 * 60 * 60, vision_dtype="float16")
+    assert "vision_dtype float16 is for a TensorRT vision engine; ONNX Runtime's encoder runs float32" in said
     image = random_image(300, 300, 2)
     with Engine.load(engine_dir) as engine:
         assert engine.prepare(image_message(image)).ids.count(IMAGE_TOKEN) == 4  # resized to 56 x 56: 2 x 2 tokens
