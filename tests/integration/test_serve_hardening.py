@@ -181,8 +181,9 @@ def image_body(seed: int) -> dict:
 
 def test_requests_whose_images_wait_for_the_encoder_count_toward_max_waiting(glm4v_engine):
     """A request whose screenshot is being encoded holds a place among ``--max-waiting``: with a
-    limit of 1 and one request held in the encoder, the next gets 429 (before, requests piled up in
-    the encoder unbounded), and /metrics shows it as preparing; once the encoder lets go it answers."""
+    limit of 1 and one request held in the encoder, the next gets 429 (so requests cannot pile up in
+    front of the encoder unbounded), and /metrics shows it as preparing; once the encoder lets go it
+    answers."""
     with held_encoder_server(glm4v_engine, max_waiting=1) as (port, engine, release):
         held, first = in_threads(port, [image_body(1)])
         assert wait_for(lambda: engine.stats()["images_preparing"] == 1)
@@ -196,8 +197,8 @@ def test_requests_whose_images_wait_for_the_encoder_count_toward_max_waiting(glm
 
 def test_requests_with_images_are_prepared_on_threads_of_their_own(glm4v_engine):
     """Six requests whose screenshots wait for a held encoder: at most ``IMAGE_WORKERS`` of them are
-    in the engine's ``prepare``, each holding a thread (before, all six, and 40 such held every
-    thread text requests are prepared on), /metrics counts all six as preparing, 429 comes at the
+    in the engine's ``prepare``, each holding a thread (so screenshots waiting for the encoder never
+    take every thread text requests are prepared on), /metrics counts all six as preparing, 429 comes at the
     limit, and a text request is answered meanwhile; once the encoder lets go all seven answer."""
     from autoglm_trt.serve.serving import IMAGE_WORKERS
 
