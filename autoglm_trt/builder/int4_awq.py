@@ -7,7 +7,10 @@ Input: a float32 export directory and calibration text. Output directory (the bu
                                             AWQ scales folded into the norms and linears before
                                             it; the LM head INT8 in blocks of 32, as int8-wo's,
                                             and the token embedding INT8 the same way (rows
-                                            gathered, then scaled; float32 for TensorRT)
+                                            gathered, then scaled; float for TensorRT). For
+                                            TensorRT the graph is float16 (``dtype``): weights
+                                            dequantized to float16 GEMMs (W4A16), float16
+                                            attention and KV cache
     export.json                             the export's record, pointing at that graph;
                                             ``int4`` says how it was made
     tokenizer (and vision encoder) files
@@ -75,10 +78,15 @@ class Int4Settings:
     # the accuracy gate (``int4_gate``): the fewest most sensitive linears kept at INT8 for the expected
     # perplexity ratio against the float graph to be at most this (None: no gate)
     gate: float | None = None
+    # the graph's GEMMs, attention and KV cache: float32 (ONNX Runtime), or float16 with the weights
+    # dequantized to it (TensorRT's W4A16); measured in float32 either way
+    dtype: str = "float32"
 
     def check(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
             raise AutoGLMError(f"the INT4 block size must be a power of two of at least 16, got {self.block}")
+        if self.dtype not in ("float32", "float16"):
+            raise AutoGLMError(f"the INT4 graph is written in float32 or float16, not {self.dtype}")
         unknown = sorted(set(self.int8_kinds) - set(KINDS[:-1]))
         if unknown:
             raise AutoGLMError(f"unknown kind of linear {', '.join(unknown)} to keep at INT8; "
@@ -138,7 +146,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
             plan, gate = _write(Path(scratch), tmp, export_dir, weights, plan, export.max_seq_len, held, settings,
                                 threads, log)
             log(f"INT4 graph written in {time.perf_counter() - t1:.1f} s")
-            record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq")
+            record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq", dtype=settings.dtype)
             record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
                               "weights": _weights_text(settings, len(plan.int8_linears) - len(int8_linears)),
                               "int8_linears": list(plan.int8_linears), "rounding": rounding, "awq": report,
@@ -151,13 +159,16 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
 def _write(scratch: Path, out: Path, export_dir: Path, weights: SmoothedWeights, plan: QuantPlan, max_seq_len: int,
            held: TokenWindows | None, settings: Int4Settings, threads: int | None,
            log: Callable[[str], None]) -> tuple[QuantPlan, dict | None]:
-    """The INT4 graph written in ``out``: gated on the windows ``held`` where the settings say so;
-    the plan written and the gate's report (None: no gate)."""
-    if held is None or settings.gate is None:
-        write_int8_graph(out, GRAPH, weights.spec, weights, plan, max_seq_len)
-        return plan, None
-    return gated_plan(scratch, out, GRAPH, export_dir, weights, plan, max_seq_len, held.windows, settings.gate,
-                      threads, log)
+    """The INT4 graph written in ``out`` in ``settings.dtype``: gated on the windows ``held`` where the
+    settings say so (the gate judges the float32 graph); the plan written and the gate's report
+    (None: no gate)."""
+    gate = None
+    if held is not None and settings.gate is not None:
+        plan, gate = gated_plan(scratch, out, GRAPH, export_dir, weights, plan, max_seq_len, held.windows,
+                                settings.gate, threads, log)
+    if gate is None or settings.dtype != "float32":
+        write_int8_graph(out, GRAPH, weights.spec, weights, plan, max_seq_len, settings.dtype)
+    return plan, gate
 
 
 def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: tuple, gptq: tuple[str, ...],
@@ -190,7 +201,7 @@ def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: t
 
 def _weights_text(settings: Int4Settings, gated: int) -> str:
     return (f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, one scale (a float16 "
-            f"value) per {settings.block} inputs of each output; LM head "
+            f"value) per {settings.block} inputs of each output, dequantized to {settings.dtype}; LM head "
             + "".join(f"and {k} " for k in settings.int8_kinds)
             + (f"and {gated} linears the gate kept " if gated else "") + "int8 per 32"
             + ("; token embedding int8 per 32" if settings.int8_embedding else ""))

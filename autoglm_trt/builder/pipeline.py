@@ -41,6 +41,13 @@ PRECISIONS = ("fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq")
 WEIGHT_ONLY = ("int8-wo", "int8-dyn")  # one model: INT8 weights in blocks; int8-dyn quantizes activations at run time
 KV_CALIB_WINDOWS = 32  # windows of 128 tokens for the K/V ranges of an fp32/fp16 engine's INT8 KV cache
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
+# inputs per INT4 weight scale: TensorRT takes blocks of 64 or 128 (its documentation's "Quantization
+# Schemes"); ONNX Runtime's MatMulNBits any power of two from 16, and 32 measured best (docs/calibration.md)
+INT4_BLOCK = {"onnxruntime": 32, "tensorrt": 128}
+TRT_INT4_BLOCKS = (64, 128)
+# the graph a weight-only precision is written in for each backend: TensorRT's weight-only GEMMs
+# take half activations (W4A16 / W8A16), with the attention and KV cache in float16 as fp16's
+WEIGHT_ONLY_DTYPE = {"onnxruntime": "float32", "tensorrt": "float16"}
 
 
 @dataclass
@@ -53,7 +60,7 @@ class BuildRequest:
     config: BuildConfig | None = None
     cache_dir: Path | None = None  # default: <out_dir parent>/.cache
     force: bool = False
-    int4_block: int = 32  # int4-awq: inputs per weight scale
+    int4_block: int | None = None  # int4-awq: inputs per weight scale (None: the backend's ``INT4_BLOCK``)
     int4_int8: tuple[str, ...] = ()  # int4-awq: kinds of linear kept at INT8
     int4_gate: float | None = None  # int4-awq: the accuracy gate's expected perplexity ratio (None: no gate)
 
@@ -153,7 +160,8 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
         if req.calib is not None:
             log(f"{req.precision} quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
         # the token embedding's INT8 rows (a Gather + Cast) are untested with TensorRT: float there
-        return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=backend != "tensorrt")
+        return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=backend != "tensorrt",
+                                  dtype=WEIGHT_ONLY_DTYPE[backend])
     if req.precision == "int4-awq":
         from ..calib.pipeline import DEFAULT_DATA
         from .int4_awq import Int4Settings, int4_export
@@ -163,10 +171,21 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
         # TensorRT's block-quantized INT4 takes no zero points: symmetric there; its embedding stays
         # float (the INT8 rows' Gather + Cast is untested with TensorRT)
         trt = backend == "tensorrt"
-        settings = Int4Settings(block=req.int4_block, symmetric=trt, int8_kinds=req.int4_int8, int8_embedding=not trt,
-                                gate=req.int4_gate)
+        settings = Int4Settings(block=int4_block(req, backend), symmetric=trt, int8_kinds=req.int4_int8,
+                                int8_embedding=not trt, gate=req.int4_gate, dtype=WEIGHT_ONLY_DTYPE[backend])
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
+
+
+def int4_block(req: BuildRequest, backend: str) -> int:
+    """The INT4 block size of an int4-awq build: the request's, else the backend's default; refused
+    where TensorRT would not build it (before any export or calibration)."""
+    block = INT4_BLOCK[backend] if req.int4_block is None else req.int4_block
+    if backend == "tensorrt" and block not in TRT_INT4_BLOCKS:
+        raise AutoGLMError(f"TensorRT builds INT4 weights in blocks of {' or '.join(map(str, TRT_INT4_BLOCKS))} "
+                           f"inputs, not {block}: pass --int4-block {INT4_BLOCK['tensorrt']} (its default) or "
+                           f"{TRT_INT4_BLOCKS[0]}, or build for ONNX Runtime (--backend onnxruntime), which takes {block}")
+    return block
 
 
 def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
@@ -248,6 +267,15 @@ def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]
     return kv_statistics(record.dir, spec, windows, 8, record.dtype)
 
 
+def _refuse_before_work(req: BuildRequest, cfg: BuildConfig, backend: str) -> None:
+    """What the backend cannot build, refused before any export or calibration."""
+    if req.precision == "int4-awq":
+        int4_block(req, backend)
+    if cfg.kv_scales == "token" and backend == "tensorrt":
+        raise AutoGLMError("per-token KV scales (kv_scales token) run on the onnxruntime backend; for TensorRT "
+                           "use kv_scales head (static, calibrated), which it builds as explicit quantization")
+
+
 def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     """Build the engine directory; returns its manifest."""
     if req.precision not in PRECISIONS:
@@ -258,9 +286,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     if out_dir.exists() and not req.force:
         raise AutoGLMError(f"engine directory {out_dir} already exists; pass --force to rebuild it")
     backend = _backend_for(req, log)
-    if cfg.kv_scales == "token" and backend == "tensorrt":
-        raise AutoGLMError("per-token KV scales (kv_scales token) run on the onnxruntime backend; for TensorRT "
-                           "use kv_scales head (static, calibrated), which it builds as explicit quantization")
+    _refuse_before_work(req, cfg, backend)
     t0 = time.perf_counter()
     cache = _cache_dir(req)
     float_dir = _model_dir(req, cache, log)

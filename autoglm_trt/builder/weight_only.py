@@ -8,7 +8,10 @@ Input: a float32 export directory. Output directory (the build's cache)::
                                                 float16 value (``graph.int4.half_scales``); opset
                                                 21) into a float MatMul; the token embedding
                                                 INT8 the same way (rows gathered, then scaled),
-                                                unless ``int8_embedding`` is off (TensorRT)
+                                                unless ``int8_embedding`` is off (TensorRT).
+                                                For TensorRT the graph is float16 (``dtype``):
+                                                weights dequantized to float16 GEMMs (W8A16),
+                                                float16 attention and KV cache
     export.json                                 the export's record, pointing at that graph;
                                                 ``weight_only.source`` is the export's identity
     tokenizer (and vision encoder) files
@@ -38,25 +41,27 @@ GRAPH = "model.int8wo.onnx"
 VERSION = 3
 
 
-def _reusable(out_dir: Path, source: str, int8_embedding: bool) -> bool:
+def _reusable(out_dir: Path, source: str, int8_embedding: bool, dtype: str) -> bool:
     if not (out_dir / EXPORT_RECORD).is_file():
         return False
-    made = ExportRecord.read(out_dir).data.get("weight_only", {})
+    record = ExportRecord.read(out_dir)
+    made = record.data.get("weight_only", {})
     return (made.get("source") == source and made.get("version") == VERSION
-            and made.get("int8_embedding") == int8_embedding)
+            and made.get("int8_embedding") == int8_embedding and record.dtype == dtype)
 
 
 def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], None] = print,
-                       int8_embedding: bool = True) -> Path:
+                       int8_embedding: bool = True, dtype: str = "float32") -> Path:
     """Write (or reuse) the weight-only INT8 model of ``export_dir`` in ``out_dir``; returns ``out_dir``.
     ``int8_embedding``: the token embedding as INT8 rows in blocks of 32 (as the LM head's weights;
-    a quarter of float32's bytes), else float32."""
+    a quarter of float32's bytes), else float. ``dtype``: the graph's GEMMs, attention and KV cache,
+    float32 or float16 (TensorRT's W8A16: the weights dequantized to float16)."""
     export = ExportRecord.read(export_dir)
     if export.dtype != "float32" or export.precision != "fp32":
         raise AutoGLMError(f"{export_dir} is not a float32 export; int8-wo is made from one "
                            "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
     source = export.identity()
-    if _reusable(out_dir, source, int8_embedding):
+    if _reusable(out_dir, source, int8_embedding, dtype):
         log(f"reusing the weight-only INT8 model in {out_dir} (its export matches)")
         return out_dir
     import onnx
@@ -67,12 +72,12 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
     log(f"quantizing {len(linears)} linears' weights to INT8 (blocks of {WEIGHT_BLOCK} inputs) from {export_dir}")
     with staged_directory(out_dir, True) as tmp:
         write_int8_graph(tmp, GRAPH, export.spec, ExportedWeights(export_dir),
-                         QuantPlan.weights_only(linears, int8_embedding=int8_embedding), export.max_seq_len)
-        record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int8-wo")
+                         QuantPlan.weights_only(linears, int8_embedding=int8_embedding), export.max_seq_len, dtype)
+        record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int8-wo", dtype=dtype)
         record["weight_only"] = {"source": source, "version": VERSION, "linears": len(linears),
                                  "int8_embedding": int8_embedding,
                                  "weights": f"int8, symmetric, one scale (a float16 value) per {WEIGHT_BLOCK} "
-                                            "inputs of each output"
+                                            f"inputs of each output, dequantized to {dtype}"
                                  + ("; token embedding int8 per 32" if int8_embedding else "")}
         copy_tokenizer_files(export_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record)

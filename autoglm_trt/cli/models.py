@@ -174,8 +174,9 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
               help="Image-text models: the most pixels an image is resized to [default: the checkpoint's "
                    "preprocessor_config.json; Open-AutoGLM serves with 5000000].")
 @click.option("--max-images", type=int, default=None, help="Image-text models: images per prompt [default: 10].")
-@click.option("--int4-block", type=int, default=32, show_default=True,
-              help="int4-awq: inputs per weight scale (a power of two, at least 16).")
+@click.option("--int4-block", type=int, default=None,
+              help="int4-awq: inputs per weight scale (a power of two, at least 16; TensorRT takes 64 or 128) "
+                   "[default: 32 on ONNX Runtime, 128 on TensorRT].")
 @click.option("--int4-int8", default="", metavar="KINDS",
               help="int4-awq: kinds of linear kept at INT8 (comma-separated of qkv, o_proj, gate_up, down), "
                    "as the LM head is [default: none].")
@@ -185,7 +186,7 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
-              out_dir: Path | None, int4_block: int, int4_int8: str, int4_gate: float | None, print_config: bool,
+              out_dir: Path | None, int4_block: int | None, int4_int8: str, int4_gate: float | None, print_config: bool,
               force: bool,
               **overrides) -> None:
     """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""

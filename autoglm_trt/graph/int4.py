@@ -93,11 +93,12 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
     return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
 
 
-def int4_weight_dq(g: GraphBuilder, name: str, qw: Int4Blocks) -> str:
-    """DequantizeLinear (opset 21, axis 0, ``block_size``) of ``qw`` to float32 ``[in, out]``."""
+def int4_weight_dq(g: GraphBuilder, name: str, qw: Int4Blocks, scale_dtype: np.dtype | type = np.float32) -> str:
+    """DequantizeLinear (opset 21, axis 0, ``block_size``) of ``qw`` to ``[in, out]`` of the scales'
+    type, ``scale_dtype`` (float32 or float16, which holds every ``half_scales`` value exactly)."""
     kind = TensorProto.INT4 if qw.zero is None else TensorProto.UINT4
     inputs = [g.packed_weight(f"{name}.weight_i4", qw.q.shape, kind, pack_nibbles(qw.q)),
-              g.weight(f"{name}.weight_scale", qw.scale)]
+              g.weight(f"{name}.weight_scale", qw.scale.astype(scale_dtype))]
     if qw.zero is not None:
         inputs.append(g.packed_weight(f"{name}.weight_zero", qw.zero.shape, kind, pack_nibbles(qw.zero)))
     return g.op("DequantizeLinear", inputs, f"{name}.weight_dq", axis=0, block_size=qw.block)

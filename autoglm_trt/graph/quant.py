@@ -95,19 +95,22 @@ class QuantPlan:
         return replace(self, bias_correction={n: c for n, c in self.bias_correction.items() if n in linears})
 
 
-def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3) -> str:
+def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3,
+                     half: np.dtype | None = None) -> str:
     """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
-    in a weight-only plan."""
+    in a weight-only plan. ``half`` (float16; a weight-only plan only): x is of that type, and so
+    are the weight's scales, its DequantizeLinear's output and the product (W4A16, W8A16)."""
+    scales = _scale_dtype(plan, half)
     if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
-        w4 = int4_weight_dq(g, name, _int4_weight(w, name, plan))
+        w4 = int4_weight_dq(g, name, _int4_weight(w, name, plan), scales)
         if plan.switchable:  # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
             wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
             w4, _ = _switch(g, name, plan, w4,
-                            _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8"))
+                            _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws.astype(scales), f"{name}.int8"))
         return g.op("MatMul", [x, w4], name)
     if plan.weight_only:
         wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
-        return g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws, name)], name)
+        return g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws.astype(scales), name)], name)
     if name in plan.rotate:
         x, w = rotate_input(g, x, plan.rotate[name], name, rank), rotate_weight(w, plan.rotate[name])
     wq, ws = quantize_weight_per_channel(w)
@@ -116,6 +119,16 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
         wdq, on = _switch(g, name, plan, wdq, g.weight(f"{name}.weight", w.astype(np.float32)))
         xdq = g.op("Add", [x, g.op("Mul", [on, g.op("Sub", [xdq, x])])], f"{name}.switch_x")
     return g.op("MatMul", [xdq, wdq], name)
+
+
+def _scale_dtype(plan: QuantPlan, half: np.dtype | None) -> np.dtype:
+    """The type a plan's weight scales are stored in: float32, or the graph's half type for a
+    weight-only plan (its block scales are float16 values, ``int4.half_scales``: stored exactly)."""
+    if half is None:
+        return np.dtype(np.float32)
+    if not plan.weight_only:
+        raise ValueError("half activations are written for a weight-only plan; INT8 activations' Q/DQ take float32")
+    return np.dtype(half)
 
 
 def _switch(g: GraphBuilder, name: str, plan: QuantPlan, quantized: str, kept: str) -> tuple[str, str]:
@@ -160,9 +173,10 @@ def add_bias(g: GraphBuilder, y: str, b: np.ndarray | None, name: str, plan: Qua
 
 
 def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int], np.ndarray], n_out: int,
-                          n_in: int, name: str, plan: QuantPlan, rank: int = 2) -> str:
+                          n_in: int, name: str, plan: QuantPlan, rank: int = 2, half: np.dtype | None = None) -> str:
     """``quantized_matmul`` of a weight read as ``[out, in]`` rows (an LM head of a large vocabulary),
     quantized chunk by chunk: memory holds the INT8 matrix once, never the float one."""
+    scales = _scale_dtype(plan, half)
     b = None if plan.weight_only else plan.rotate.get(name)
     if b:
         x = rotate_input(g, x, b, name, rank)
@@ -180,7 +194,7 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
     wq = g.weight_chunks(f"{name}.weight_i8", (n_in, n_out), np.dtype(np.int8),
                          (np.ascontiguousarray(q[:, h : h + 512].T) for h in range(0, n_in, 512)))
     if plan.weight_only:
-        return g.op("MatMul", [x, _weight_dq(g, wq, scale, name)], name)
+        return g.op("MatMul", [x, _weight_dq(g, wq, scale.astype(scales), name)], name)
     xdq, wdq = _qdq(g, x, wq, scale, name, plan)
     return g.op("MatMul", [xdq, wdq], name)
 
@@ -205,8 +219,8 @@ def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: Quan
 
 
 def _weight_dq(g: GraphBuilder, wq: str, ws: np.ndarray, name: str) -> str:
-    """DequantizeLinear of the INT8 weight ``wq`` ``[in, out]``: per output channel (``ws`` [out]),
-    or in blocks of ``WEIGHT_BLOCK`` inputs (``ws`` [blocks, out], opset 21)."""
+    """DequantizeLinear of the INT8 weight ``wq`` ``[in, out]`` to the type of ``ws``: per output
+    channel (``ws`` [out]), or in blocks of ``WEIGHT_BLOCK`` inputs (``ws`` [blocks, out], opset 21)."""
     zero = g.weight(f"{name}.weight_zero", np.zeros(ws.shape, np.int8))
     if ws.ndim == 2:
         return g.op("DequantizeLinear", [wq, g.weight(f"{name}.weight_scale", ws), zero], f"{name}.weight_dq",

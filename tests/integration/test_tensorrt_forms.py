@@ -1,0 +1,140 @@
+"""The weight-only graphs a TensorRT build is made from (``int4-awq``, ``int8-wo``): float16 GEMMs
+with the weights dequantized to float16 (W4A16 / W8A16), float16 attention and KV cache, norms and
+softmax float32; INT4 in the blocks TensorRT takes. No TensorRT runs here: the graphs are checked
+for their types and against the float32 graph of the same weights on ONNX Runtime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import ROOT
+
+from autoglm_trt.errors import AutoGLMError
+
+DATA = ROOT / "autoglm_trt" / "calib" / "data"
+F16, F32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+
+
+@pytest.fixture(scope="module")
+def forms(tiny_dir, tmp_path_factory):
+    """precision -> (the TensorRT build's model directory, the float32 graph of the same settings)."""
+    from autoglm_trt.builder import pipeline
+    from autoglm_trt.builder.int4_awq import Int4Settings, int4_export
+    from autoglm_trt.builder.pipeline import BuildRequest
+    from autoglm_trt.builder.weight_only import weight_only_export
+
+    root = tmp_path_factory.mktemp("trt-forms")
+    out = {}
+    for precision in ("int4-awq", "int8-wo"):
+        req = BuildRequest(tiny_dir("glm"), root / precision, precision=precision, backend="tensorrt",
+                           cache_dir=root / ".cache", int4_block=64)
+        cache = pipeline._cache_dir(req)
+        float_dir = pipeline._model_dir(req, cache, lambda m: None)
+        half = pipeline._quantized(req, "tensorrt", float_dir, cache, lambda m: None)
+        if precision == "int4-awq":
+            full = int4_export(float_dir, root / "f32-int4", DATA,
+                               Int4Settings(block=64, symmetric=True, int8_embedding=False), log=lambda m: None)
+        else:
+            full = weight_only_export(float_dir, root / "f32-int8wo", lambda m: None, int8_embedding=False)
+        out[precision] = (half, full)
+    return out
+
+
+def _types(model: onnx.ModelProto) -> dict[str, int]:
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.input,
+                                                              *inferred.graph.output]}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    return types
+
+
+@pytest.mark.parametrize("precision", ["int4-awq", "int8-wo"])
+def test_the_tensorrt_graph_runs_its_gemms_attention_and_kv_cache_in_float16(forms, precision):
+    from autoglm_trt.artifacts import ExportRecord
+
+    half_dir, _ = forms[precision]
+    record = ExportRecord.read(half_dir)
+    assert record.dtype == "float16" and record.kv_dtype == "float16"
+    model = onnx.load(str(record.graph_file), load_external_data=False)
+    types = _types(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    by_op: dict[str, list] = {}
+    for n in model.graph.node:
+        by_op.setdefault(n.op_type, []).append(n)
+    linears = [n for n in by_op["MatMul"] if n.input[1] in producer and producer[n.input[1]].op_type == "DequantizeLinear"]
+    spec = record.spec
+    assert len(linears) == 4 * spec.num_layers + 1  # qkv, o_proj, gate_up, down and the LM head
+    assert all(types[i] == F16 for n in linears for i in (*n.input, n.output[0]))
+    dqs = by_op["DequantizeLinear"]
+    assert len(dqs) == len(linears) and all(types[n.input[1]] == F16 for n in dqs)
+    int4 = sum(types[n.input[0]] == onnx.TensorProto.INT4 for n in dqs)
+    assert int4 == (4 * spec.num_layers if precision == "int4-awq" else 0)  # the LM head INT8 either way
+    assert all(types[n.input[0]] == F32 for op in ("ReduceMean", "Softmax") for n in by_op[op])
+    scores = [n for n in by_op["MatMul"] if ".scores" in n.output[0]]
+    assert len(scores) == 2 * spec.num_layers and all(types[i] == F16 for n in scores for i in n.input)
+    residuals = [n for n in by_op["Add"] if "residual" in n.output[0]]
+    assert len(residuals) == 2 * spec.num_layers and all(types[n.output[0]] == F32 for n in residuals)
+    kv = {i.name: types[i.name] for i in [*model.graph.input, *model.graph.output] if "key" in i.name or "value" in i.name}
+    assert len(kv) == 4 * spec.num_layers and set(kv.values()) == {F16}
+    assert types["logits"] == F32
+    # a TensorRT build's INT8 KV cache (static scales per KV head) rewrites it into a typed graph too
+    from autoglm_trt.graph.kv_int8 import int8_kv_graph
+
+    amax = {o: [1.0] * spec.num_kv_heads for o in kv if o.startswith("new_")}
+    assert set(_types(int8_kv_graph(model, amax)).values()) >= {onnx.TensorProto.INT8, F16}
+
+
+@pytest.mark.parametrize("precision", ["int4-awq", "int8-wo"])
+def test_the_float16_graph_holds_the_float32_graphs_weights_and_computes_its_logits(forms, precision):
+    """The same quantized weights bit for bit, their float16 scales the float32 graph's values (each a
+    float16 value already), and logits within float16's rounding of the float32 graph's on ONNX
+    Runtime (unoptimized: its MatMulNBits would quantize the activations)."""
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.graph.runner import GraphRunner
+    from autoglm_trt.graph.session import make_session
+
+    half_dir, full_dir = forms[precision]
+    half, full = (onnx.load(str(ExportRecord.read(d).graph_file)) for d in (half_dir, full_dir))
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in half.graph.initializer}
+    reference = {t.name: onnx.numpy_helper.to_array(t) for t in full.graph.initializer}
+    quantized = [n for n in weights if n.endswith((".weight_i4", ".weight_i8"))]
+    assert len(quantized) == 4 * ExportRecord.read(half_dir).spec.num_layers + 1
+    for name in quantized:
+        assert np.array_equal(weights[name], reference[name]), name
+        scale = name.rsplit(".", 1)[0] + ".weight_scale"
+        assert weights[scale].dtype == np.float16 and np.array_equal(weights[scale].astype(np.float32), reference[scale])
+
+    def logits(model_dir):
+        runner = GraphRunner(model_dir)
+        runner.session = make_session(runner.record.graph_file, optimize=False)
+        return runner.logits(np.random.default_rng(3).integers(0, 256, (2, 24)))
+
+    got, want = logits(half_dir), logits(full_dir)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+    assert np.linalg.norm(got - want) > 0  # float16 GEMMs, not float32 ones
+
+
+def test_tensorrt_takes_int4_blocks_of_64_or_128_and_says_so_before_any_work(tiny_dir, tmp_path, monkeypatch):
+    from autoglm_trt.builder import pipeline
+    from autoglm_trt.builder.pipeline import BuildRequest, build_engine, int4_block
+
+    def req(block):
+        return BuildRequest(tiny_dir("glm"), tmp_path / "e", precision="int4-awq", int4_block=block,
+                            cache_dir=tmp_path / ".cache")
+
+    assert int4_block(req(None), "tensorrt") == 128 and int4_block(req(None), "onnxruntime") == 32
+    assert int4_block(req(64), "tensorrt") == 64 and int4_block(req(16), "onnxruntime") == 16
+    monkeypatch.setattr(pipeline, "_backend_for", lambda req, log: "tensorrt")  # as where TensorRT is installed
+    with pytest.raises(AutoGLMError, match="blocks of 64 or 128 inputs, not 32: pass --int4-block 128"):
+        build_engine(req(32), log=lambda m: None)
+    assert not (tmp_path / ".cache").exists() and not (tmp_path / "e").exists()
+
+
+def test_a_float16_graph_is_written_for_weight_only_plans_alone(tmp_path):
+    from autoglm_trt.graph.decoder import write_int8_graph
+    from autoglm_trt.graph.quant import QuantPlan
+
+    with pytest.raises(ValueError, match="weight-only plan"):
+        write_int8_graph(tmp_path, "m.onnx", None, None, QuantPlan({"layers.0.qkv": 1.0}), 64, "float16")
+    assert not list(tmp_path.iterdir())
