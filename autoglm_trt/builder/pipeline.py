@@ -45,9 +45,10 @@ BACKENDS = ("auto", "tensorrt", "onnxruntime")
 # Schemes"); ONNX Runtime's MatMulNBits any power of two from 16, and 32 measured best (docs/calibration.md)
 INT4_BLOCK = {"onnxruntime": 32, "tensorrt": 128}
 TRT_INT4_BLOCKS = (64, 128)
-# the graph a weight-only precision is written in for each backend: TensorRT's weight-only GEMMs
-# take half activations (W4A16 / W8A16), with the attention and KV cache in float16 as fp16's
-WEIGHT_ONLY_DTYPE = {"onnxruntime": "float32", "tensorrt": "float16"}
+# the float type of a quantized precision's graph for each backend: TensorRT's is float16 (the Q/DQ
+# and GEMMs of W8A8, W4A16 and W8A16, the attention and the KV cache, as fp16's); ONNX Runtime's
+# CPU engine runs float32
+QUANTIZED_DTYPE = {"onnxruntime": "float32", "tensorrt": "float16"}
 
 
 @dataclass
@@ -136,16 +137,17 @@ def _model_dir(req: BuildRequest, cache: Path, log: Callable[[str], None]) -> Pa
     raise AutoGLMError(f"{source} is neither a Hugging Face checkpoint (config.json) nor an export (export.json)")
 
 
-def _calibrated(req: BuildRequest, model_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
-    """The INT8 calibration of ``model_dir`` in the cache (made or reused)."""
+def _calibrated(req: BuildRequest, backend: str, model_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
+    """The INT8 calibration of ``model_dir`` for ``backend`` in the cache (made or reused)."""
     from ..calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
 
     data = req.calib
     if data is None:
         data = DEFAULT_DATA
         log(f"no --calib given: calibrating with the default set {data}")
-    calib_dir = cache / "calib-int8"
-    calibrate(CalibConfig(model_dir, data, calib_dir, replace_mismatch=True), log=log)
+    dtype = QUANTIZED_DTYPE[backend]
+    calib_dir = cache / ("calib-int8" if dtype == "float32" else f"calib-int8-{dtype}")
+    calibrate(CalibConfig(model_dir, data, calib_dir, replace_mismatch=True, graph_dtype=dtype), log=log)
     return calib_dir
 
 
@@ -153,7 +155,7 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
     """The model the engine is built from: the float export, its INT8 calibration, its
     weight-only INT8 model or its INT4 model (made or reused in the cache)."""
     if req.precision == "int8":
-        return _calibrated(req, float_dir, cache, log)
+        return _calibrated(req, backend, float_dir, cache, log)
     if req.precision in WEIGHT_ONLY:
         from .weight_only import weight_only_export
 
@@ -161,7 +163,7 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
             log(f"{req.precision} quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
         # the token embedding's INT8 rows (a Gather + Cast) are untested with TensorRT: float there
         return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=backend != "tensorrt",
-                                  dtype=WEIGHT_ONLY_DTYPE[backend])
+                                  dtype=QUANTIZED_DTYPE[backend])
     if req.precision == "int4-awq":
         from ..calib.pipeline import DEFAULT_DATA
         from .int4_awq import Int4Settings, int4_export
@@ -172,7 +174,7 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
         # float (the INT8 rows' Gather + Cast is untested with TensorRT)
         trt = backend == "tensorrt"
         settings = Int4Settings(block=int4_block(req, backend), symmetric=trt, int8_kinds=req.int4_int8,
-                                int8_embedding=not trt, gate=req.int4_gate, dtype=WEIGHT_ONLY_DTYPE[backend])
+                                int8_embedding=not trt, gate=req.int4_gate, dtype=QUANTIZED_DTYPE[backend])
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
 

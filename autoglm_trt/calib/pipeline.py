@@ -2,7 +2,8 @@
 
 Input: an export directory (float32) and a directory of calibration text. Output directory::
 
-    model.int8.onnx, model.int8.onnx.data   Q/DQ graph (same contract as the export)
+    model.int8.onnx, model.int8.onnx.data   Q/DQ graph (same contract as the export; float32, or
+                                            float16 with ``graph_dtype``: TensorRT's form)
     calibration.cache                       TensorRT <= 10 text format: amax/127 per linear input
                                             of the export's float model.onnx (entropy)
     calib.json                              amax per tensor, method, smoothing, float layers,
@@ -93,12 +94,18 @@ class CalibConfig:
     device: str = "cpu"  # where the statistics pass runs: cpu, or cuda (onnxruntime-gpu)
     force: bool = False  # recompute even if a matching result exists; replace a mismatching one
     replace_mismatch: bool = False  # replace a result of another model/data without --force (build's cache)
+    # the INT8 graph written: float32, or float16 (TensorRT's form: Q/DQ, GEMMs, attention and KV cache
+    # in float16, ``write_int8_graph``); the gate judges the float32 graph of the same plan either way
+    graph_dtype: str = "float32"
 
     def settings(self) -> dict:
-        """The settings that decide the result (hashed with the data; recorded in calib.json)."""
+        """The settings that decide the result (hashed with the data; recorded in calib.json). The
+        graph's dtype is among them where it is not float32, so float32 results keep their identity."""
         out = {k: v for k, v in asdict(self).items()
                if k not in ("export_dir", "data", "out_dir", "threads", "max_graph_bytes", "device", "force",
-                            "replace_mismatch")}
+                            "replace_mismatch", "graph_dtype")}
+        if self.graph_dtype != "float32":
+            out["graph_dtype"] = self.graph_dtype
         out["version"] = CALIB_VERSION
         return out
 
@@ -146,6 +153,8 @@ def _check_config(cfg: CalibConfig, export: ExportRecord) -> None:
         raise AutoGLMError(f"target top-1 agreement must be in [0, 1], got {cfg.target_top1!r}")
     if cfg.method not in (*METHODS, "auto"):
         raise AutoGLMError(f"method '{cfg.method}' is not supported; choose one of {', '.join(METHODS)}, auto")
+    if cfg.graph_dtype not in ("float32", "float16"):
+        raise AutoGLMError(f"the INT8 graph is written in float32 or float16 (TensorRT's form), not {cfg.graph_dtype}")
     if export.dtype != "float32" or export.precision != "fp32":
         raise AutoGLMError(f"{cfg.export_dir} is not a float32 export; calibrate a float32 export "
                            "(autoglm-trt export CHECKPOINT -o DIR)")
@@ -238,8 +247,8 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
            amax_method: dict[str, str], errors: dict[str, float], log: Callable[[str], None]) -> dict:
     """The INT8 graph (gated), the cache, the export record and tokenizer in ``tmp``; the record's body."""
     spec = export.spec
-    write_json(tmp / EXPORT_RECORD, export.derived(file="model.int8.onnx", data_file="model.int8.onnx.data",
-                                                   precision="int8"))
+    graph = {"file": "model.int8.onnx", "data_file": "model.int8.onnx.data", "precision": "int8"}
+    write_json(tmp / EXPORT_RECORD, export.derived(**graph))  # float32: what the gate runs
     copy_tokenizer_files(cfg.export_dir, tmp)
     plan = QuantPlan({n: a for n, a in amax.items() if n not in cfg.keep_float}, False, st.rotate)
     if cfg.gate and cfg.bias_correction:
@@ -252,8 +261,11 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
         keep, gate_report = search_and_check(tmp, cfg.export_dir, spec, st.weights, plan, export.max_seq_len,
                                              gate_windows,
                                              GateSettings(cfg.target_ppl_ratio, cfg.target_top1, cfg.threads), log)
-    else:
-        write_int8_graph(tmp, "model.int8.onnx", spec, st.weights, plan, export.max_seq_len)
+        plan = plan.corrected(gate_report["bias_correction"])
+    if not cfg.gate or cfg.graph_dtype != "float32":
+        write_int8_graph(tmp, "model.int8.onnx", spec, st.weights, plan.without(keep), export.max_seq_len,
+                         cfg.graph_dtype)
+        write_json(tmp / EXPORT_RECORD, export.derived(**graph, dtype=cfg.graph_dtype))
     quantized = plan.without(keep).act_amax
     cache = write_trt_cache(tmp, st, quantized)
     return {

@@ -124,11 +124,8 @@ class DecoderGraph:
         """float32 x (``rank`` dims) -> MatMul in the weight dtype (+ bias) -> float32; INT8 Q/DQ if planned."""
         g = self.g
         quant = self.opts.quant
-        if quant is not None and name in quant.act_amax:
-            if quant.weight_only:  # weights dequantized to the GEMM type: W4A16 / W8A16 in a float16 graph
-                y = quantized_matmul(g, self.to_compute(x), w, name, quant, rank, self.half())
-                return add_bias(g, self.to_f32(y), b, name, quant)
-            return add_bias(g, quantized_matmul(g, x, w, name, quant, rank), b, name, quant)
+        if quant is not None and name in quant.act_amax:  # in a float16 graph: Q/DQ and GEMM in float16
+            return add_bias(g, self.to_f32(quantized_matmul(g, x, w, name, quant, rank, self.half())), b, name, quant)
         y = g.op("MatMul", [self.to_compute(x), g.weight(f"{name}.weight", w.astype(self.wdt))], name)
         if b is not None:
             y = g.op("Add", [y, g.weight(f"{name}.bias", b.astype(self.wdt))], f"{name}_bias")
@@ -364,9 +361,8 @@ class DecoderGraph:
         if self.quantized("lm_head") and o.quant is not None and not o.quant.switchable and \
                 s.vocab_size * s.hidden_size * 4 > LM_HEAD_STREAM_BYTES:
             # a large INT8 head (GLM-4's 151,552 x 4096 is 2.5 GB in float32): quantized in chunks of rows
-            logits = self.to_f32(quantized_rows_matmul(g, self.to_compute(flat), lambda a, b: self.w.rows(src, a, b),
-                                                       s.vocab_size, s.hidden_size, "lm_head", o.quant,
-                                                       half=self.half()))
+            logits = self.to_f32(quantized_rows_matmul(g, flat, lambda a, b: self.w.rows(src, a, b), s.vocab_size,
+                                                       s.hidden_size, "lm_head", o.quant, half=self.half()))
         elif self.quantized("lm_head"):
             # INT8 head: the [vocab, hidden] matrix as a [hidden, vocab] MatMul weight, per-vocab-row scales
             w = np.concatenate([np.asarray(self.w.rows(src, a, min(a + EMBED_CHUNK_ROWS, s.vocab_size)), np.float32)
@@ -393,12 +389,11 @@ class DecoderGraph:
 def write_int8_graph(out_dir: Path, name: str, spec: ModelSpec, weights: WeightSource, plan: QuantPlan,
                      max_seq_len: int, dtype: str = "float32") -> Path:
     """``out_dir/name`` (+ ``name.data``): the decoder with the plan's linears in INT8 (or INT4).
-    ``dtype`` float16 (a weight-only plan; TensorRT's form): the GEMMs, the attention and the KV
-    cache in float16, the weights dequantized to it; norms, softmax and the residual stream float32."""
-    if dtype != "float32" and not plan.weight_only:
-        raise ValueError(f"a {dtype} graph is written for a weight-only plan; INT8 activations' Q/DQ take float32")
+    ``dtype`` float16 (TensorRT's form): the GEMMs with their Q/DQ, the attention and the KV cache in
+    float16; norms, softmax, rope and the residual stream float32."""
     builder = GraphBuilder(out_dir / f"{name}.data")
-    opset = WEIGHT_ONLY_OPSET if plan.weight_only else OPSET
+    # blocked DequantizeLinear, and QuantizeLinear of float16, are opset 19+ (21: int4)
+    opset = WEIGHT_ONLY_OPSET if plan.weight_only or dtype != "float32" else OPSET
     try:
         DecoderGraph(builder, spec, weights, GraphOptions(dtype, max_seq_len, plan, opset)).build()
         model = builder.model(f"{spec.family}_paged_decoder_int8", opset)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from onnx import helper
 
 from . import names
 from .builder import GraphBuilder
@@ -97,24 +98,26 @@ class QuantPlan:
 
 def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3,
                      half: np.dtype | None = None) -> str:
-    """``x @ w`` with Q/DQ on x and an INT8 per-channel w (float32 output, no bias); x stays float
-    in a weight-only plan. ``half`` (float16; a weight-only plan only): x is of that type, and so
-    are the weight's scales, its DequantizeLinear's output and the product (W4A16, W8A16)."""
+    """``x @ w`` (float32 x, no bias) with Q/DQ on x and an INT8 per-channel w; x stays float in a
+    weight-only plan. The product is float32, or with ``half`` (float16) of that type: x cast to it
+    (after its rotation), its Q/DQ and the weight's DequantizeLinear in it, scales stored in it
+    (TensorRT's form: W8A8, W4A16, W8A16 GEMMs with half activations)."""
     scales = _scale_dtype(plan, half)
     if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
         w4 = int4_weight_dq(g, name, _int4_weight(w, name, plan), scales)
         if plan.switchable:  # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
             wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
-            w4, _ = _switch(g, name, plan, w4,
-                            _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws.astype(scales), f"{name}.int8"))
-        return g.op("MatMul", [x, w4], name)
+            w4, _ = _switch(g, name, plan, w4, _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8"))
+        return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
     if plan.weight_only:
         wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
-        return g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws.astype(scales), name)], name)
+        return g.op("MatMul", [_cast(g, x, scales, name),
+                               _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws.astype(scales), name)], name)
     if name in plan.rotate:
         x, w = rotate_input(g, x, plan.rotate[name], name, rank), rotate_weight(w, plan.rotate[name])
     wq, ws = quantize_weight_per_channel(w)
-    xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), ws, name, plan)
+    x = _cast(g, x, scales, name)
+    xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), ws.astype(scales), name, plan)
     if plan.switchable:
         wdq, on = _switch(g, name, plan, wdq, g.weight(f"{name}.weight", w.astype(np.float32)))
         xdq = g.op("Add", [x, g.op("Mul", [on, g.op("Sub", [xdq, x])])], f"{name}.switch_x")
@@ -122,13 +125,21 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
 
 
 def _scale_dtype(plan: QuantPlan, half: np.dtype | None) -> np.dtype:
-    """The type a plan's weight scales are stored in: float32, or the graph's half type for a
-    weight-only plan (its block scales are float16 values, ``int4.half_scales``: stored exactly)."""
+    """The type a plan's scales are stored in and its linears compute in: float32, or the graph's
+    half type (a weight-only plan's block scales are float16 values, ``int4.half_scales``: stored
+    exactly; a per-channel or activation scale is rounded to the nearest)."""
     if half is None:
         return np.dtype(np.float32)
-    if not plan.weight_only:
-        raise ValueError("half activations are written for a weight-only plan; INT8 activations' Q/DQ take float32")
+    if plan.switchable:
+        raise ValueError("a switchable graph (the accuracy gate's search) is written in float32")
     return np.dtype(half)
+
+
+def _cast(g: GraphBuilder, x: str, dtype: np.dtype, name: str) -> str:
+    """float32 ``x`` in ``dtype`` (a Cast where it is not float32)."""
+    if dtype == np.float32:
+        return x
+    return g.op("Cast", [x], f"{name}.x_half", to=int(helper.np_dtype_to_tensor_dtype(dtype)))
 
 
 def _switch(g: GraphBuilder, name: str, plan: QuantPlan, quantized: str, kept: str) -> tuple[str, str]:
@@ -180,6 +191,7 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
     b = None if plan.weight_only else plan.rotate.get(name)
     if b:
         x = rotate_input(g, x, b, name, rank)
+    x = _cast(g, x, scales, name)
     q = np.empty((n_out, n_in), np.int8)
     scale = np.empty((-(-n_in // WEIGHT_BLOCK), n_out) if plan.weight_only else n_out, np.float32)
     for a in range(0, n_out, ROW_CHUNK):
@@ -195,7 +207,7 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
                          (np.ascontiguousarray(q[:, h : h + 512].T) for h in range(0, n_in, 512)))
     if plan.weight_only:
         return g.op("MatMul", [x, _weight_dq(g, wq, scale.astype(scales), name)], name)
-    xdq, wdq = _qdq(g, x, wq, scale, name, plan)
+    xdq, wdq = _qdq(g, x, wq, scale.astype(scales), name, plan)
     return g.op("MatMul", [xdq, wdq], name)
 
 
@@ -208,8 +220,9 @@ def embedding_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: QuantPlan) -> tuple[str, str]:
-    """Q/DQ of the activation x (per tensor) and DQ of the INT8 weight ``wq`` (per output channel)."""
-    x_scale = g.const(np.float32(act_scale(plan.act_amax[name])), f"{name}.act_scale")
+    """Q/DQ of the activation x (per tensor) and DQ of the INT8 weight ``wq`` (per output channel),
+    in the type of ``ws``."""
+    x_scale = g.const(np.asarray(act_scale(plan.act_amax[name]), ws.dtype), f"{name}.act_scale")
     if plan.switchable:  # times the graph input ``scale_nudge``: the search's second rounding
         x_scale = g.op("Mul", [x_scale, "scale_nudge"], f"{name}.act_scale_nudged")
     zero = g.const(np.int8(0), "zero_i8")

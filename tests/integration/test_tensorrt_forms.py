@@ -1,7 +1,8 @@
-"""The weight-only graphs a TensorRT build is made from (``int4-awq``, ``int8-wo``): float16 GEMMs
-with the weights dequantized to float16 (W4A16 / W8A16), float16 attention and KV cache, norms and
-softmax float32; INT4 in the blocks TensorRT takes. No TensorRT runs here: the graphs are checked
-for their types and against the float32 graph of the same weights on ONNX Runtime."""
+"""The quantized graphs a TensorRT build is made from (``int8``, ``int4-awq``, ``int8-wo``): float16
+GEMMs with their Q/DQ in float16 (W8A8) or the weights dequantized to float16 (W4A16 / W8A16),
+float16 attention and KV cache, norms and softmax float32; INT4 in the blocks TensorRT takes. No
+TensorRT runs here: the graphs are checked for their types and against the float32 graph of the
+same plan on ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -14,30 +15,41 @@ from autoglm_trt.errors import AutoGLMError
 
 DATA = ROOT / "autoglm_trt" / "calib" / "data"
 F16, F32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+PRECISIONS = ("int8", "int4-awq", "int8-wo")
 
 
 @pytest.fixture(scope="module")
 def forms(tiny_dir, tmp_path_factory):
-    """precision -> (the TensorRT build's model directory, the float32 graph of the same settings)."""
+    """precision -> (the TensorRT build's model directory, the float32 graph of the same settings;
+    int8: both calibrated with a linear kept in float, "int8 build" the build's own); "export" ->
+    the float32 export they are made from."""
     from autoglm_trt.builder import pipeline
     from autoglm_trt.builder.int4_awq import Int4Settings, int4_export
     from autoglm_trt.builder.pipeline import BuildRequest
     from autoglm_trt.builder.weight_only import weight_only_export
+    from autoglm_trt.calib.pipeline import CalibConfig, calibrate
 
     root = tmp_path_factory.mktemp("trt-forms")
     out = {}
-    for precision in ("int4-awq", "int8-wo"):
+    for precision in PRECISIONS:
         req = BuildRequest(tiny_dir("glm"), root / precision, precision=precision, backend="tensorrt",
                            cache_dir=root / ".cache", int4_block=64)
         cache = pipeline._cache_dir(req)
         float_dir = pipeline._model_dir(req, cache, lambda m: None)
         half = pipeline._quantized(req, "tensorrt", float_dir, cache, lambda m: None)
-        if precision == "int4-awq":
+        if precision == "int8":  # and a linear kept in float (the gate keeps none of this model's)
+            out["int8 build"] = half
+            half, full = root / "f16-int8", root / "f32-int8"
+            for out_dir, dtype in ((half, "float16"), (full, "float32")):
+                calibrate(CalibConfig(float_dir, DATA, out_dir, keep_float=["layers.1.down"], graph_dtype=dtype),
+                          log=lambda m: None)
+        elif precision == "int4-awq":
             full = int4_export(float_dir, root / "f32-int4", DATA,
                                Int4Settings(block=64, symmetric=True, int8_embedding=False), log=lambda m: None)
         else:
             full = weight_only_export(float_dir, root / "f32-int8wo", lambda m: None, int8_embedding=False)
         out[precision] = (half, full)
+    out["export"] = float_dir
     return out
 
 
@@ -49,9 +61,9 @@ def _types(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-@pytest.mark.parametrize("precision", ["int4-awq", "int8-wo"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_tensorrt_graph_runs_its_gemms_attention_and_kv_cache_in_float16(forms, precision):
-    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.artifacts import CalibRecord, ExportRecord
 
     half_dir, _ = forms[precision]
     record = ExportRecord.read(half_dir)
@@ -64,12 +76,23 @@ def test_the_tensorrt_graph_runs_its_gemms_attention_and_kv_cache_in_float16(for
         by_op.setdefault(n.op_type, []).append(n)
     linears = [n for n in by_op["MatMul"] if n.input[1] in producer and producer[n.input[1]].op_type == "DequantizeLinear"]
     spec = record.spec
-    assert len(linears) == 4 * spec.num_layers + 1  # qkv, o_proj, gate_up, down and the LM head
+    calibrated = CalibRecord.read(half_dir).data if precision == "int8" else None
+    # qkv, o_proj, gate_up, down and the LM head; W8A8: those the gate did not keep in float
+    assert len(linears) == (len(calibrated["amax"]) if calibrated else 4 * spec.num_layers + 1)
     assert all(types[i] == F16 for n in linears for i in (*n.input, n.output[0]))
     dqs = by_op["DequantizeLinear"]
-    assert len(dqs) == len(linears) and all(types[n.input[1]] == F16 for n in dqs)
+    assert len(dqs) == len(linears) * (2 if calibrated else 1) and all(types[n.input[1]] == F16 for n in dqs)
     int4 = sum(types[n.input[0]] == onnx.TensorProto.INT4 for n in dqs)
     assert int4 == (4 * spec.num_layers if precision == "int4-awq" else 0)  # the LM head INT8 either way
+    if calibrated:  # the activations' Q/DQ in float16; the linears kept in float run float16 GEMMs
+        assert all(producer[n.input[0]].op_type == "DequantizeLinear" for n in linears)
+        assert by_op["QuantizeLinear"] and all(types[i] == F16 for n in by_op["QuantizeLinear"] for i in n.input[:2])
+        floats = [n for n in by_op["MatMul"] if n.input[1].endswith(".weight")]
+        assert [n.output[0] for n in floats] == [f["linear"] for f in calibrated["float_linears"]] == ["layers.1.down"]
+        assert all(types[i] == F16 for n in floats for i in n.input)
+        build = ExportRecord.read(forms["int8 build"])
+        assert (build.dtype, build.dir.name, CalibRecord.read(build.dir).data["settings"]["graph_dtype"]) == \
+            ("float16", "calib-int8-float16", "float16")
     assert all(types[n.input[0]] == F32 for op in ("ReduceMean", "Softmax") for n in by_op[op])
     scores = [n for n in by_op["MatMul"] if ".scores" in n.output[0]]
     assert len(scores) == 2 * spec.num_layers and all(types[i] == F16 for n in scores for i in n.input)
@@ -85,11 +108,11 @@ def test_the_tensorrt_graph_runs_its_gemms_attention_and_kv_cache_in_float16(for
     assert set(_types(int8_kv_graph(model, amax)).values()) >= {onnx.TensorProto.INT8, F16}
 
 
-@pytest.mark.parametrize("precision", ["int4-awq", "int8-wo"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_float16_graph_holds_the_float32_graphs_weights_and_computes_its_logits(forms, precision):
-    """The same quantized weights bit for bit, their float16 scales the float32 graph's values (each a
-    float16 value already), and logits within float16's rounding of the float32 graph's on ONNX
-    Runtime (unoptimized: its MatMulNBits would quantize the activations)."""
+    """The same quantized weights bit for bit, their float16 scales the float32 graph's values (block
+    scales are float16 values already), and logits as close to the float model's as the float32
+    graph's, on ONNX Runtime (unoptimized: its MatMulNBits would quantize the activations)."""
     from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.graph.runner import GraphRunner
     from autoglm_trt.graph.session import make_session
@@ -99,20 +122,30 @@ def test_the_float16_graph_holds_the_float32_graphs_weights_and_computes_its_log
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in half.graph.initializer}
     reference = {t.name: onnx.numpy_helper.to_array(t) for t in full.graph.initializer}
     quantized = [n for n in weights if n.endswith((".weight_i4", ".weight_i8"))]
-    assert len(quantized) == 4 * ExportRecord.read(half_dir).spec.num_layers + 1
+    assert sorted(quantized) == sorted(n for n in reference if n.endswith((".weight_i4", ".weight_i8")))
     for name in quantized:
         assert np.array_equal(weights[name], reference[name]), name
         scale = name.rsplit(".", 1)[0] + ".weight_scale"
-        assert weights[scale].dtype == np.float16 and np.array_equal(weights[scale].astype(np.float32), reference[scale])
+        assert weights[scale].dtype == np.float16
+        # block scales are float16 values; W8A8's per-channel ones are rounded to the nearest
+        np.testing.assert_allclose(weights[scale], reference[scale], rtol=0 if precision != "int8" else 2.0 ** -11)
 
     def logits(model_dir):
         runner = GraphRunner(model_dir)
         runner.session = make_session(runner.record.graph_file, optimize=False)
         return runner.logits(np.random.default_rng(3).integers(0, 256, (2, 24)))
 
-    got, want = logits(half_dir), logits(full_dir)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
-    assert np.linalg.norm(got - want) > 0  # float16 GEMMs, not float32 ones
+    got, want, ref = logits(half_dir), logits(full_dir), logits(forms["export"])
+
+    def dist(a, b):
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    assert dist(got, want) > 0  # float16 GEMMs, not float32 ones
+    assert dist(got, ref) < 1.1 * dist(want, ref)  # as close to the float model as the float32 graph
+    if precision == "int8":  # float16 moves some activations to a neighbouring INT8 level: less than INT8 moves them
+        assert dist(got, want) < dist(want, ref)
+    else:  # weight-only: float16's rounding alone
+        assert dist(got, want) < 5e-3
 
 
 def test_tensorrt_takes_int4_blocks_of_64_or_128_and_says_so_before_any_work(tiny_dir, tmp_path, monkeypatch):
@@ -131,10 +164,13 @@ def test_tensorrt_takes_int4_blocks_of_64_or_128_and_says_so_before_any_work(tin
     assert not (tmp_path / ".cache").exists() and not (tmp_path / "e").exists()
 
 
-def test_a_float16_graph_is_written_for_weight_only_plans_alone(tmp_path):
+def test_the_accuracy_gates_switchable_graph_stays_float32(forms, tmp_path):
+    from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.graph.decoder import write_int8_graph
+    from autoglm_trt.graph.exported_weights import ExportedWeights
     from autoglm_trt.graph.quant import QuantPlan
 
-    with pytest.raises(ValueError, match="weight-only plan"):
-        write_int8_graph(tmp_path, "m.onnx", None, None, QuantPlan({"layers.0.qkv": 1.0}), 64, "float16")
-    assert not list(tmp_path.iterdir())
+    spec, weights = ExportRecord.read(forms["export"]).spec, ExportedWeights(forms["export"])
+    with pytest.raises(ValueError, match="switchable graph .* float32"):
+        write_int8_graph(tmp_path, "m.onnx", spec, weights, QuantPlan({"layers.0.qkv": 1.0}, switchable=True), 64,
+                         "float16")
