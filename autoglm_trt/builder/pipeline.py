@@ -34,6 +34,7 @@ from ..graph.decoder import GRAPH_VERSION
 from ..graph.kv_int8 import int8_kv_graph
 from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
+from ..model.spec import ModelSpec
 from .config import BuildConfig
 from .profiles import profile_shapes
 
@@ -173,20 +174,31 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
         # TensorRT's block-quantized INT4 takes no zero points: symmetric there; its embedding stays
         # float (the INT8 rows' Gather + Cast is untested with TensorRT)
         trt = backend == "tensorrt"
-        settings = Int4Settings(block=int4_block(req, backend), symmetric=trt, int8_kinds=req.int4_int8,
-                                int8_embedding=not trt, gate=req.int4_gate, dtype=QUANTIZED_DTYPE[backend])
+        block = int4_block(req, backend, ExportRecord.read(float_dir).spec)
+        settings = Int4Settings(block=block, symmetric=trt, int8_kinds=req.int4_int8, int8_embedding=not trt,
+                                gate=req.int4_gate, dtype=QUANTIZED_DTYPE[backend])
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
 
 
-def int4_block(req: BuildRequest, backend: str) -> int:
+def int4_block(req: BuildRequest, backend: str, spec: ModelSpec | None = None) -> int:
     """The INT4 block size of an int4-awq build: the request's, else the backend's default; refused
-    where TensorRT would not build it (before any export or calibration)."""
-    block = INT4_BLOCK[backend] if req.int4_block is None else req.int4_block
-    if backend == "tensorrt" and block not in TRT_INT4_BLOCKS:
+    where TensorRT would not build it. TensorRT's blocks must also divide each linear's input width
+    (``spec``'s, when known): its default is then the largest of ``TRT_INT4_BLOCKS`` that does."""
+    if backend != "tensorrt":
+        return INT4_BLOCK[backend] if req.int4_block is None else req.int4_block
+    widths = [] if spec is None else sorted({spec.hidden_size, spec.q_size, spec.intermediate_size})
+    fits = [b for b in sorted(TRT_INT4_BLOCKS, reverse=True) if all(w % b == 0 for w in widths)]
+    block = req.int4_block if req.int4_block is not None else (fits[0] if fits else INT4_BLOCK[backend])
+    if block not in TRT_INT4_BLOCKS:
         raise AutoGLMError(f"TensorRT builds INT4 weights in blocks of {' or '.join(map(str, TRT_INT4_BLOCKS))} "
                            f"inputs, not {block}: pass --int4-block {INT4_BLOCK['tensorrt']} (its default) or "
                            f"{TRT_INT4_BLOCKS[0]}, or build for ONNX Runtime (--backend onnxruntime), which takes {block}")
+    if block not in fits:
+        raise AutoGLMError(f"INT4 blocks of {block} do not divide this model's linear input widths "
+                           f"({', '.join(map(str, widths))}), as TensorRT's block quantization needs; "
+                           + (f"pass --int4-block {fits[0]}" if fits else
+                              "no block size TensorRT takes does: build int8-wo, or int4-awq for ONNX Runtime"))
     return block
 
 

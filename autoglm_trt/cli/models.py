@@ -176,7 +176,8 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--max-images", type=int, default=None, help="Image-text models: images per prompt [default: 10].")
 @click.option("--int4-block", type=int, default=None,
               help="int4-awq: inputs per weight scale (a power of two, at least 16; TensorRT takes 64 or 128) "
-                   "[default: 32 on ONNX Runtime, 128 on TensorRT].")
+                   "[default: 32 on ONNX Runtime; on TensorRT the larger of 128 and 64 that divides the model's "
+                   "widths].")
 @click.option("--int4-int8", default="", metavar="KINDS",
               help="int4-awq: kinds of linear kept at INT8 (comma-separated of qkv, o_proj, gate_up, down), "
                    "as the LM head is [default: none].")

@@ -19,10 +19,13 @@ PRECISIONS = ("int8", "int4-awq", "int8-wo")
 
 
 @pytest.fixture(scope="module")
-def forms(tiny_dir, tmp_path_factory):
+def forms(tmp_path_factory):
     """precision -> (the TensorRT build's model directory, the float32 graph of the same settings;
     int8: both calibrated with a linear kept in float, "int8 build" the build's own); "export" ->
     the float32 export they are made from."""
+    from tiny_models import make_tiny_checkpoint
+
+    from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.builder import pipeline
     from autoglm_trt.builder.int4_awq import Int4Settings, int4_export
     from autoglm_trt.builder.pipeline import BuildRequest
@@ -30,10 +33,11 @@ def forms(tiny_dir, tmp_path_factory):
     from autoglm_trt.calib.pipeline import CalibConfig, calibrate
 
     root = tmp_path_factory.mktemp("trt-forms")
+    # the tiny GLM with an FFN of 128: input widths 64, 64, 128, which INT4 blocks of 64 divide
+    source = make_tiny_checkpoint("glm", root / "glm", intermediate_size=128)
     out = {}
     for precision in PRECISIONS:
-        req = BuildRequest(tiny_dir("glm"), root / precision, precision=precision, backend="tensorrt",
-                           cache_dir=root / ".cache", int4_block=64)
+        req = BuildRequest(source, root / precision, precision=precision, backend="tensorrt", cache_dir=root / ".cache")
         cache = pipeline._cache_dir(req)
         float_dir = pipeline._model_dir(req, cache, lambda m: None)
         half = pipeline._quantized(req, "tensorrt", float_dir, cache, lambda m: None)
@@ -44,6 +48,7 @@ def forms(tiny_dir, tmp_path_factory):
                 calibrate(CalibConfig(float_dir, DATA, out_dir, keep_float=["layers.1.down"], graph_dtype=dtype),
                           log=lambda m: None)
         elif precision == "int4-awq":
+            assert ExportRecord.read(half).data["int4"]["settings"]["block"] == 64  # the largest that divides
             full = int4_export(float_dir, root / "f32-int4", DATA,
                                Int4Settings(block=64, symmetric=True, int8_embedding=False), log=lambda m: None)
         else:
@@ -148,7 +153,12 @@ def test_the_float16_graph_holds_the_float32_graphs_weights_and_computes_its_log
         assert dist(got, want) < 5e-3
 
 
-def test_tensorrt_takes_int4_blocks_of_64_or_128_and_says_so_before_any_work(tiny_dir, tmp_path, monkeypatch):
+def test_tensorrt_takes_int4_blocks_of_64_or_128_that_divide_the_inputs(forms, tiny_dir, tmp_path, monkeypatch):
+    """Refused before any work where the block is not one TensorRT takes; once the export says the
+    model's widths, refused before the calibration where it does not divide them."""
+    from dataclasses import replace
+
+    from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.builder import pipeline
     from autoglm_trt.builder.pipeline import BuildRequest, build_engine, int4_block
 
@@ -158,6 +168,13 @@ def test_tensorrt_takes_int4_blocks_of_64_or_128_and_says_so_before_any_work(tin
 
     assert int4_block(req(None), "tensorrt") == 128 and int4_block(req(None), "onnxruntime") == 32
     assert int4_block(req(64), "tensorrt") == 64 and int4_block(req(16), "onnxruntime") == 16
+    spec = ExportRecord.read(forms["export"]).spec  # input widths 64, 64, 128
+    assert int4_block(req(None), "tensorrt", spec) == 64
+    with pytest.raises(AutoGLMError, match=r"blocks of 128 do not divide .* \(64, 128\).*pass --int4-block 64"):
+        int4_block(req(128), "tensorrt", spec)
+    with pytest.raises(AutoGLMError, match="no block size TensorRT takes does: build int8-wo"):
+        int4_block(req(None), "tensorrt", replace(spec, intermediate_size=96))
+    assert int4_block(req(None), "onnxruntime", replace(spec, intermediate_size=96)) == 32
     monkeypatch.setattr(pipeline, "_backend_for", lambda req, log: "tensorrt")  # as where TensorRT is installed
     with pytest.raises(AutoGLMError, match="blocks of 64 or 128 inputs, not 32: pass --int4-block 128"):
         build_engine(req(32), log=lambda m: None)
