@@ -97,6 +97,10 @@ SECTIONS = (
             "A 1080 x 2400 screenshot through the small GLM-4.1V vision tower above: the float32 encoder as ONNX "
             "Runtime runs it against the graph a TensorRT build compiles (graph/vision_trt.py) in float32, float16 "
             "and bfloat16, the half types also as tensor cores compute (half operands and results, float32 sums)."),
+    Section("tensorrt_forms", "The float16 graphs of a TensorRT build", ("benchmarks.tensorrt_forms",),
+            "SmolLM2's int8, int8-wo and int4-awq plans written as a TensorRT build writes them (float16 Q/DQ or "
+            "dequantized weights, GEMMs, attention and KV cache) and in float32, run by ONNX Runtime's CPU "
+            "unoptimized, on held-out text of four kinds against the float32 checkpoint."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),

@@ -32,7 +32,8 @@ The work grows with max_blocks (the longest context in the batch), never with th
 Past and new keys are attended separately and the two score blocks joined, so the past is
 read where the Gather puts it: no transpose or concatenation copies it (see ``paged_attention``).
 Numerically sensitive parts (RMSNorm, rope, softmax, the residual stream, logits) are float32;
-with ``dtype=float16`` the weights, GEMMs and the KV cache are float16. With a ``QuantPlan``
+with ``dtype=float16`` the weights, GEMMs and the KV cache are float16 (a plan's Q/DQ and
+dequantized weights too: TensorRT's form of the quantized precisions). With a ``QuantPlan``
 the planned linears get INT8 Q/DQ in TensorRT's explicit-quantization placement: a
 QuantizeLinear/DequantizeLinear pair on the activation input of the MatMul (per-tensor scale)
 and a DequantizeLinear on its INT8 weight (per-output-channel scale); norms, softmax,
