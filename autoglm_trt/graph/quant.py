@@ -25,7 +25,7 @@ from . import names
 from .builder import GraphBuilder
 from .gptq import gptq_int4_blocks
 from .hadamard import hadamard, rotate_weight, rotate_weight_rows
-from .int4 import Int4Blocks, half_scales, int4_weight_dq, quantize_int4_blocks
+from .int4 import HALF_RANGE, Int4Blocks, half_scales, int4_weight_dq, quantize_int4_blocks
 
 WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
 # clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
@@ -112,12 +112,12 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     if plan.weight_only:
         wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
         return g.op("MatMul", [_cast(g, x, scales, name),
-                               _weight_dq(g, g.weight(f"{name}.weight_i8", wq), ws.astype(scales), name)], name)
+                               _weight_dq(g, g.weight(f"{name}.weight_i8", wq), _stored(ws, scales), name)], name)
     if name in plan.rotate:
         x, w = rotate_input(g, x, plan.rotate[name], name, rank), rotate_weight(w, plan.rotate[name])
     wq, ws = quantize_weight_per_channel(w)
     x = _cast(g, x, scales, name)
-    xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), ws.astype(scales), name, plan)
+    xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), _stored(ws, scales), name, plan)
     if plan.switchable:
         wdq, on = _switch(g, name, plan, wdq, g.weight(f"{name}.weight", w.astype(np.float32)))
         xdq = g.op("Add", [x, g.op("Mul", [on, g.op("Sub", [xdq, x])])], f"{name}.switch_x")
@@ -133,6 +133,12 @@ def _scale_dtype(plan: QuantPlan, half: np.dtype | None) -> np.dtype:
     if plan.switchable:
         raise ValueError("a switchable graph (the accuracy gate's search) is written in float32")
     return np.dtype(half)
+
+
+def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Positive float32 scales in ``dtype``: float16 ones clipped to its range, so none is 0 or inf
+    (TensorRT takes strictly positive scales; a float32 scale under 2^-24 quantizes weights that small)."""
+    return scale if dtype == np.float32 else np.clip(scale, *HALF_RANGE).astype(dtype)
 
 
 def _cast(g: GraphBuilder, x: str, dtype: np.dtype, name: str) -> str:
@@ -206,8 +212,8 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
     wq = g.weight_chunks(f"{name}.weight_i8", (n_in, n_out), np.dtype(np.int8),
                          (np.ascontiguousarray(q[:, h : h + 512].T) for h in range(0, n_in, 512)))
     if plan.weight_only:
-        return g.op("MatMul", [x, _weight_dq(g, wq, scale.astype(scales), name)], name)
-    xdq, wdq = _qdq(g, x, wq, scale.astype(scales), name, plan)
+        return g.op("MatMul", [x, _weight_dq(g, wq, _stored(scale, scales), name)], name)
+    xdq, wdq = _qdq(g, x, wq, _stored(scale, scales), name, plan)
     return g.op("MatMul", [xdq, wdq], name)
 
 
@@ -222,7 +228,7 @@ def embedding_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: QuantPlan) -> tuple[str, str]:
     """Q/DQ of the activation x (per tensor) and DQ of the INT8 weight ``wq`` (per output channel),
     in the type of ``ws``."""
-    x_scale = g.const(np.asarray(act_scale(plan.act_amax[name]), ws.dtype), f"{name}.act_scale")
+    x_scale = g.const(_stored(np.asarray(act_scale(plan.act_amax[name]), np.float32), ws.dtype), f"{name}.act_scale")
     if plan.switchable:  # times the graph input ``scale_nudge``: the search's second rounding
         x_scale = g.op("Mul", [x_scale, "scale_nudge"], f"{name}.act_scale_nudged")
     zero = g.const(np.int8(0), "zero_i8")

@@ -191,3 +191,15 @@ def test_the_accuracy_gates_switchable_graph_stays_float32(forms, tmp_path):
     with pytest.raises(ValueError, match="switchable graph .* float32"):
         write_int8_graph(tmp_path, "m.onnx", spec, weights, QuantPlan({"layers.0.qkv": 1.0}, switchable=True), 64,
                          "float16")
+
+
+def test_float16_scales_stay_positive_and_finite():
+    """TensorRT takes strictly positive scales: a float32 scale under float16's smallest subnormal
+    (or over its largest value) is stored as that bound, not as 0 (or inf); others round to nearest."""
+    from autoglm_trt.graph.quant import _stored
+
+    scales = np.array([1e-9, 2.0 ** -24, 1e-3, 1.0, 7e4], np.float32)
+    got = _stored(scales, np.dtype(np.float16))
+    assert got.dtype == np.float16 and np.all(got > 0) and np.all(np.isfinite(got))
+    assert got.astype(np.float32).tolist() == [2.0 ** -24, 2.0 ** -24, float(np.float16(1e-3)), 1.0, 65504.0]
+    assert _stored(scales, np.dtype(np.float32)) is scales
