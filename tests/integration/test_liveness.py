@@ -105,9 +105,17 @@ def test_preempted_sequences_recomputed_in_chunks_finish(cramped_engine, prompts
 # -- 3. close() and deadlines ------------------------------------------------------------------
 def test_close_fails_every_waiting_and_running_caller(tiny_engine):
     """Every caller still waiting or running when the engine closes gets the engine's error, and
-    none hangs; one may have finished first (a fast machine decodes the tiny model's 70 tokens in
-    tens of milliseconds), and returned its answer."""
+    none hangs; one may have finished first, and returned its answer. Each decode step is held
+    10 ms, so the five requests outlast the check below by a second at least, even on a machine
+    whose main thread waits long for a core."""
     engine = Engine.load(tiny_engine, num_blocks=16)
+    step = engine.backend.step
+
+    def held_step(feeds, slots):
+        threading.Event().wait(0.01)
+        return step(feeds, slots)
+
+    engine.backend.step = held_step
     params = SamplingParams(max_new_tokens=70, ignore_eos=True)
     outcomes: list[object] = []
     lock = threading.Lock()
