@@ -25,7 +25,7 @@ from . import names
 from .builder import GraphBuilder
 from .gptq import gptq_int4_blocks
 from .hadamard import hadamard, rotate_weight, rotate_weight_rows
-from .int4 import HALF_RANGE, Int4Blocks, half_scales, int4_weight_dq, quantize_int4_blocks
+from .int4 import Int4Blocks, half_scales, int4_weight_dq, quantize_int4_blocks
 
 WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
 # clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
@@ -138,7 +138,7 @@ def _scale_dtype(plan: QuantPlan, half: np.dtype | None) -> np.dtype:
 def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Positive float32 scales in ``dtype``: float16 ones clipped to its range, so none is 0 or inf
     (TensorRT takes strictly positive scales; a float32 scale under 2^-24 quantizes weights that small)."""
-    return scale if dtype == np.float32 else np.clip(scale, *HALF_RANGE).astype(dtype)
+    return scale if dtype == np.float32 else half_scales(scale).astype(dtype)
 
 
 def _cast(g: GraphBuilder, x: str, dtype: np.dtype, name: str) -> str:
