@@ -12,13 +12,15 @@ checkpoint, then, in a child process:
   The accuracy gate needs the whole float and INT8 graphs at once, so it is off (``--no-gate``).
 - ``--precision int4-awq``: ``int4-awq``'s model with its default settings: the statistics pass
   one layer at a time over AWQ's 8 windows and GPTQ's 64 more, each layer's AWQ search and GPTQ
-  rounding as its windows are through, then the INT4 graph.
+  rounding as its windows are through, then the INT4 graph: the form an ONNX Runtime build writes,
+  or with ``--backend tensorrt`` a TensorRT build's (``builder.pipeline.int4_settings``).
 
 Prints one JSON line: ``seconds`` and ``peak_rss_gb`` of the child, ``model_gb`` (the float32
 export's weights), the export's own time and peak RSS, and the quantized graph's size (for
 int4-awq also against the fp16 weights' size: every float32 weight at two bytes).
 
-    python -m benchmarks.calibrate_9b_shape [--precision int8|int4-awq] [--layers N] [--work DIR] [--keep]
+    python -m benchmarks.calibrate_9b_shape [--precision int8|int4-awq] [--backend onnxruntime|tensorrt]
+                                           [--layers N] [--work DIR] [--keep]
 
 Needs ~60 GB of free disk (``--layers 4``: ~15 GB) and about 20 minutes (int8); int4-awq takes about
 6 minutes a layer on a 2-core machine (``--layers 4``: about 30 minutes). Not a CI test.
@@ -51,15 +53,20 @@ def child_calibrate(export: Path, out: Path) -> None:
                       "peak_rss_gb": _peak_rss_gb(), "int8_linears": len(rec["amax"])}))
 
 
-def child_int4(export: Path, out: Path) -> None:
-    from autoglm_trt.builder.int4_awq import Int4Settings, int4_export
+def child_int4(export: Path, out: Path, backend: str) -> None:
+    from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.builder.int4_awq import int4_export
+    from autoglm_trt.builder.pipeline import BuildRequest, int4_settings
     from autoglm_trt.calib.pipeline import DEFAULT_DATA
 
+    # what `build --precision int4-awq --backend BACKEND` would quantize with
+    settings = int4_settings(BuildRequest(export, out, "int4-awq"), backend, ExportRecord.read(export).spec)
     t = time.perf_counter()
-    int4_export(export, out, DEFAULT_DATA, Int4Settings(), log=_log)
+    int4_export(export, out, DEFAULT_DATA, settings, log=_log)
     rec = json.loads((out / "export.json").read_text())["int4"]
     print(json.dumps({"seconds": round(time.perf_counter() - t, 1), "peak_rss_gb": _peak_rss_gb(),
-                      "linears": rec["linears"], "rounding": rec["rounding"]}))
+                      "linears": rec["linears"], "rounding": rec["rounding"], "block": settings.block,
+                      "symmetric": settings.symmetric, "graph_dtype": settings.dtype}))
 
 
 def all_layers(export: Path, out: Path, layers: int) -> dict:
@@ -106,11 +113,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"],
                     help="decoder layers of the shape (fewer: the same widths, a shorter run; the sizes of all 40 "
                          "are then computed from the measured layers)")
+    ap.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
+                    help="int4-awq: the form written for this backend's build (tensorrt: float16, symmetric, its blocks)")
     ap.add_argument("--keep", action="store_true", help="keep the export and the quantized graph afterwards")
     ap.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        (child_int4 if args.precision == "int4-awq" else child_calibrate)(*args.child)
+        if args.precision == "int4-awq":
+            child_int4(*args.child, args.backend)
+        else:
+            child_calibrate(*args.child)
         return
     if not (TOKENIZER / "tokenizer.json").is_file():
         sys.exit(f"{TOKENIZER} is missing: run tools/prepare_smollm2.py (or make test) first")
@@ -131,8 +143,9 @@ def main() -> None:
         shutil.rmtree(ckpt)  # room on disk for the INT8 graph
     else:
         export_s = export_rss = None  # reused from an earlier --keep run
-    proc = subprocess.run([sys.executable, "-m", __spec__.name, "--precision", args.precision, "--child", str(export),
-                           str(out)], cwd=ROOT, capture_output=False, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run([sys.executable, "-m", __spec__.name, "--precision", args.precision, "--backend", args.backend,
+                           "--child", str(export), str(out)], cwd=ROOT, capture_output=False, stdout=subprocess.PIPE,
+                          text=True)
     if proc.returncode != 0:
         sys.exit(f"{args.precision} failed")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -144,7 +157,8 @@ def main() -> None:
         int4_gb = _data_gb(out)
         row = {**common, "layers": args.layers, "int4_graph_gb": round(int4_gb, 2), "fp16_gb": round(fp16_gb, 2),
                "int4_vs_fp16": round(int4_gb / fp16_gb, 3), "linears": result["linears"],
-               "rounding": result["rounding"]}
+               "rounding": result["rounding"], "backend": args.backend, "block": result["block"],
+               "symmetric": result["symmetric"], "graph_dtype": result["graph_dtype"]}
         if args.layers != CONFIG["num_hidden_layers"]:
             row.update(all_layers(export, out, args.layers))
         print(json.dumps(row))

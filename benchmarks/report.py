@@ -99,7 +99,8 @@ SECTIONS = (
             "and bfloat16, the half types also as tensor cores compute (half operands and results, float32 sums)."),
     Section("tensorrt_forms", "The float16 graphs of a TensorRT build", ("benchmarks.tensorrt_forms",),
             "SmolLM2's int8, int8-wo and int4-awq plans written as a TensorRT build writes them (float16 Q/DQ or "
-            "dequantized weights, GEMMs, attention and KV cache) and in float32, run by ONNX Runtime's CPU "
+            "dequantized weights, 8-bit weight-only ones per output channel, GEMMs, attention and KV cache) and in "
+            "float32, run by ONNX Runtime's CPU "
             "unoptimized, on held-out text of four kinds against the float32 checkpoint."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
@@ -127,6 +128,13 @@ SECTIONS = (
             "int4-awq's model with its default settings (AWQ's search and GPTQ's rounding one layer at a time) on a "
             "24 GB machine: wall time, peak RSS, the INT4 graph's size per layer and outside the layers, and from "
             "them the 40-layer INT4 graph's size against fp16's (needs ~15 GB of disk)."),
+    Section("calibrate_9b_int4_trt", "INT4 weights of the GLM-4-9B shape for TensorRT",
+            ("benchmarks.calibrate_9b_shape", "--precision", "int4-awq", "--backend", "tensorrt", "--layers", "2",
+             "--work", "/tmp/glm9b-trt"),
+            "The same, cut to 2 layers, in the form a TensorRT build writes (symmetric INT4 in blocks of 128, "
+            "float16 scales and graph, the LM head INT8 per output channel, the embedding float16; TensorRT itself "
+            "does not run here): the graph's size per layer and outside the layers, and the 40-layer graph's against "
+            "fp16's (needs ~12 GB of disk)."),
     Section("engine_load", "Loading a 9B-wide engine", ("benchmarks.bench_engine_load",),
             "The GLM-4-9B shape cut to 2 of its 40 layers, built as an int8-wo engine twice: with the native "
             "operators' packed weights saved in model.native.bin, and with them made when the engine loads (what a "

@@ -3,8 +3,9 @@
 
     python -m benchmarks.tensorrt_forms [--windows 16] [--json out.json]
 
-SmolLM2-135M's int8 (calibrated, the gate on), int8-wo and int4-awq (symmetric INT4 in blocks of
-64: TensorRT's form and the largest block it takes that divides SmolLM2's 576-wide inputs), each
+SmolLM2-135M's int8 (calibrated, the gate on), int8-wo and int4-awq in TensorRT's forms (8-bit
+weight-only weights one scale per output channel, as its Dequantize takes no INT8 blocks; symmetric
+INT4 in blocks of 64, the largest block it takes that divides SmolLM2's 576-wide inputs), each
 written twice from one plan: in float32, as ONNX Runtime's engine starts from, and in float16, as
 a TensorRT build writes it (``write_int8_graph``'s ``dtype``). Each graph runs unoptimized on ONNX
 Runtime's CPU (its optimizer would fuse the DequantizeLinear and MatMul into its own quantized
@@ -41,9 +42,10 @@ def plans(export: Path, work: Path) -> dict[str, dict[str, Path]]:
         calibrate(CalibConfig(export, DATA, work / f"int8-{dtype}", replace_mismatch=True, graph_dtype=dtype), log=quiet)
         out["int8"][dtype] = work / f"int8-{dtype}"
         out["int8-wo"][dtype] = weight_only_export(export, work / f"int8wo-{dtype}", quiet, int8_embedding=False,
-                                                   dtype=dtype)
+                                                   dtype=dtype, int8_channels=True)
         out["int4-awq"][dtype] = int4_export(export, work / f"int4-{dtype}", DATA,
-                                             Int4Settings(block=64, symmetric=True, int8_embedding=False, dtype=dtype),
+                                             Int4Settings(block=64, symmetric=True, int8_embedding=False, dtype=dtype,
+                                                          int8_channels=True),
                                              log=quiet)
     return out
 

@@ -81,6 +81,9 @@ class Int4Settings:
     # the graph's GEMMs, attention and KV cache: float32 (ONNX Runtime), or float16 with the weights
     # dequantized to it (TensorRT's W4A16); measured in float32 either way
     dtype: str = "float32"
+    # the 8-bit linears (the LM head, ``int8_kinds``, the gate's) with one scale per output channel
+    # instead of per block of 32: TensorRT's form (``QuantPlan.int8_channels``)
+    int8_channels: bool = False
 
     def check(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
@@ -122,7 +125,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
                                   layers)
     more = token_windows(data, export_dir, settings.gram_windows, settings.seq_len, separator) if gptq else None
     held = token_windows(data, export_dir, GATE_WINDOWS, GATE_SEQ_LEN, separator) if settings.gate else None
-    made = {"source": export.identity(), "version": VERSION, "settings": asdict(settings),
+    made = {"source": export.identity(), "version": VERSION, "settings": _identity(settings),
             "data_sha256": windows.sha256, "images_sha256": [image_digest(i) for i in images],
             "gram_data_sha256": more.sha256 if more else None, "gate_data_sha256": held.sha256 if held else None}
     if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).data.get("int4", {}), made):
@@ -154,6 +157,15 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
             copy_tokenizer_files(export_dir, tmp)
             write_json(tmp / EXPORT_RECORD, record)
     return out_dir
+
+
+def _identity(settings: Int4Settings) -> dict:
+    """The settings as the cache compares them: ``int8_channels`` only where set, so the models
+    cached before it existed keep their identity."""
+    made = asdict(settings)
+    if not settings.int8_channels:
+        del made["int8_channels"]
+    return made
 
 
 def _write(scratch: Path, out: Path, export_dir: Path, weights: SmoothedWeights, plan: QuantPlan, max_seq_len: int,
@@ -193,6 +205,7 @@ def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: t
     plan = QuantPlan.weights_only(sorted([*inputs, "lm_head"]), bits=4, block=settings.block,
                                   symmetric=settings.symmetric, int8_linears=int8_linears,
                                   gram=scaled_grams(st.stats.gram, scales), int8_embedding=settings.int8_embedding,
+                                  int8_channels=settings.int8_channels,
                                   rounded=rounder.loaders() if rounder is not None else None)
     if rounder is not None and rounder.files:
         log(f"GPTQ rounded {len(rounder.files)} linears layer by layer ({rounder.seconds:.1f} s with AWQ's search)")
@@ -203,7 +216,8 @@ def _weights_text(settings: Int4Settings, gated: int) -> str:
     return (f"{'int4 symmetric' if settings.symmetric else 'uint4 with zero points'}, one scale (a float16 "
             f"value) per {settings.block} inputs of each output, dequantized to {settings.dtype}; LM head "
             + "".join(f"and {k} " for k in settings.int8_kinds)
-            + (f"and {gated} linears the gate kept " if gated else "") + "int8 per 32"
+            + (f"and {gated} linears the gate kept " if gated else "")
+            + ("int8 per output channel" if settings.int8_channels else "int8 per 32")
             + ("; token embedding int8 per 32" if settings.int8_embedding else ""))
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..artifacts import (
     ENGINE_FORMAT,
@@ -37,6 +38,9 @@ from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec
 from .config import BuildConfig
 from .profiles import profile_shapes
+
+if TYPE_CHECKING:
+    from .int4_awq import Int4Settings
 
 PRECISIONS = ("fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq")
 WEIGHT_ONLY = ("int8-wo", "int8-dyn")  # one model: INT8 weights in blocks; int8-dyn quantizes activations at run time
@@ -162,23 +166,32 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
 
         if req.calib is not None:
             log(f"{req.precision} quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
-        # the token embedding's INT8 rows (a Gather + Cast) are untested with TensorRT: float there
-        return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=backend != "tensorrt",
-                                  dtype=QUANTIZED_DTYPE[backend])
+        # TensorRT: one scale per output channel (its Dequantize takes no INT8 blocks), the token
+        # embedding float (the INT8 rows' Gather + Cast is untested with TensorRT)
+        trt = backend == "tensorrt"
+        return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=not trt,
+                                  dtype=QUANTIZED_DTYPE[backend], int8_channels=trt)
     if req.precision == "int4-awq":
         from ..calib.pipeline import DEFAULT_DATA
-        from .int4_awq import Int4Settings, int4_export
+        from .int4_awq import int4_export
 
         if req.calib is None:
             log(f"no --calib given: AWQ searches its scales on the default set {DEFAULT_DATA}")
-        # TensorRT's block-quantized INT4 takes no zero points: symmetric there; its embedding stays
-        # float (the INT8 rows' Gather + Cast is untested with TensorRT)
-        trt = backend == "tensorrt"
-        block = int4_block(req, backend, ExportRecord.read(float_dir).spec)
-        settings = Int4Settings(block=block, symmetric=trt, int8_kinds=req.int4_int8, int8_embedding=not trt,
-                                gate=req.int4_gate, dtype=QUANTIZED_DTYPE[backend])
+        settings = int4_settings(req, backend, ExportRecord.read(float_dir).spec)
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
+
+
+def int4_settings(req: BuildRequest, backend: str, spec: ModelSpec) -> Int4Settings:
+    """How an int4-awq build for ``backend`` quantizes the model of ``spec``. TensorRT's
+    block-quantized INT4 takes no zero points: symmetric there, its 8-bit linears per output channel
+    (no INT8 blocks), its embedding float (the INT8 rows' Gather + Cast is untested with TensorRT)."""
+    from .int4_awq import Int4Settings
+
+    trt = backend == "tensorrt"
+    return Int4Settings(block=int4_block(req, backend, spec), symmetric=trt, int8_kinds=req.int4_int8,
+                        int8_embedding=not trt, gate=req.int4_gate, dtype=QUANTIZED_DTYPE[backend],
+                        int8_channels=trt)
 
 
 def int4_block(req: BuildRequest, backend: str, spec: ModelSpec | None = None) -> int:
@@ -211,7 +224,8 @@ def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, 
     if kv_amax is not None or cfg.kv_scales == "token":
         import onnx
 
-        rewritten = int8_kv_graph(onnx.load(str(graph_file), load_external_data=False), kv_amax)
+        rewritten = int8_kv_graph(onnx.load(str(graph_file), load_external_data=False), kv_amax,
+                                  unit_scales=backend == "tensorrt")
     if backend == "onnxruntime":
         from ..backends.onnxrt.loader import OPT_GRAPH, optimize
 

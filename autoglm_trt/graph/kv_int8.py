@@ -2,8 +2,7 @@
 
 Input: an ONNX model (float32, float16 or INT8 Q/DQ) and either, per layer, the calibrated max
 |K| (after rope) and max |V| of each KV head (static scales), or nothing (per-token scales).
-Output: the same model with int8 pools. Static, per layer and per KV head (scale = amax / 127),
-the explicit-quantization form TensorRT accepts:
+Output: the same model with int8 pools. Static, per layer and per KV head (scale = amax / 127):
 
     new_key.<i>   QuantizeLinear(k, scale[kv_heads], axis=2) -> int8 [batch, new_tokens, kv_heads, head_dim]
     past_key.<i>  int8 [kv_heads, num_blocks, block_size, head_dim]
@@ -19,8 +18,15 @@ which the runtime stores beside it in a float32 scale pool (``names.scale_of``):
                         the attention reads Cast(past) * scale
 
 (the same for V). The attention over the step's own tokens keeps their float K/V; only what goes
-through the pool is quantized. The rewrite touches only the tensors named by the contract, so it
-applies to every graph this project writes, and the weights (external data) are not read.
+through the pool is quantized.
+
+TensorRT quantizes activations per tensor only (per-channel Q/DQ is for weights, ``IQuantizeLayer``
+in NvInfer.h), so for it (``unit_scales``) each KV head's static scale is applied apart: K divided
+by it, QuantizeLinear and DequantizeLinear with a scale of 1, the gathered past multiplied by it.
+The same numbers: x / s rounds as QuantizeLinear's x / s does, q * 1 * s is q * s.
+
+The rewrite touches only the tensors named by the contract, so it applies to every graph this
+project writes, and the weights (external data) are not read.
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(x / scale[..., None]), -128, 127).astype(np.int8), scale
 
 
-def int8_kv_graph(model: onnx.ModelProto, kv_amax: dict[str, list[float]] | None) -> onnx.ModelProto:
+def int8_kv_graph(model: onnx.ModelProto, kv_amax: dict[str, list[float]] | None,
+                  unit_scales: bool = False) -> onnx.ModelProto:
     """Rewrite ``model`` (in place, and returned) for an INT8 KV cache: with static scales from
     ``kv_amax`` (``new_key.<i>`` / ``new_value.<i>`` -> one amax per KV head), or with per-token
-    scales when ``kv_amax`` is None."""
+    scales when ``kv_amax`` is None. ``unit_scales``: the static scales outside the Q/DQ, whose
+    own scale is 1 (TensorRT's form)."""
     g = model.graph
     compute = {o.name: o.type.tensor_type.elem_type for o in g.output}
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
@@ -68,16 +76,12 @@ def int8_kv_graph(model: onnx.ModelProto, kv_amax: dict[str, list[float]] | None
                                                           ["batch", "new_tokens", pool[0]]))
             g.input.append(helper.make_tensor_value_info(names.scale_of(past), TensorProto.FLOAT, pool[:3]))
         else:
-            scale, zero = f"{out_name}.kv_scale", f"{out_name}.kv_zero"
-            s = kv_scale(np.asarray(amax))
-            g.initializer.extend([numpy_helper.from_array(s, scale), numpy_helper.from_array(np.zeros(s.shape, np.int8),
-                                                                                              zero)])
-            g.node.append(helper.make_node("QuantizeLinear", [floating, scale, zero], [out_name], name=f"{out_name}.kv_q",
-                                           axis=2))
+            g.node.extend(_quantize_static(g, floating, out_name, kv_scale(np.asarray(amax)), unit_scales))
         for k, n in enumerate(nodes):  # the gathered past: dequantized right after the Gather
             if n.op_type == "Gather" and n.input[0] == past:
                 added_before.setdefault(k + 1, []).extend(
-                    _dequantize_gathered(nodes, n, past, None if amax is not None else n.input[1], compute[out_name]))
+                    _dequantize_gathered(nodes, n, past, None if amax is not None else n.input[1], compute[out_name],
+                                         unit_scales))
     # keep the node list topologically sorted: each dequantization right after its Gather
     ordered: list[onnx.NodeProto] = []
     for k, n in enumerate(nodes):
@@ -107,6 +111,21 @@ def _float_producer(g: onnx.GraphProto, nodes: list[onnx.NodeProto], out_name: s
     return f"{floating}32"
 
 
+def _quantize_static(g: onnx.GraphProto, x: str, out_name: str, s: np.ndarray, unit: bool) -> list[onnx.NodeProto]:
+    """``x`` [batch, new_tokens, kv_heads, head_dim] quantized with KV head h's scale ``s[h]`` into
+    ``out_name``: QuantizeLinear by head, or (``unit``) divided by s, then QuantizeLinear by 1."""
+    scale, zero = f"{out_name}.kv_scale", f"{out_name}.kv_zero"
+    if not unit:
+        g.initializer.extend([numpy_helper.from_array(s, scale), numpy_helper.from_array(np.zeros(s.shape, np.int8), zero)])
+        return [helper.make_node("QuantizeLinear", [x, scale, zero], [out_name], name=f"{out_name}.kv_q", axis=2)]
+    one = f"{out_name}.kv_one"
+    g.initializer.extend([numpy_helper.from_array(s[:, None], scale),
+                          numpy_helper.from_array(np.array(1.0, np.float32), one),
+                          numpy_helper.from_array(np.array(0, np.int8), zero)])
+    return [helper.make_node("Div", [x, scale], [f"{out_name}.kv_scaled"], name=f"{out_name}.kv_scaled"),
+            helper.make_node("QuantizeLinear", [f"{out_name}.kv_scaled", one, zero], [out_name], name=f"{out_name}.kv_q")]
+
+
 def _quantize_per_token(x: str, out_name: str, opset: int) -> list[onnx.NodeProto]:
     """``quantize_rows`` as nodes: ``out_name`` (int8) and its scales ``names.scale_of(out_name)``."""
     p, scale = f"{out_name}.kv", names.scale_of(out_name)
@@ -128,18 +147,26 @@ def _quantize_per_token(x: str, out_name: str, opset: int) -> list[onnx.NodeProt
 
 
 def _dequantize_gathered(nodes: list[onnx.NodeProto], gather: onnx.NodeProto, past: str, table: str | None,
-                         dtype: int) -> list[onnx.NodeProto]:
+                         dtype: int, unit: bool = False) -> list[onnx.NodeProto]:
     """The nodes that turn the int8 past out of ``gather`` into ``dtype`` for every node that read
-    it: with the layer's static scales (``table`` None), or with the per-token scales gathered by
-    the same block ``table``."""
+    it: with the layer's static scales (``table`` None; ``unit``: a DequantizeLinear by 1, then
+    times the scales), or with the per-token scales gathered by the same block ``table``."""
     gathered = gather.output[0]
     dq = f"{gathered}.kv_dq"
     for m in nodes:
         if m is not gather:
             m.input[:] = [dq if x == gathered else x for x in m.input]
     f32 = dq if dtype == TensorProto.FLOAT else f"{dq}.f32"
-    if table is None:
-        out_name = "new_" + past[len("past_"):]
+    out_name = "new_" + past[len("past_"):]
+    if table is None and unit:  # gathered [kv_heads, <the block table's dims>, block_size, head_dim]
+        heads = helper.make_node("Constant", [], [f"{past}.kv_heads_shape"], name=f"{past}.kv_heads_shape",
+                                 value=numpy_helper.from_array(np.array([-1, 1, 1, 1, 1], np.int64)))
+        extra = [helper.make_node("DequantizeLinear", [gathered, f"{out_name}.kv_one", f"{out_name}.kv_zero"],
+                                  [f"{gathered}.kv_unit"], name=f"{past}.kv_dq_unit"), heads,
+                 helper.make_node("Reshape", [f"{out_name}.kv_scale", f"{past}.kv_heads_shape"], [f"{past}.kv_heads"],
+                                  name=f"{past}.kv_heads"),
+                 helper.make_node("Mul", [f"{gathered}.kv_unit", f"{past}.kv_heads"], [f32], name=f"{past}.kv_dq")]
+    elif table is None:
         extra = [helper.make_node("DequantizeLinear", [gathered, f"{out_name}.kv_scale", f"{out_name}.kv_zero"], [f32],
                                   name=f"{past}.kv_dq", axis=0)]
     else:

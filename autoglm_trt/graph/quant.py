@@ -60,6 +60,9 @@ class QuantPlan:
     # a weight-only plan's linears but the LM head: 8 (blocks of ``WEIGHT_BLOCK``) or 4 bits
     # (``int4``: blocks of ``weight_block``, symmetric or with zero points); the head stays 8-bit
     weight_bits: int = 8
+    # a weight-only plan's 8-bit weights with one scale per output channel instead of per block:
+    # TensorRT's form, whose Dequantize takes blocks of INT4, FP4 and FP8 only (NvInfer.h)
+    int8_channels: bool = False
     weight_block: int = WEIGHT_BLOCK
     weight_symmetric: bool = True
     int8_linears: tuple[str, ...] = ()  # a 4-bit plan's linears kept at 8 bits, as the head
@@ -77,10 +80,11 @@ class QuantPlan:
     def weights_only(cls, linears: list[str], bits: int = 8, block: int = WEIGHT_BLOCK,
                      symmetric: bool = True, int8_linears: tuple[str, ...] = (),
                      gram: dict[str, np.ndarray] | None = None, int8_embedding: bool = False,
-                     rounded: dict[str, Callable[[], Int4Blocks]] | None = None) -> QuantPlan:
+                     rounded: dict[str, Callable[[], Int4Blocks]] | None = None,
+                     int8_channels: bool = False) -> QuantPlan:
         return cls(dict.fromkeys(linears, 0.0), weight_only=True, weight_bits=bits, weight_block=block,
                    weight_symmetric=symmetric, int8_linears=int8_linears, gram=gram or {},
-                   int8_embedding=int8_embedding, rounded=rounded or {})
+                   int8_embedding=int8_embedding, rounded=rounded or {}, int8_channels=int8_channels)
 
     @property
     def switch_order(self) -> list[str]:
@@ -110,7 +114,7 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
             w4, _ = _switch(g, name, plan, w4, _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8"))
         return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
     if plan.weight_only:
-        wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
+        wq, ws = quantize_weight_channels(w) if plan.int8_channels else quantize_weight_blocks(w, WEIGHT_BLOCK)
         return g.op("MatMul", [_cast(g, x, scales, name),
                                _weight_dq(g, g.weight(f"{name}.weight_i8", wq), _stored(ws, scales), name)], name)
     if name in plan.rotate:
@@ -199,13 +203,16 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
         x = rotate_input(g, x, b, name, rank)
     x = _cast(g, x, scales, name)
     q = np.empty((n_out, n_in), np.int8)
-    scale = np.empty((-(-n_in // WEIGHT_BLOCK), n_out) if plan.weight_only else n_out, np.float32)
+    blocks = plan.weight_only and not plan.int8_channels
+    scale = np.empty((-(-n_in // WEIGHT_BLOCK), n_out) if blocks else n_out, np.float32)
     for a in range(0, n_out, ROW_CHUNK):
         rows = np.asarray(read_rows(a, min(a + ROW_CHUNK, n_out)), np.float32)
         if b:
             rows = rotate_weight_rows(rows, b)
-        if plan.weight_only:
+        if blocks:
             qt, scale[:, a : a + len(rows)] = quantize_weight_blocks(rows.T, WEIGHT_BLOCK)
+        elif plan.weight_only:
+            qt, scale[a : a + len(rows)] = quantize_weight_channels(rows.T)
         else:
             qt, scale[a : a + len(rows)] = quantize_weight_per_channel(rows.T)
         q[a : a + len(rows)] = qt.T
@@ -266,6 +273,15 @@ def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
     q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
     return q, scale
+
+
+def quantize_weight_channels(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A weight-only plan's per-channel INT8 (``int8_channels``): as ``quantize_weight_per_channel``
+    with each scale rounded to a float16 value first (``int4.half_scales``), so that a float16 graph
+    stores the very scales the weights were rounded with."""
+    amax = np.max(np.abs(w), axis=0).astype(np.float32)
+    scale = half_scales(np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)))
+    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale.astype(np.float32)
 
 
 def quantize_weight_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

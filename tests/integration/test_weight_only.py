@@ -42,6 +42,20 @@ def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
             assert got <= best * (1 + 1e-5), (b, c, got, errors)
 
 
+def test_tensorrts_channels_take_a_float16_scale_of_their_largest_weight():
+    """``int8_channels`` (TensorRT's form): one scale per output, max |w| / 127 rounded to a float16
+    value before the weights are rounded with it, so the float16 graph's scale is the one used."""
+    from autoglm_trt.graph.quant import quantize_weight_channels
+
+    w = np.array([[0.5, 0.0, -3.0], [-1.0, 0.0, 1e-3], [0.25, 0.0, 2.0]], np.float32)
+    q, scale = quantize_weight_channels(w)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (3,)
+    assert scale.tolist() == [float(np.float16(1.0 / 127)), 1.0, float(np.float16(3.0 / 127))]
+    assert scale.astype(np.float16).astype(np.float32).tolist() == scale.tolist()
+    # np.float16(1/127) lies below 1/127: the largest weight's level is clipped to 127
+    assert q[:, 0].tolist() == [64, -127, 32] and not q[:, 1].any() and q[:, 2].tolist() == [-127, 0, 85]
+
+
 @pytest.fixture(scope="module")
 def wo_engines(tiny_dir, tmp_path_factory):
     """The tiny GLM (QKV with a bias) as fp32 and int8-wo engines, from one build cache."""
