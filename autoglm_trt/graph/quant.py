@@ -60,12 +60,12 @@ class QuantPlan:
     # a weight-only plan's linears but the LM head: 8 (blocks of ``WEIGHT_BLOCK``) or 4 bits
     # (``int4``: blocks of ``weight_block``, symmetric or with zero points); the head stays 8-bit
     weight_bits: int = 8
-    # a weight-only plan's 8-bit weights with one scale per output channel instead of per block:
-    # TensorRT's form, whose Dequantize takes blocks of INT4, FP4 and FP8 only (NvInfer.h)
-    int8_channels: bool = False
     weight_block: int = WEIGHT_BLOCK
     weight_symmetric: bool = True
     int8_linears: tuple[str, ...] = ()  # a 4-bit plan's linears kept at 8 bits, as the head
+    # a weight-only plan's 8-bit weights with one scale per output channel instead of per block:
+    # TensorRT's form, whose Dequantize takes blocks of INT4, FP4 and FP8 only (NvInfer.h)
+    int8_channels: bool = False
     # a 4-bit plan's linear name -> the Gram matrix X^T X of its inputs as the graph feeds them
     # (after AWQ's scaling): its weights rounded by GPTQ (``gptq``) instead of to nearest
     gram: dict[str, np.ndarray] = field(default_factory=dict)

@@ -52,7 +52,7 @@ def test_tensorrts_channels_take_a_float16_scale_of_their_largest_weight():
     assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (3,)
     assert scale.tolist() == [float(np.float16(1.0 / 127)), 1.0, float(np.float16(3.0 / 127))]
     assert scale.astype(np.float16).astype(np.float32).tolist() == scale.tolist()
-    # np.float16(1/127) lies below 1/127: the largest weight's level is clipped to 127
+    # np.float16(1/127) lies just below 1/127: the largest weight's level, 127.008, rounds to 127
     assert q[:, 0].tolist() == [64, -127, 32] and not q[:, 1].any() and q[:, 2].tolist() == [-127, 0, 85]
 
 
