@@ -145,7 +145,8 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq"]),
               default="int8", show_default=True,
               help="int8: INT8 weights and activations (calibrated); int8-wo: INT8 weights, activations kept in "
-                   "float (16 bits per block of 32 on the CPU; no calibration; the closest to fp32); int8-dyn: "
+                   "float (16 bits per block of 32 on the CPU; on TensorRT one weight scale per output channel; no "
+                   "calibration; the closest to fp32); int8-dyn: "
                    "int8-wo's weights, activations quantized per block of 32 at run time (ONNX Runtime only); "
                    "int4-awq: INT4 weights (AWQ scales), activations quantized per block at run time.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
