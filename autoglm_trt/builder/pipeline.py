@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .int4_awq import Int4Settings
 
 PRECISIONS = ("fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq")
-WEIGHT_ONLY = ("int8-wo", "int8-dyn")  # one model: INT8 weights in blocks; int8-dyn quantizes activations at run time
+WEIGHT_ONLY = ("int8-wo", "int8-dyn")  # one model: INT8 weights alone; int8-dyn quantizes activations at run time
 KV_CALIB_WINDOWS = 32  # windows of 128 tokens for the K/V ranges of an fp32/fp16 engine's INT8 KV cache
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 # inputs per INT4 weight scale: TensorRT takes blocks of 64 or 128 (its documentation's "Quantization

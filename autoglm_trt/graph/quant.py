@@ -114,7 +114,8 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
             w4, _ = _switch(g, name, plan, w4, _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8"))
         return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
     if plan.weight_only:
-        wq, ws = quantize_weight_channels(w) if plan.int8_channels else quantize_weight_blocks(w, WEIGHT_BLOCK)
+        wq, ws = (quantize_weight_per_channel(w, half_values=True) if plan.int8_channels
+                  else quantize_weight_blocks(w, WEIGHT_BLOCK))
         return g.op("MatMul", [_cast(g, x, scales, name),
                                _weight_dq(g, g.weight(f"{name}.weight_i8", wq), _stored(ws, scales), name)], name)
     if name in plan.rotate:
@@ -211,10 +212,8 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
             rows = rotate_weight_rows(rows, b)
         if blocks:
             qt, scale[:, a : a + len(rows)] = quantize_weight_blocks(rows.T, WEIGHT_BLOCK)
-        elif plan.weight_only:
-            qt, scale[a : a + len(rows)] = quantize_weight_channels(rows.T)
         else:
-            qt, scale[a : a + len(rows)] = quantize_weight_per_channel(rows.T)
+            qt, scale[a : a + len(rows)] = quantize_weight_per_channel(rows.T, half_values=plan.weight_only)
         q[a : a + len(rows)] = qt.T
     wq = g.weight_chunks(f"{name}.weight_i8", (n_in, n_out), np.dtype(np.int8),
                          (np.ascontiguousarray(q[:, h : h + 512].T) for h in range(0, n_in, 512)))
@@ -267,21 +266,16 @@ def act_scale(amax: float) -> float:
     return max(float(amax), 1e-8) / 127.0
 
 
-def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-output-channel INT8 of a ``[in, out]`` matrix: (int8 weights, float32 scales)."""
+def quantize_weight_per_channel(w: np.ndarray, half_values: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel INT8 of a ``[in, out]`` matrix: (int8 weights, float32 scales).
+    ``half_values`` (a weight-only plan's ``int8_channels``): each scale rounded to a float16 value
+    first (``int4.half_scales``), so that a float16 graph stores the scales the weights were rounded with."""
     amax = np.max(np.abs(w), axis=0).astype(np.float32)
     scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    if half_values:
+        scale = half_scales(scale)
     q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
     return q, scale
-
-
-def quantize_weight_channels(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A weight-only plan's per-channel INT8 (``int8_channels``): as ``quantize_weight_per_channel``
-    with each scale rounded to a float16 value first (``int4.half_scales``), so that a float16 graph
-    stores the very scales the weights were rounded with."""
-    amax = np.max(np.abs(w), axis=0).astype(np.float32)
-    scale = half_scales(np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)))
-    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale.astype(np.float32)
 
 
 def quantize_weight_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

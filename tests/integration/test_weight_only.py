@@ -45,10 +45,10 @@ def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
 def test_tensorrts_channels_take_a_float16_scale_of_their_largest_weight():
     """``int8_channels`` (TensorRT's form): one scale per output, max |w| / 127 rounded to a float16
     value before the weights are rounded with it, so the float16 graph's scale is the one used."""
-    from autoglm_trt.graph.quant import quantize_weight_channels
+    from autoglm_trt.graph.quant import quantize_weight_per_channel
 
     w = np.array([[0.5, 0.0, -3.0], [-1.0, 0.0, 1e-3], [0.25, 0.0, 2.0]], np.float32)
-    q, scale = quantize_weight_channels(w)
+    q, scale = quantize_weight_per_channel(w, half_values=True)
     assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (3,)
     assert scale.tolist() == [float(np.float16(1.0 / 127)), 1.0, float(np.float16(3.0 / 127))]
     assert scale.astype(np.float16).astype(np.float32).tolist() == scale.tolist()
