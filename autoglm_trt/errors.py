@@ -29,6 +29,10 @@ class RequestError(AutoGLMError):
     """A generation request the engine cannot serve as asked (malformed, too large, or failed)."""
 
 
+class BusyError(RequestError):
+    """A well-formed request the engine cannot take now (its bounded queue for some work is full); retry."""
+
+
 class MissingDependencyError(AutoGLMError):
     """An optional dependency needed by this command is not installed."""
 

@@ -104,6 +104,9 @@ SECTIONS = (
             "unoptimized, on held-out text of four kinds against the float32 checkpoint."),
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
+    Section("hardening", "Serving under attack", ("benchmarks.bench_hardening",),
+            "Well-behaved streams with and without crafted clients beside them (image bombs, a 600 KB grammar, "
+            "stop-string floods, clients leaving n = 4 requests): the load test's figures and checks."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),
     Section("genai", "Side by side with ONNX Runtime GenAI", ("benchmarks.bench_genai", "--rounds", "3"),
             "Batch-1 and batch-8 greedy decode: ONNX Runtime GenAI's own fp32, int8 and int4 models of SmolLM2 "

@@ -11,7 +11,7 @@ A full block is named by a hash chained from its parent block's hash, its own to
 extra key (the digests of the images its tokens stand for; empty for text), so equal hashes mean
 equal prefixes, images included::
 
-    tokens   | t0 .. t15 | t16 .. t31 | t32 .. t40 (partial: never cached)
+    tokens   | t0 .. t15 | t16 .. t31 | t32 .. t40 (partial: named once decode fills it)
     hashes   | h0=H(-,b0)| h1=H(h0,b1)|
 
 ``allocate`` answers None when it cannot give n blocks (the caller decides what to do);

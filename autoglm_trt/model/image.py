@@ -13,9 +13,12 @@ Per image, as transformers does it: convert to RGB (transparency composited onto
 by the CLIP mean and std in float32; the one frame repeated ``temporal_patch`` times; patches in
 the order the encoder's merge expects (each 2 x 2 block of patches consecutive).
 
-Decoding is bounded before any pixel is decoded: an image whose header says more than
-``max_decode_pixels`` is refused (a decompression bomb never allocates), as are data that are not
-an image, a truncated image, and a data URL that is not base64.
+Decoding is bounded before any pixel is decoded: ``open_header`` reads an image's header only
+(its size and format), refusing an image of more than ``max_decode_pixels`` (a decompression bomb
+never allocates), a format a phone or a browser does not send (``IMAGE_FORMATS``: Pillow's other
+decoders are rarely exercised and raise what they like on corrupt data), data that are not an
+image, and a data URL that is not base64; ``decode_rgb`` then decodes it, and anything Pillow
+raises on a truncated or corrupt image becomes an ``ImageError``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ from ..errors import RequestError
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's (transformers' OPENAI_CLIP_MEAN)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
+
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's names of what a phone or a browser sends
+MAX_IMAGE_FILE_BYTES = 64 << 20  # a file:// image, at most (a data: URL is bounded by the request body)
 
 
 class ImageError(RequestError):
@@ -132,9 +139,17 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 11
 
 
 def open_image(source: object, max_decode_pixels: int = ImageConfig.max_decode_pixels):
-    """A decoded PIL image from a PIL image, bytes, a path or a ``data:`` URL; ``ImageError`` for data
-    that are not an image, a truncated one, or one of more than ``max_decode_pixels`` pixels (refused
-    from its header, before decoding)."""
+    """A decoded PIL image from a PIL image, bytes, a path or a ``data:`` URL (``open_header``,
+    then its pixels decoded); ``ImageError`` as those say."""
+    image = open_header(source, max_decode_pixels)
+    _decoding(image, image.load)
+    return image
+
+
+def open_header(source: object, max_decode_pixels: int = ImageConfig.max_decode_pixels):
+    """A PIL image from a PIL image, bytes, a path or a ``data:`` URL, with only its header read:
+    ``ImageError`` for data that are not an image of ``IMAGE_FORMATS``, or one of more than
+    ``max_decode_pixels`` pixels (refused before any is decoded)."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -145,32 +160,56 @@ def open_image(source: object, max_decode_pixels: int = ImageConfig.max_decode_p
         elif isinstance(source, bytes | bytearray | memoryview):
             data = bytes(source)
         elif isinstance(source, str | Path):
-            try:
-                data = Path(source).read_bytes()
-            except OSError as exc:
-                raise ImageError(f"cannot read the image {str(source)[:200]!r}: {exc.strerror or exc}") from exc
+            data = _read_file(Path(source))
         else:
             raise ImageError(f"an image must be a PIL image, bytes, a path or a data: URL, got {type(source).__name__}")
         try:
             with warnings.catch_warnings():  # Pillow warns past its own limit; ours is checked below
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(data))
+                image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         except Image.DecompressionBombError as exc:  # Pillow's own limit, past ours
             raise ImageError(f"the image has too many pixels; at most {max_decode_pixels:,} are accepted "
                              f"({str(exc)[:200]})") from exc
-        except (OSError, ValueError) as exc:
-            raise ImageError(f"the data are not an image Pillow can read ({str(exc)[:200]})") from exc
+        except Exception as exc:  # noqa: BLE001 - whatever a header parser raises, the data are not a usable image
+            raise ImageError(f"the data are not an image of a format this server reads ({', '.join(IMAGE_FORMATS)}) "
+                             f"({str(exc)[:200]})") from exc
     width, height = image.size
     if width < 1 or height < 1:
         raise ImageError(f"the image is empty ({width} x {height})")
     if width * height > max_decode_pixels:
         raise ImageError(f"the image is {width} x {height} = {width * height:,} pixels; at most {max_decode_pixels:,} "
                          "are accepted (resize it before sending)")
-    try:
-        image.load()
-    except (OSError, Image.DecompressionBombError, ValueError, SyntaxError) as exc:
-        raise ImageError(f"the image is truncated or corrupt ({str(exc)[:200]})") from exc
     return image
+
+
+def decode_rgb(image) -> np.ndarray:
+    """An image opened by ``open_header``, decoded: uint8 ``[height, width, 3]`` (``rgb``);
+    ``ImageError`` if it is truncated or corrupt."""
+    arr = _decoding(image, lambda: rgb(image))
+    if arr.shape[:2] != (image.height, image.width):
+        raise ImageError(f"the image decoded to {arr.shape[1]} x {arr.shape[0]} pixels where its header says "
+                         f"{image.width} x {image.height}")
+    return arr
+
+
+def _decoding(image, work):
+    """``work()`` (decoding ``image``), with whatever Pillow raises on corrupt data as an ``ImageError``."""
+    try:
+        return work()
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a decoder's failure on a client's data is that image's fault
+        raise ImageError(f"the image is truncated or corrupt ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def _read_file(path: Path) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > MAX_IMAGE_FILE_BYTES:
+            raise ImageError(f"the image file is {size:,} bytes; at most {MAX_IMAGE_FILE_BYTES:,} are read")
+        return path.read_bytes()
+    except (OSError, ValueError) as exc:
+        raise ImageError(f"cannot read the image {str(path)[:200]!r}: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def decode_data_url(url: str) -> bytes:
@@ -199,7 +238,7 @@ def rgb(image) -> np.ndarray:
 def preprocess(images: Sequence[object], cfg: ImageConfig) -> tuple[np.ndarray, np.ndarray]:
     """``pixel_values`` float32 ``[patches, 3 * T * P * P]`` of every image and their grids int64
     ``[images, 3]`` (t, h, w), as transformers' ``Glm4vImageProcessor`` gives them."""
-    arrays = [rgb(open_image(source, cfg.max_decode_pixels)) for source in images]
+    arrays = [decode_rgb(open_header(source, cfg.max_decode_pixels)) for source in images]
     grids = [cfg.grid(*a.shape[:2]) for a in arrays]
     return (np.concatenate([pixel_rows(a, cfg) for a in arrays], axis=0),
             np.asarray(grids, np.int64).reshape(len(grids), 3))

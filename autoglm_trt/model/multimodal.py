@@ -13,9 +13,11 @@ patch grid (``image.ImageConfig.grid``). Output:
   it continues from start + max(merged height, merged width). ``delta`` (the largest position + 1
   minus the prompt's length) carries the positions into decode: generated token i of a prompt of n
   tokens has position ``n + i + delta`` in all three rows.
-- ``block_extras``: for each full KV block of the prompt, the digests of the images whose tokens it
-  covers (the prefix cache's extra keys, as vLLM names them: the same tokens over another image
-  must not share a block).
+- ``block_extras``: for each KV block the prompt touches, its last partial block included, the
+  digests of the images whose tokens it covers and where they start (the prefix cache's extra keys, as vLLM names them:
+  the same tokens over another image must not share a block). The partial block is named only
+  once decode fills it, and then it still holds image tokens; every later block chains from it,
+  so equal keys mean equal images before and within a block.
 """
 
 from __future__ import annotations
@@ -96,10 +98,12 @@ def mrope_positions(num_tokens: int, spans: Sequence[ImageSpan], merge: int) -> 
 
 
 def block_extras(num_tokens: int, spans: Sequence[ImageSpan], block_size: int) -> list[bytes]:
-    """For each full block of ``num_tokens``: the digests of the images it covers, joined (b"" for
-    a block of text alone)."""
+    """For each block of ``num_tokens``, the last partly filled one included: the images it covers,
+    each as its digest and where it starts relative to the block, joined (b"" for a block of text
+    alone)."""
     extras = []
-    for b in range(num_tokens // block_size):
+    for b in range(-(-num_tokens // block_size)):
         lo, hi = b * block_size, (b + 1) * block_size
-        extras.append(b"".join(s.digest for s in spans if s.start < hi and s.end > lo))
+        extras.append(b"".join(s.digest + (s.start - lo).to_bytes(8, "little", signed=True)
+                               for s in spans if s.start < hi and s.end > lo))
     return extras

@@ -13,10 +13,12 @@ anything is loaded.
 
 Liveness: a failure while running a step fails that step's requests; a failure while
 sampling or matching stop strings fails that request alone; the loop thread itself never
-dies of a request. ``close`` fails every waiting and running request with a
-``RequestError`` ("the engine was closed") and returns when the loop has ended. A request
-with a ``timeout`` ends with finish reason ``"timeout"`` (and the text so far) once its
-deadline passes, checked by the loop between steps.
+dies of a request. A step's inputs are made under the lock, so a request cancelled from
+another thread while the model runs (its blocks freed) changes nothing the step reads.
+``close`` fails every waiting and running request with a ``RequestError`` ("the engine was
+closed") and returns when the loop has ended. A request with a ``timeout`` ends with finish
+reason ``"timeout"`` (and the text so far) once its deadline passes, checked by the loop
+between steps.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ..errors import RequestError
 from ..fileutil import available_memory_bytes
 from ..graph.session import MAX_THREADS
 from ..kvcache.block_pool import BlockPool
-from ..kvcache.step_inputs import StepImages, step_inputs
+from ..kvcache.step_inputs import SlotMap, StepImages, step_inputs
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
 from .groups import BeamGroup, fork_samples
 from .guided import Grammars, Guide
@@ -87,6 +89,7 @@ class Engine:
         self.grammars = Grammars(self.dir / "tokenizer.json", self.spec.vocab_size, list(self.spec.eos_token_ids))
         self.requests = Registry(self.scheduler)
         self._cv = threading.Condition()
+        self.longest_hold_s = 0.0  # the longest the loop held its lock in one go: scheduling, or sampling a step
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="autoglm-scheduler", daemon=True)
         self._thread.start()
@@ -122,7 +125,7 @@ class Engine:
         return self.prompts.encode(prompt)
 
     def prepare(self, prompt: Prompt, images: Seq[object] | None = None,
-                tools: list[dict] | None = None) -> PreparedPrompt:
+                tools: list[dict] | None = None, cancel: threading.Event | None = None) -> PreparedPrompt:
         """A prompt made ready to submit: tokenized, and its images (an image-text engine's) decoded,
         preprocessed and encoded. ``RequestError`` if it is malformed or could not fit with even one
         new token. For a caller that needs the prompt's length first (``len(prepared.ids)``).
@@ -130,12 +133,13 @@ class Engine:
         ``images``: for a text or token-id prompt that holds the image placeholders itself (GLM-4.1V:
         ``<|begin_of_image|><|image|><|end_of_image|>`` per image), the images in order (PIL images,
         bytes, paths or ``data:`` URLs); chat messages carry theirs as parts instead. ``tools``: OpenAI's
-        tool definitions, for a chat template that describes them to the model."""
+        tool definitions, for a chat template that describes them to the model. ``cancel``: set it (from
+        another thread) to give up; preparing stops at its next wait or image with a ``RequestError``."""
         one = SamplingParams(max_new_tokens=1)
-        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False), images, tools)
+        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False), images, tools, cancel)
 
-    def _prepared(self, prompt: object, check: Callable[[list[int]], None],
-                  images: Seq[object] | None = None, tools: list[dict] | None = None) -> PreparedPrompt:
+    def _prepared(self, prompt: object, check: Callable[[list[int]], None], images: Seq[object] | None = None,
+                  tools: list[dict] | None = None, cancel: threading.Event | None = None) -> PreparedPrompt:
         ids, sources = self.prompts.encode_with_images(prompt, tools)
         if images:
             if sources:
@@ -149,7 +153,7 @@ class Engine:
             check(ids)
             return PreparedPrompt(ids)
         assert self.images is not None  # the prompt encoder refuses images for a text model
-        return self.images.prepare(ids, sources, check)
+        return self.images.prepare(ids, sources, check, cancel)
 
     def submit(self, prompt: Prompt | PreparedPrompt, params: SamplingParams, sink: Sink | None = None,
                timeout: float | None = None) -> Request:
@@ -183,15 +187,16 @@ class Engine:
         if timeout is not None:
             params = dataclasses.replace(params, timeout=timeout)
         pieces, streaming = stream is not False, stream is True
-        if params.guide is not None:
-            self.grammars.compile(params.guide)  # a malformed guide is refused before any work
         check = lambda ids: self.limits.check(ids, params, pieces, streaming)  # noqa: E731
         if isinstance(prompt, PreparedPrompt):  # prepared for one new token: checked for these params now
             made = prompt
             check(made.ids)
         else:
             made = self._prepared(prompt, check)
+        # compiled on the grammar workers (this thread waits): a malformed guide is refused before the queue
+        guided = self.grammars.state(params.guide) if params.guide is not None else None
         seq = Sequence(made.ids, params, block_extras=made.block_extras, mrope=made.mrope, images=made.images)
+        seq.guided = guided
         beam = params.beam_width > 1
         req = Request(seq, IncrementalDecoder(self.tokenizer) if self.tokenizer and not beam else None, stream,
                       params.timeout)
@@ -253,7 +258,8 @@ class Engine:
                     self._cv.wait()
                 if self._closed:
                     return
-                self._expire(time.perf_counter())
+                start = time.perf_counter()
+                self._expire(start)
                 try:
                     step = self.scheduler.schedule()
                 except Exception as exc:  # noqa: BLE001 - a scheduler bug fails what is queued, not the engine
@@ -261,12 +267,20 @@ class Engine:
                     step, error = None, exc
                 else:
                     error = RuntimeError("the scheduler found no step to run")
+                # the step's inputs are read from its sequences now, under the lock: a request cancelled while
+                # the step runs frees its blocks (its table emptied), which must not change what this step reads
+                inputs = self._inputs(step) if step is not None else None
+                self._held(start)
                 if step is None:
                     if self.scheduler.has_work():  # a scheduler bug: fail the stuck requests, keep serving
                         self._fail_all(RequestError(f"internal error: {error}"))
                     continue
+                if inputs is None:
+                    continue
             try:
-                logits = self._run(step)
+                if step.copies:
+                    self.backend.copy_blocks(step.copies)
+                logits = self.backend.step(*inputs)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
                 log.exception("engine step failed")
                 with self._cv:
@@ -274,16 +288,27 @@ class Engine:
                         self.requests.fail_seq(seq, exc)
                 continue
             with self._cv:
+                start = time.perf_counter()
                 self._after_step(step, logits)
+                self._held(start)
 
-    def _run(self, step: Step) -> np.ndarray:
-        if step.copies:
-            self.backend.copy_blocks(step.copies)
-        feeds, slots = step_inputs(step.new_tokens, [s.cache for s in step.seqs], self.block_size,
-                                   mrope=[s.mrope for s in step.seqs] if self.spec.mrope else None,
-                                   images=StepImages(self.spec.hidden_size, [s.images for s in step.seqs])
-                                   if self.spec.vision else None)
-        return self.backend.step(feeds, slots)
+    def _held(self, start: float) -> None:
+        """The loop held its lock since ``start`` (under it): keep the longest such stretch."""
+        self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - start)
+
+    def _inputs(self, step: Step) -> tuple[dict[str, np.ndarray], SlotMap] | None:
+        """The backend's feeds and KV slots for ``step`` (under the lock), or None when they cannot
+        be made (the step's requests fail, not the engine)."""
+        try:
+            return step_inputs(step.new_tokens, [s.cache for s in step.seqs], self.block_size,
+                               mrope=[s.mrope for s in step.seqs] if self.spec.mrope else None,
+                               images=StepImages(self.spec.hidden_size, [s.images for s in step.seqs])
+                               if self.spec.vision else None)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            log.exception("a step's inputs could not be made")
+            for seq in step.seqs:
+                self.requests.fail_seq(seq, exc)
+            return None
 
     def _after_step(self, step: Step, logits: np.ndarray) -> None:
         now = time.perf_counter()
@@ -328,9 +353,7 @@ class Engine:
         if p.stop_token_ids:
             ends = ends | set(p.stop_token_ids)
         used = adjust(logits, p, seq.counts, ends) if p.adjusts_logits else logits
-        if p.guide is not None:
-            if seq.guided is None:
-                seq.guided = self.grammars.state(p.guide)
+        if seq.guided is not None:  # made with the request (or copied with its fork), never on this thread
             used = seq.guided.masked(used, in_place=p.adjusts_logits)  # adjust() made a copy already
         token = sample(used, p, seq.rng)
         reason = None
@@ -364,7 +387,8 @@ class Engine:
         with self._cv:
             return {"free_blocks": self.allocator.num_free, "num_blocks": self.allocator.num_blocks,
                     "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                    "preemptions": self.scheduler.preemptions, **self.kv.stats(),
+                    "preemptions": self.scheduler.preemptions, "longest_hold_s": self.longest_hold_s,
+                    **self.kv.stats(),
                     **(self.images.stats() if self.images is not None else {})}
 
     @property
@@ -381,6 +405,7 @@ class Engine:
             self._fail_all(RequestError("the engine was closed while this request was waiting or running"))
             self._cv.notify_all()
         self._thread.join(timeout=60)
+        self.grammars.close()
         self.backend.close()
 
     def __enter__(self) -> Engine:

@@ -1,27 +1,40 @@
 """Structured output: generation held to a JSON schema, a regex, a list of choices or a Lark
 grammar, with llguidance (the grammar engine TensorRT-LLM and vLLM use; Rust, no dependencies).
 
-``Guide`` says what the output must match; ``Grammars`` (one per engine) compiles a guide once
-(cached by its text, ``GRAMMAR_CACHE``) and refuses a malformed one with a ``RequestError``
-before any work; ``GuidedState`` (one per sequence) masks the logits of every token the grammar
-cannot take next, consumes each sampled token, and says when the grammar has ended. A grammar
-allows the end-of-sequence tokens exactly where it may end.
+``Guide`` says what the output must match. ``Grammars`` (one per engine) compiles a guide into
+an llguidance matcher on a worker thread of its own (``GRAMMAR_WORKERS``), never on the engine's
+loop or a server's event loop: once per guide (the last ``GRAMMAR_CACHE`` are kept), within
+llguidance's resource limits (``_limits``) and a time budget (``COMPILE_BUDGET_S`` of work, counted
+from when a worker takes it); a malformed guide, or one over a limit or the budget, is refused with
+a ``RequestError`` before the request is queued, and a full queue of compilations with a
+``BusyError``. Each request gets a copy of the compiled matcher (``GuidedState``, with its first
+mask computed already); its further samples copy the request's (``GuidedState.fork``). Per
+sequence the state masks the logits of every token the grammar cannot take next, consumes each
+sampled token and says when the grammar has ended; a grammar that hits a limit while generating
+ends its request with a ``GuideError``. A grammar allows the end-of-sequence tokens exactly
+where it may end.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..errors import RequestError
+from ..errors import BusyError, RequestError
 
-GRAMMAR_CACHE = 64
+GRAMMAR_CACHE = 16  # compiled matchers kept by guide
+GRAMMAR_WORKERS = 2  # threads compiling guides
+MAX_QUEUED_GRAMMARS = 8  # compilations waiting for a worker; past this a BusyError
+COMPILE_BUDGET_S = 2.0  # a compilation's work, at most (a 633 KB enum of 50,000 words: ~0.2 s)
 KINDS = ("json_schema", "regex", "choice", "lark")
 MAX_GUIDE_CHARS = 1_000_000
 
@@ -37,7 +50,10 @@ class Guide:
     @classmethod
     def json_schema(cls, schema: dict | str) -> Guide:
         """Properties are generated in the schema's order (a "thought" before an "answer" stays first)."""
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+        try:
+            return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+        except RecursionError:
+            raise RequestError("the JSON schema is nested deeper than it can be read") from None
 
     @classmethod
     def json_object(cls) -> Guide:
@@ -97,14 +113,37 @@ def shipped_grammar(name: str) -> str:
     return found.read_text(encoding="utf-8")
 
 
-class Grammars:
-    """The engine's grammar compiler: its tokenizer's token table for llguidance, and compiled guides."""
+class GuideError(RequestError):
+    """A request's guide failed while generating (llguidance hit one of its limits): the client's grammar."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: list[int]):
-        self.path, self.vocab_size, self.eos_ids = Path(tokenizer_json), vocab_size, eos_ids
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
+
+
+def _limits():
+    """llguidance's limits for one matcher: its defaults (llguidance 1.x: 2,000 items in a row, 1,000,000
+    initial lexer fuel, 200,000 per step (~14 ms), 50,000 Earley items per step, 250,000 lexer states),
+    with the grammar's size held to twice the longest guide text."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_grammar_size=2 * MAX_GUIDE_CHARS)
+
+
+class Grammars:
+    """The engine's grammar compiler: its tokenizer's token table for llguidance, its worker threads,
+    and the matchers compiled from guides."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: list[int],
+                 budget_s: float = COMPILE_BUDGET_S):
+        self.path, self.vocab_size, self.eos_ids, self.budget_s = Path(tokenizer_json), vocab_size, eos_ids, budget_s
         self._tokenizer = None
-        self._compiled: OrderedDict[Guide, str] = OrderedDict()
+        self._compiled: OrderedDict[Guide, object] = OrderedDict()  # guide -> an llguidance matcher, never advanced
+        self._jobs: dict[Guide, Future] = {}  # compilations queued or running
+        self._started: dict[Guide, float] = {}  # when a worker took each
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     def tokenizer(self):
         with self._lock:
@@ -116,45 +155,101 @@ class Grammars:
                 self._tokenizer = LLTokenizer(str(self.path), n_vocab=self.vocab_size, eos_token=self.eos_ids)
             return self._tokenizer
 
-    def compile(self, guide: Guide) -> str:
-        """The guide's grammar, checked against the tokenizer (``RequestError`` if it is malformed)."""
-        from llguidance import LLMatcher
-
-        with self._lock:
-            if guide in self._compiled:
-                self._compiled.move_to_end(guide)
-                return self._compiled[guide]
-        guide.check()
-        grammar = guide.grammar()
-        error = LLMatcher.validate_grammar(grammar, self.tokenizer())
-        if error:
-            raise RequestError(f"the {guide.kind} guide is not usable: {error[:500]}")
-        with self._lock:
-            self._compiled[guide] = grammar
-            while len(self._compiled) > GRAMMAR_CACHE:
-                self._compiled.popitem(last=False)
-        return grammar
-
     def state(self, guide: Guide) -> GuidedState:
+        """A fresh matcher for one request's guide (``RequestError`` if the guide is malformed, over
+        llguidance's limits or over the time budget; ``BusyError`` if too many wait to compile).
+        Blocks the calling thread while a worker compiles it: call it off any event loop."""
+        guide.check()
+        self.tokenizer()
+        job: Future | None = None
+        with self._lock:
+            template: Any = self._compiled.get(guide)
+            if template is not None:
+                self._compiled.move_to_end(guide)
+            else:
+                job = self._jobs.get(guide)
+                if job is None:
+                    if len(self._jobs) >= MAX_QUEUED_GRAMMARS + GRAMMAR_WORKERS:
+                        raise BusyError(f"{len(self._jobs)} output guides are being compiled; retry shortly")
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="autoglm-grammar")
+                    job = self._jobs[guide] = self._pool.submit(self._compile, guide)
+        if job is not None:
+            template = self._wait(guide, job)
+        return GuidedState(template.deep_copy(), self.vocab_size, primed=True)
+
+    def _wait(self, guide: Guide, job: Future):
+        """The compiled matcher, once the worker is done; ``RequestError`` once it has worked on it for
+        longer than the budget (it finishes in the background, within llguidance's limits, and is dropped)."""
+        while True:
+            try:
+                return job.result(timeout=0.05)
+            except TimeoutError:
+                with self._lock:
+                    started = self._started.get(guide)
+                if started is not None and time.monotonic() - started > self.budget_s:
+                    raise RequestError(f"the {guide.kind} guide took more than {self.budget_s:g} s to compile; "
+                                       "simplify it (fewer alternatives, a smaller schema)") from None
+
+    def _compile(self, guide: Guide):
+        """On a worker: the guide's matcher with its first mask computed (which builds the lexer's
+        first states), kept for the next requests if it took no longer than the budget."""
         from llguidance import LLMatcher
 
-        return GuidedState(LLMatcher(self.tokenizer(), self.compile(guide), log_level=0), self.vocab_size)
+        with self._lock:
+            self._started[guide] = start = time.monotonic()
+        try:
+            matcher = LLMatcher(self.tokenizer(), guide.grammar(), log_level=0, limits=_limits())
+            if not matcher.is_error():
+                GuidedState(matcher, self.vocab_size).fill()
+            if matcher.is_error():
+                raise RequestError(f"the {guide.kind} guide is not usable: {_first_line(matcher.get_error())}")
+            with self._lock:
+                if time.monotonic() - start <= self.budget_s:
+                    self._compiled[guide] = matcher
+                    while len(self._compiled) > GRAMMAR_CACHE:
+                        self._compiled.popitem(last=False)
+            return matcher
+        finally:
+            with self._lock:
+                self._jobs.pop(guide, None)
+                self._started.pop(guide, None)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class GuidedState:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, primed: bool = False):
         import llguidance.numpy as lln
 
-        self.matcher, self.lln = matcher, lln
+        self.matcher, self.lln, self.vocab_size = matcher, lln, vocab_size
         self.mask = lln.allocate_token_bitmask(1, vocab_size)
+        self._filled = False
+        if primed:
+            self.fill()  # the compiled matcher computed this mask already: its lexer states are built
+
+    def fork(self) -> GuidedState:
+        """A copy for a further sample of the same request, at the same place in the grammar."""
+        out = GuidedState.__new__(GuidedState)
+        out.matcher, out.lln, out.vocab_size = self.matcher.deep_copy(), self.lln, self.vocab_size
+        out.mask, out._filled = self.mask.copy(), self._filled
+        return out
+
+    def fill(self) -> None:
+        """Compute the mask of the tokens the grammar may take next (once per token consumed)."""
+        if not self._filled:
+            self.lln.fill_next_token_bitmask(self.matcher, self.mask, 0)
+            self._filled = True
 
     def masked(self, logits: np.ndarray, in_place: bool = False) -> np.ndarray:
         """``logits`` (a float32 copy, or themselves with ``in_place``) with every token the grammar
         cannot take next at -inf."""
+        self.fill()
         self._check()
-        self.lln.fill_next_token_bitmask(self.matcher, self.mask, 0)
         out = logits if in_place else np.array(logits, np.float32)
         self.lln.apply_token_bitmask_inplace(out[None], self.mask)
         return out
@@ -162,9 +257,11 @@ class GuidedState:
     def accept(self, token: int) -> bool:
         """Consume a sampled token; True when the grammar has ended (nothing more may follow)."""
         self.matcher.consume_token(token)
+        self._filled = False
         self._check()
         return bool(self.matcher.is_stopped())
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise RequestError(f"structured output failed: {self.matcher.get_error()[:300]}")
+            raise GuideError(f"the output guide failed while generating: {_first_line(self.matcher.get_error())}; "
+                             "simplify it")

@@ -6,25 +6,30 @@ Where an image may come from (``image_url``): a ``data:`` URL; a ``file://`` URL
 engine's ``allowed_local_media_path``; an http(s) URL never (nothing is fetched). Through the
 Python API an ``{"type": "image", "image": ...}`` part may also carry a PIL image, bytes or a path.
 
-Each image is decoded (``model.image.open_image``: its header's size checked before decoding)
-and hashed (its decoded RGB pixels and grid); the prompt's length is checked after the expansion
-and before any encoding; then each image's embeddings come from ``EncoderCache`` (by that hash),
-or it is preprocessed as transformers' ``Glm4vImageProcessor`` does and encoded. This runs on
-the caller's thread, so the engine's loop goes on with other requests' steps while a screenshot
-is encoded; the encoder takes one image at a time (``ImagePipeline._encoded``), and at most
-``PREPARED_AT_ONCE`` requests at a time decode and preprocess their images, the others waiting
-with their images still compressed (a 1080 x 2400 screenshot is 7.8 MB decoded and 58 MB of
-float32 patch rows: a burst of requests from many threads, Triton's or the Python API's, would
-otherwise hold all of them at once).
+Budgets come before work. Each image's header is read first (``model.image.open_header``: its
+size and format, nothing decoded); from the sizes the image tokens are known (``smart_resize``),
+so a prompt too long, or images of more than ``MAX_REQUEST_PIXELS`` in all, is refused before a
+pixel is decoded. Then the images are taken one at a time: decoded (while the pixels decoded at
+once across every request stay within ``DECODE_BUDGET_PIXELS``), hashed (their decoded RGB
+pixels and grid), and their embeddings taken from ``EncoderCache`` (by that hash) or preprocessed
+as transformers' ``Glm4vImageProcessor`` does and encoded; each image's decoded pixels are let go
+before the next is decoded. This runs on the caller's thread, so the engine's loop goes on with
+other requests' steps while a screenshot is encoded; the encoder takes one image at a time
+(``ImagePipeline._encoded``), and at most ``PREPARED_AT_ONCE`` requests at a time decode and
+preprocess their images, the others waiting with their images still compressed (a 1080 x 2400
+screenshot is 7.8 MB decoded and 58 MB of float32 patch rows). A caller that gives up sets the
+``cancel`` event it passed: the request stops at its next wait or image.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -36,11 +41,15 @@ from ..artifacts import EngineError, ExportRecord, Manifest
 from ..errors import RequestError
 from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
-from ..model.image import ImageConfig, ImageError, open_image, pixel_rows, rgb
+from ..model.image import ImageConfig, ImageError, decode_rgb, open_header, pixel_rows
 from ..model.multimodal import block_extras, expand, image_digest, mrope_positions
 from ..model.vision import VisionSpec
 
 MAX_IMAGES = 10  # per prompt, as Open-AutoGLM's deployment sets it
+MAX_REQUEST_PIXELS = 128_000_000  # the images of one request, by their headers (two of the largest)
+DECODE_BUDGET_PIXELS = 64_000_000  # decoded at once across requests (~0.5 GB with Pillow's and numpy's copies)
+WAIT_S = 0.1  # how often a waiting request looks at its cancel event
+TRIM_AFTER_PIXELS = 16_000_000  # decoded since the heap was last handed back
 ENCODER_CACHE_BYTES = 256 * 1024**2  # encoder outputs kept by image hash
 # requests decoding, preprocessing and encoding their images at once: one is encoded while the
 # others' next images are decoded and preprocessed
@@ -67,6 +76,8 @@ def image_url_source(url: object, allowed_dir: Path | None) -> object:
     parsed = urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise RequestError(f"a file:// URL must name a local file, got host {parsed.netloc!r}")
+    if "\0" in unquote(parsed.path):
+        raise RequestError("a file:// URL's path holds a NUL character")
     path = Path(unquote(parsed.path)).resolve()
     if not path.is_relative_to(allowed_dir.resolve()):
         raise RequestError(f"the file {unquote(parsed.path)!r} is outside the allowed local media path")
@@ -170,12 +181,71 @@ class Encoder(Protocol):
     def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray: ...
 
 
+class Cancelled(RequestError):
+    """The caller gave up on the request while its images were being prepared."""
+
+
+def _wait_for(acquire: Callable[[float], bool], cancel: threading.Event | None) -> None:
+    """Call ``acquire(timeout)`` until it succeeds, looking at ``cancel`` before each try."""
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the request was cancelled while its images were prepared")
+        if acquire(WAIT_S):
+            return
+
+
+class PixelBudget:
+    """Pixels decoded at once, across requests: at most ``capacity`` (an image larger than that, which
+    ``max_decode_pixels`` refuses by default, would go alone). When none is held any more after at
+    least ``TRIM_AFTER_PIXELS`` were, the freed heap is handed back to the system (glibc keeps freed
+    blocks under 32 MB for reuse: a 64 Mpx image left some 130 MB resident)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used = capacity, 0
+        self._since_trim = 0
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, pixels: int, cancel: threading.Event | None = None) -> Iterator[None]:
+        def take(timeout: float) -> bool:
+            with self._cv:
+                if self.used and self.used + pixels > self.capacity:
+                    self._cv.wait(timeout)
+                    if self.used and self.used + pixels > self.capacity:
+                        return False
+                self.used += pixels
+                return True
+
+        _wait_for(take, cancel)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.used -= pixels
+                self._since_trim += pixels
+                trim = self.used == 0 and self._since_trim >= TRIM_AFTER_PIXELS
+                if trim:
+                    self._since_trim = 0
+                self._cv.notify_all()
+            if trim:
+                _give_back_memory()
+
+
+def _give_back_memory() -> None:
+    """glibc's ``malloc_trim(0)``: free heap pages go back to the system (nothing elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class ImagePipeline:
     def __init__(self, encoder: Encoder, vision: VisionSpec, config: ImageConfig, block_size: int,
-                 cache_bytes: int = ENCODER_CACHE_BYTES):
+                 cache_bytes: int = ENCODER_CACHE_BYTES, decode_budget: int = DECODE_BUDGET_PIXELS):
         self.vision, self.config, self.block_size = vision, config, block_size
         self.encoder = encoder
         self.cache = EncoderCache(cache_bytes)
+        self.pixels = PixelBudget(decode_budget)
         self._encoding = threading.Lock()  # one image through the encoder at a time (``_encoded``)
         self._preparing = 0  # requests in ``prepare``
         self._count = threading.Lock()
@@ -187,64 +257,92 @@ class ImagePipeline:
         with self._count:
             return {**self.cache.stats(), "images_preparing": self._preparing}
 
-    def prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None]) -> PreparedPrompt:
+    def prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None],
+                cancel: threading.Event | None = None) -> PreparedPrompt:
         """``ids`` (one placeholder per image) with the images of ``sources`` in place; ``check`` is
-        called on the expanded ids before anything is encoded (it raises to refuse the prompt)."""
+        called on the expanded ids before any pixel is decoded (it raises to refuse the prompt);
+        ``Cancelled`` once ``cancel`` is set."""
         with self._count:
             self._preparing += 1
         try:
-            with self._admitted:
-                return self._prepare(ids, sources, check)
+            _wait_for(lambda timeout: self._admitted.acquire(timeout=timeout), cancel)
+            try:
+                return self._prepare(ids, sources, check, cancel)
+            finally:
+                self._admitted.release()
         finally:
             with self._count:
                 self._preparing -= 1
 
-    def _prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None]) -> PreparedPrompt:
+    def _prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None],
+                 cancel: threading.Event | None) -> PreparedPrompt:
         t0 = time.perf_counter()
-        arrays = []
-        for k, source in enumerate(sources):
-            try:
-                arrays.append(rgb(open_image(source, self.config.max_decode_pixels)))
-            except ImageError as exc:
-                raise ImageError(f"image {k}: {exc}") from exc
-        t1 = time.perf_counter()
-        grids = [self.config.grid(*a.shape[:2]) for a in arrays]
-        digests = [image_digest(a, g) for a, g in zip(arrays, grids)]  # of the decoded pixels: cheap
+        heads = [_image(k, open_header, source, self.config.max_decode_pixels) for k, source in enumerate(sources)]
+        sizes = [(image.height, image.width) for image in heads]
+        grids = [_image(k, self.config.grid, h, w) for k, (h, w) in enumerate(sizes)]
         v = self.vision
-        ids, spans = expand(ids, v.image_token_id, grids, digests, v.merge_size)
-        check(ids)
-        embeds, preprocess_s, wait_s = [], 0.0, 0.0
-        for arr, grid, digest in zip(arrays, grids, digests):
-            found, preprocessed, waited = self._encoded(arr, grid, digest)
+        check(expand(ids, v.image_token_id, grids, [b""] * len(grids), v.merge_size)[0])  # before any decoding
+        total = sum(h * w for h, w in sizes)
+        if total > MAX_REQUEST_PIXELS:
+            raise ImageError(f"the request's images have {total:,} pixels in all; at most {MAX_REQUEST_PIXELS:,} are "
+                             "accepted (resize them before sending)")
+        digests, embeds = [], []
+        seconds = {"decode": time.perf_counter() - t0, "preprocess": 0.0, "encoder_wait": 0.0, "encode": 0.0}
+        for k, grid in enumerate(grids):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("the request was cancelled while its images were prepared")
+            t1 = time.perf_counter()
+            with self.pixels.hold(sizes[k][0] * sizes[k][1], cancel):
+                arr = _image(k, decode_rgb, heads[k])
+                heads[k] = None  # Pillow's copy of the pixels goes now
+                digest = image_digest(arr, grid)  # of the decoded pixels: cheap
+                t2 = time.perf_counter()
+                found = self.cache.get(digest)
+                rows = pixel_rows(arr, self.config) if found is None else None
+                del arr
+            t3 = time.perf_counter()
+            waited = 0.0
+            if found is None:
+                assert rows is not None
+                found, waited = self._encoded(rows, grid, digest, cancel)
+                del rows
+            seconds["decode"] += t2 - t1
+            seconds["preprocess"] += t3 - t2
+            seconds["encoder_wait"] += waited
+            seconds["encode"] += time.perf_counter() - t3 - waited
+            digests.append(digest)
             embeds.append(found)
-            preprocess_s, wait_s = preprocess_s + preprocessed, wait_s + waited
-        t2 = time.perf_counter()
+        ids, spans = expand(ids, v.image_token_id, grids, digests, v.merge_size)
         positions, delta = mrope_positions(len(ids), spans, v.merge_size)
         return PreparedPrompt(ids, PromptImages(tuple(s.start for s in spans), tuple(embeds)), MRope(positions, delta),
-                              block_extras(len(ids), spans, self.block_size),
-                              {"decode": t1 - t0, "preprocess": preprocess_s, "encoder_wait": wait_s,
-                               "encode": t2 - t1 - preprocess_s - wait_s})
+                              block_extras(len(ids), spans, self.block_size), seconds)
 
-    def _encoded(self, arr: np.ndarray, grid: tuple[int, int, int], digest: bytes) -> tuple[np.ndarray, float, float]:
-        """An image's encoder output, and the seconds spent preprocessing it and waiting for the
-        encoder. An image seen before skips both. Images are encoded one at a time: an encode
-        already runs on every encoder thread, so several at once would share the cores and all
-        finish late (four agents' screenshots at once on 2 cores: 1.8x the mean time to be
-        encoded, ``docs/runtime.md``). Once it is an image's turn the cache is read again, as
-        another request may just have encoded the same screenshot."""
-        found = self.cache.get(digest)
-        if found is not None:
-            return found, 0.0, 0.0
+    def _encoded(self, rows: np.ndarray, grid: tuple[int, int, int], digest: bytes,
+                 cancel: threading.Event | None) -> tuple[np.ndarray, float]:
+        """An image's encoder output, and the seconds spent waiting for the encoder. Images are
+        encoded one at a time: an encode already runs on every encoder thread, so several at once
+        would share the cores and all finish late (four agents' screenshots at once on 2 cores: 1.8x
+        the mean time to be encoded, ``docs/runtime.md``). Once it is an image's turn the cache is
+        read again, as another request may just have encoded the same screenshot."""
         t0 = time.perf_counter()
-        rows = pixel_rows(arr, self.config)
-        t1 = time.perf_counter()
-        with self._encoding:
-            t2 = time.perf_counter()
+        _wait_for(lambda timeout: self._encoding.acquire(timeout=timeout), cancel)
+        try:
+            waited = time.perf_counter() - t0
             found = self.cache.get(digest, count=False)
             if found is None:
                 found = self.encoder.encode(rows, grid)
                 self.cache.put(digest, found)
-        return found, t1 - t0, t2 - t1
+        finally:
+            self._encoding.release()
+        return found, waited
+
+
+def _image(k: int, work: Callable, *args: object):
+    """``work(*args)`` on image ``k``, its ``ImageError`` saying which image it was."""
+    try:
+        return work(*args)
+    except ImageError as exc:
+        raise ImageError(f"image {k}: {exc}") from exc
 
 
 def image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -> ImagePipeline:

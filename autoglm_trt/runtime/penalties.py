@@ -76,9 +76,14 @@ def adjust(logits: np.ndarray, params, counts: TokenCounts, end_ids: frozenset[i
     return x
 
 
+MIN_LOGPROB = -9999.0  # a log-probability is never below this (vLLM's floor): JSON has no -Infinity
+
+
 def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """``token``'s log-probability under ``log_softmax(logits)`` and the ``top`` most likely tokens'
-    (descending; ties by lower id), in float64."""
+    (descending; ties by lower id), in float64. Tokens masked out (-inf: a grammar's, ``min_tokens``')
+    could not have been sampled and are left out of the alternatives, so there may be fewer than
+    ``top``; every value is at least ``MIN_LOGPROB``."""
     x = np.asarray(logits, np.float64)
     m = float(x.max())
     lse = m + float(np.log(np.exp(x - m).sum()))
@@ -87,5 +92,5 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, lis
         k = min(top, x.size)
         ids = np.argpartition(-x, k - 1)[:k]
         ids = ids[np.lexsort((ids, -x[ids]))]
-        best = [(int(i), float(x[i] - lse)) for i in ids]
-    return float(x[token] - lse), best
+        best = [(int(i), max(float(x[i] - lse), MIN_LOGPROB)) for i in ids if np.isfinite(x[i])]
+    return max(float(x[token] - lse), MIN_LOGPROB), best

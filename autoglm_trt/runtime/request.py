@@ -5,9 +5,10 @@ anything malformed with a ``RequestError`` before any expensive work: a text lon
 longest prompt the engine allows could possibly be (``max_prompt_tokens`` x the tokenizer's
 longest token, twice over) is refused before it is tokenized.
 
-``Request`` holds a sequence's text. Stop strings are matched on the text as it grows; a
-streamed piece that might be the beginning of a stop string is held back until it cannot
-be, so ``stream`` yields exactly the text ``generate`` returns.
+``Request`` holds a sequence's text. Stop strings are matched on the text as it grows
+(``StopStrings``: each new character costs O(1) per stop string, amortized, however long the
+text and the stop strings); a streamed piece that might be the beginning of a stop string is
+held back until it cannot be, so ``stream`` yields exactly the text ``generate`` returns.
 """
 
 from __future__ import annotations
@@ -236,6 +237,7 @@ class Request:
         self.logprobs: list[TokenLogprob] = []  # with SamplingParams.logprobs, one per generated token
         self.marks: list[int] = []  # for each streamed piece, how many of ``logprobs`` it covers
         self.beam: BeamGroup | None = None  # the beams of SamplingParams(beam_width=...)
+        self.stops = StopStrings(seq.params.stop)
 
     def spawn(self, seq: Sequence, decoder: IncrementalDecoder | None) -> Request:
         """A further sample of this request (``SamplingParams.n``), with its submission time and deadline."""
@@ -269,19 +271,13 @@ class Request:
 
     def add_text(self, piece: str) -> str | None:
         """Append decoded text; return "stop" when a stop string was reached (the text is cut before it)."""
-        stops = self.seq.params.stop
-        longest = max((len(s) for s in stops), default=0)
-        start = max(0, len(self.text) - longest + 1)
+        found = self.stops.feed(piece, len(self.text))
         self.text += piece
-        if not stops:
-            self._send(len(self.text))
-            return None
-        hits = [k for k in (self.text.find(s, start) for s in stops) if k >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        if found is not None:
+            self.text = self.text[:found]
             self._send(len(self.text))
             return "stop"
-        self._send(len(self.text) - _held(self.text, stops))
+        self._send(len(self.text) - self.stops.held)
         return None
 
     def finish_text(self, reason: str) -> str:
@@ -303,15 +299,52 @@ class Request:
             self.sent = upto
 
 
-def _held(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that begins some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+class StopStrings:
+    """Stop strings found in a growing text, one Knuth-Morris-Pratt automaton per string: its state is
+    the length of the longest end of the text that begins the string, so a new character costs O(1)
+    amortized per string and the text is never searched again."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.fallback = [_prefix_function(s) for s in stops]
+        self.state = [0] * len(stops)
+
+    @property
+    def held(self) -> int:
+        """Characters at the text's end that may begin a stop string (held back from a stream)."""
+        return max(self.state, default=0)
+
+    def feed(self, piece: str, offset: int) -> int | None:
+        """Read ``piece``, which starts at ``offset`` in the text; the start of the earliest-starting
+        stop string that ends in it, or None."""
+        found = None
+        for k, stop in enumerate(self.stops):
+            q, fallback = self.state[k], self.fallback[k]
+            for j, ch in enumerate(piece):
+                while q and stop[q] != ch:
+                    q = fallback[q - 1]
+                if stop[q] == ch:
+                    q += 1
+                if q == len(stop):
+                    start = offset + j + 1 - q
+                    found = start if found is None else min(found, start)
+                    q = fallback[q - 1]
+                    break
+            self.state[k] = q
+        return found
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP's table: for each prefix of ``s``, the length of its longest proper end that also begins ``s``."""
+    table = [0] * len(s)
+    q = 0
+    for i in range(1, len(s)):
+        while q and s[i] != s[q]:
+            q = table[q - 1]
+        if s[i] == s[q]:
+            q += 1
+        table[i] = q
+    return table
 
 
 @dataclass(frozen=True)

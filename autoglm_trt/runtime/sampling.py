@@ -31,6 +31,7 @@ MAX_SEQUENCES = 64  # n and beam_width
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
+MIN_REPETITION_PENALTY = 0.01  # and 1 / this at most: a logit divided by it stays finite
 
 
 _NOT_FINITE = "the engine produced logits that are not finite (NaN or infinity); cannot sample"
@@ -85,8 +86,8 @@ class SamplingParams:
         frequency_penalty, presence_penalty: OpenAI's, in [-2, 2]: a generated token's logit is
             lowered by ``frequency_penalty`` per time it was generated and by ``presence_penalty``
             once it was (``penalties``).
-        repetition_penalty: transformers' (> 0; 1: none): the logit l of a token of the prompt or
-            the output becomes l / r if positive, l * r otherwise.
+        repetition_penalty: transformers' (in [0.01, 100]; 1: none): the logit l of a token of the
+            prompt or the output becomes l / r if positive, l * r otherwise.
         min_tokens: the end-of-sequence and ``stop_token_ids`` tokens are masked until this many
             tokens are generated.
         logit_bias: token id -> a value in [-100, 100] added to its logit.
@@ -157,8 +158,8 @@ class SamplingParams:
                 raise SamplingError(f"{name} must be in [-2, 2], got {value!r}")
             set_(name, value)
         r = _real("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < r <= 100.0:
-            raise SamplingError(f"repetition_penalty must be in (0, 100] (1: none), got {r!r}")
+        if not MIN_REPETITION_PENALTY <= r <= 1 / MIN_REPETITION_PENALTY:  # l / r stays finite
+            raise SamplingError(f"repetition_penalty must be in [0.01, 100] (1: none), got {r!r}")
         set_("repetition_penalty", r)
         set_("min_tokens", _int("min_tokens", self.min_tokens, 0))
         if self.min_tokens > self.max_new_tokens:

@@ -93,6 +93,8 @@ class Scheduler:
                          arrival=parent.arrival, stream=stream, block_extras=parent.block_extras,
                          mrope=parent.mrope, images=parent.images)
         child.seq_id = next(self._ids)
+        if parent.guided is not None:  # its own place in the request's grammar, copied
+            child.guided = parent.guided.fork()
         if parent in self.running and len(self.running) < self.max_batch:
             self.kv.fork(parent, child)
             self.running.append(child)

@@ -31,7 +31,7 @@ class Sequence:
     arrival: float = 0.0
     stream: int = 0  # which random stream of the request's seed (fork k draws from stream k)
     parked: int = 0  # n > 0: the n-th sequence preempted while idle (admitted after the unparked, in that order)
-    block_extras: list[bytes] = field(default_factory=list)  # per full prompt block: the images it covers
+    block_extras: list[bytes] = field(default_factory=list)  # per prompt block (the partial one too): the images it covers
     mrope: MRope | None = None  # a prompt with images: its 3-D positions (M-RoPE models)
     images: PromptImages | None = None  # and its image tokens' embeddings (kept for a recompute)
 
@@ -39,7 +39,7 @@ class Sequence:
         seed = self.params.seed
         self.rng = np.random.default_rng(seed if seed is None or self.stream == 0 else [seed, self.stream])
         self.counts = TokenCounts(self.prompt_ids)  # its generated tokens, for the penalties
-        self.guided: GuidedState | None = None  # its place in its grammar (SamplingParams.guide), made when it first samples
+        self.guided: GuidedState | None = None  # its place in its grammar (SamplingParams.guide), made with its request
         for token in self.output_ids:
             self.counts.add(token)
 

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ..errors import AutoGLMError
+from ..errors import AutoGLMError, BusyError
 from ..runtime import Engine, ImageOptions
 from .guard import DEFAULT_MAX_BODY_BYTES, Guard, error_json
 from .metrics import ServerMetrics
@@ -54,7 +54,8 @@ class ServeConfig:
 
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
-    app = FastAPI(title="autoglm-trt", docs_url=None, redoc_url=None, openapi_url=None)
+    # no redirects: /v1/models/ is a 404 in OpenAI's error JSON, not a 307 to /v1/models
+    app = FastAPI(title="autoglm-trt", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     metrics = ServerMetrics(lambda: serving.stats())
     serving = Serving(engine, cfg.served_model_name, metrics, cfg.max_waiting, cfg.request_timeout,
                       cfg.max_client_priority)
@@ -96,8 +97,18 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
 
     @app.exception_handler(AutoGLMError)
     async def _engine_refused(request: Request, exc: AutoGLMError) -> Response:
+        if isinstance(exc, BusyError):
+            metrics.rejected.labels("429").inc()
+            return _error(429, str(exc), "rate_limit_error", "busy", headers={"Retry-After": "1"})
         metrics.rejected.labels("400").inc()
         return _error(400, str(exc), "invalid_request_error", "invalid_value")
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> Response:
+        """A bug: OpenAI's error JSON without the internals (uvicorn logs the traceback)."""
+        metrics.rejected.labels("500").inc()
+        return _error(500, f"internal server error ({type(exc).__name__}); the server's log has the details",
+                      "server_error", "internal_error")
 
     @app.get("/health")
     async def health() -> Response:

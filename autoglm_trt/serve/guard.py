@@ -5,8 +5,9 @@ gets a 401 before a byte of its body is read or parsed (whatever the route, know
 ``/health`` stays open for load balancers), a body over ``max_body_bytes`` gets a 413 (from
 its Content-Length at once, else as soon as that many bytes have come), and a body that is not
 JSON by its Content-Type a 415. The body is read here, bounded, and handed to the app whole.
-Every refusal is OpenAI's error JSON. ``unencodable`` finds a string that cannot be UTF-8 (a
-lone surrogate, which JSON's ``\\ud800`` escapes can carry) in a parsed body.
+Every refusal is OpenAI's error JSON. ``body_problem`` finds, in a parsed body, nesting deeper
+than ``MAX_DEPTH`` and a string that cannot be UTF-8 (a lone surrogate, which JSON's ``\\ud800``
+escapes can carry).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 OPEN_PATHS = ("/health",)
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 5-megapixel PNG screenshot is ~1-5 MB, base64 adds a third
+MAX_DEPTH = 64  # a request body's nesting (a JSON schema or tool arguments need a few levels)
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -39,15 +41,15 @@ class Guard:
     def __init__(self, app: Callable, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  rejected: Callable[[int], None] = lambda status: None):
         self.app, self.max_body_bytes, self.rejected = app, max_body_bytes, rejected
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.expected = api_key.encode() if api_key is not None else None
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # names arrive lower-cased
-        if self.expected is not None and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
-                headers.get(b"authorization", b""), self.expected):
+        if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
+                headers.get(b"authorization", b"")):
             await self._refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error", "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
             return
@@ -76,6 +78,11 @@ class Guard:
                 break
         await self.app(scope, _replay(bytes(body), receive), send)
 
+    def _authorized(self, value: bytes) -> bool:
+        """``Authorization: Bearer <key>``, the scheme in any case (RFC 9110, 11.1)."""
+        scheme, _, token = value.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected or b"")
+
     async def _too_large(self, send: Send) -> None:
         await self._refuse(send, 413, f"the request body is over this server's {self.max_body_bytes:,} bytes "
                                       "(serve --max-body-bytes)", "invalid_request_error", "request_too_large")
@@ -100,26 +107,32 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return again
 
 
-def unencodable(value: Any, where: str = "") -> str | None:
-    """The path of the first string (or key) in a parsed JSON body that UTF-8 cannot encode, or None."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where or "body"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if unencodable(key) is not None:
-                return f"{where}.<key>" if where else "<key>"
-            found = unencodable(item, f"{where}.{key}" if where else str(key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = unencodable(item, f"{where}[{i}]")
-            if found is not None:
-                return found
+def body_problem(value: Any) -> str | None:
+    """What is wrong with a parsed JSON body that its fields' types cannot say, or None: nesting
+    deeper than ``MAX_DEPTH`` (the code that reads a schema or a tool call recurses), or a string
+    (or key) that UTF-8 cannot encode, with its path. Walked with a stack, not recursion."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"{where or 'body'}: the body is nested more than {MAX_DEPTH} levels deep"
+        if isinstance(item, str):
+            if not item.isascii() and not _encodes(item):
+                return f"{where or 'body'} holds text that is not valid Unicode (an unpaired surrogate escape)"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if isinstance(key, str) and not key.isascii() and not _encodes(key):
+                    return f"{where}.<key> holds text that is not valid Unicode (an unpaired surrogate escape)" \
+                        if where else "<key> holds text that is not valid Unicode (an unpaired surrogate escape)"
+                stack.append((sub, f"{where}.{key}" if where else str(key), depth + 1))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{where}[{i}]", depth + 1) for i, sub in enumerate(item))
     return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,12 +37,16 @@ class _EngineCollector(Collector):
                                   s.get("prefix_hit_tokens", 0))
         yield GaugeMetricFamily("autoglm_kv_blocks_cached", "Free KV blocks that still hold a cached prefix",
                                 s.get("evictable_blocks", 0))
+        yield GaugeMetricFamily("autoglm_loop_longest_hold_seconds", "The longest the engine's loop has held its lock "
+                                "in one go (scheduling a step, or sampling one: penalties, grammars, stop strings)",
+                                s.get("longest_hold_s", 0.0))
 
 
 class ServerMetrics:
     def __init__(self, stats: Callable[[], dict]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open files
         r = self.registry
         self.prompt_tokens = Counter("autoglm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("autoglm_generation_tokens", "Generated tokens", registry=r)

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..errors import AutoGLMError
 from ..runtime.guided import Guide
 from ..runtime.request import TokenLogprob
-from ..runtime.sampling import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_STRINGS, SamplingParams
-from .guard import unencodable
+from ..runtime.sampling import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_STRINGS, MIN_REPETITION_PENALTY, SamplingParams
+from .guard import body_problem
 from .tool_parsers import call
 
 
@@ -59,9 +59,9 @@ class _Sampling(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _encodable(cls, data: Any) -> Any:
-        where = unencodable(data)
-        if where is not None:
-            raise ValueError(f"{where} holds text that is not valid Unicode (an unpaired surrogate escape)")
+        problem = body_problem(data)
+        if problem is not None:
+            raise ValueError(problem)
         return data
 
     model: str
@@ -79,7 +79,7 @@ class _Sampling(_Strict):
     user: str | None = None  # an end-user id: accepted, as OpenAI's; it changes nothing here
     # extensions (vLLM's names, and the engine's beam search)
     top_k: int = Field(default=0, ge=0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=1 / MIN_REPETITION_PENALTY)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     beam_width: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
@@ -165,8 +165,8 @@ class _Sampling(_Strict):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids (strings of digits), got {key[:20]!r}")
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):  # "²" and "١٢" are digits to str.isdigit
+                raise ValueError(f"logit_bias keys are token ids (strings of the digits 0-9), got {key[:20]!r}")
         return v
 
     def sampling(self, max_tokens: int, timeout: float | None) -> SamplingParams:
@@ -397,7 +397,7 @@ def tool_calls(text: str, called: str) -> list[dict] | None:
     ``{"name", "arguments"}``); None when the text is not a whole call (cut by max_tokens)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's json reads
         return None
     if not isinstance(value, dict):
         return None

@@ -5,9 +5,12 @@ thread (tokenization and chat templates are bounded, but not free; images are de
 encoded there: a request with images on one of ``IMAGE_WORKERS`` threads of its own, so those
 waiting for the encoder, which takes one image at a time, never hold every thread of Starlette's
 pool that text requests are prepared on), submitted with a sink that hands each text piece to
-the event loop (``call_soon_threadsafe``), and awaited there.
-A client that disconnects cancels its request at once (its KV blocks are freed): a stream by
-the cancellation of its generator, a plain request by a watch on the connection.
+the event loop (``call_soon_threadsafe``), and awaited there. A request with an output guide is
+submitted from a worker thread too, as its grammar is compiled then (``runtime.guided``).
+A client that disconnects cancels its request (its KV blocks are freed): a stream by the
+cancellation of its generator, a plain request by a look at the connection every
+``DISCONNECT_POLL_S`` whatever the model is producing (a plain request's sink carries only its
+end), a request whose images are being prepared likewise (``Engine.prepare``'s ``cancel``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -25,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import AutoGLMError
 from ..runtime import Engine
+from ..runtime.guided import GRAMMAR_WORKERS, MAX_QUEUED_GRAMMARS, GuideError
 from ..runtime.images import PREPARED_AT_ONCE, PreparedPrompt
 from ..runtime.request import Prompt
 from ..runtime.request import Request as EngineRequest
@@ -51,6 +56,9 @@ DISCONNECT_POLL_S = 0.25
 # threads preparing requests with images: as many as the engine lets decode and preprocess
 # their images at once (more would only wait there, holding a thread)
 IMAGE_WORKERS = PREPARED_AT_ONCE
+# threads submitting requests with an output guide (waiting while the engine compiles it): the
+# engine's grammar workers and its queue, no more
+GUIDED_SUBMITS = GRAMMAR_WORKERS + MAX_QUEUED_GRAMMARS
 
 
 class ApiError(Exception):
@@ -64,12 +72,15 @@ class ApiError(Exception):
 
 
 class _LoopSink:
-    """Pieces from the engine thread into an asyncio queue (never blocks the engine)."""
+    """Pieces from the engine thread into an asyncio queue (never blocks the engine); without
+    ``text``, only the end (None)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue[str | None]()
+    def __init__(self, loop: asyncio.AbstractEventLoop, text: bool = True):
+        self.loop, self.queue, self.text = loop, asyncio.Queue[str | None](), text
 
     def put(self, item: str | None) -> None:
+        if item is not None and not self.text:
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
@@ -91,6 +102,7 @@ class Serving:
         self.inflight = 0
         self.image_requests = 0  # requests with images not yet submitted: waiting for a worker, or in prepare
         self._image_workers: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
+        self._guided: anyio.CapacityLimiter | None = None  # threads submitting requests with a guide
 
     def stats(self) -> dict:
         """The engine's stats, with ``images_preparing`` counting the requests with images that wait
@@ -120,8 +132,11 @@ class Serving:
                                 'GLM-4.5\'s, Hermes\'); use "required", a named function, or "none"', param="tool_choice")
         parse = (self.tool_format, auto) if auto and self.tool_format is not None else None
         images = isinstance(body, ChatCompletionRequest) and body.carries_images()
-        prepared = await (self._prepare_images(prompt, tools) if images
+        prepared = await (self._prepare_images(request, prompt, tools) if images
                           else run_in_threadpool(self.engine.prepare, prompt, None, tools))
+        if prepared is None:  # the client left while its images were prepared
+            self.metrics.finished.labels("cancelled").inc()
+            return Response(status_code=499)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
             room = max(1, self.engine.max_seq_len - len(prepared.ids))  # a prompt too long is refused by submit
@@ -130,9 +145,14 @@ class Serving:
         if body.stream and (params.n > 1 or params.beam_width > 1):
             raise ApiError(400, "stream carries one choice: n > 1 and beam_width > 1 need stream false",
                            param="stream")
-        sink = _LoopSink(asyncio.get_running_loop())
-        # with several choices the sink carries the first one's text and its end; the others are awaited after
-        req = self.engine.submit(prepared, params, sink)
+        # a stream's sink carries its text; a plain request's only its end (the others are awaited after)
+        sink = _LoopSink(asyncio.get_running_loop(), text=body.stream)
+        if params.guide is not None:  # compiled on the engine's grammar workers: this waits, off the event loop
+            if self._guided is None:
+                self._guided = anyio.CapacityLimiter(GUIDED_SUBMITS)
+            req = await anyio.to_thread.run_sync(self.engine.submit, prepared, params, sink, limiter=self._guided)
+        else:
+            req = self.engine.submit(prepared, params, sink)
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
@@ -143,28 +163,37 @@ class Serving:
         finally:
             self.inflight -= 1
 
-    async def _prepare_images(self, prompt: Prompt, tools: list[dict] | None) -> PreparedPrompt:
+    async def _prepare_images(self, request: Request, prompt: Prompt, tools: list[dict] | None) -> PreparedPrompt | None:
+        """The prompt with its images decoded and encoded on an image worker, or None if the client left
+        meanwhile (the preparation then stops at its next wait or image)."""
         if self._image_workers is None:
             self._image_workers = anyio.CapacityLimiter(IMAGE_WORKERS)
+        cancel = threading.Event()
         self.image_requests += 1  # the event loop's thread alone counts
         try:
-            return await anyio.to_thread.run_sync(functools.partial(self.engine.prepare, prompt, None, tools),
-                                                  limiter=self._image_workers)
+            job = asyncio.ensure_future(anyio.to_thread.run_sync(
+                functools.partial(self.engine.prepare, prompt, None, tools, cancel), limiter=self._image_workers))
+            while True:
+                done, _ = await asyncio.wait({job}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return job.result()
+                if await request.is_disconnected():
+                    cancel.set()
+                    job.add_done_callback(lambda j: j.cancelled() or j.exception())  # its Cancelled goes unread
+                    return None
         finally:
             self.image_requests -= 1
 
     async def _whole(self, request: Request, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool,
                      called: str | None, parse: tuple[ToolFormat, list[str]] | None = None) -> Response:
-        while True:
+        while True:  # the sink carries only the end: the connection is looked at every DISCONNECT_POLL_S
             try:
-                item = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
+                await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
+                break
             except TimeoutError:  # asyncio.wait_for's, from Python 3.11 on (requires-python)
                 if await request.is_disconnected():
                     self._cancel(req)
                     return Response(status_code=499)
-                continue
-            if item is None:
-                break
         while not all(r.done.is_set() for r in req.children):  # further samples, made when the prompt was in
             if await request.is_disconnected():
                 self._cancel(req)
@@ -172,6 +201,8 @@ class Serving:
             await asyncio.sleep(0.01)
         try:
             res = self._finished(req)
+        except GuideError as exc:  # the client's grammar hit one of llguidance's limits while generating
+            raise ApiError(400, str(exc), code="guide_failed") from exc
         except AutoGLMError as exc:  # the engine failed or closed under this request: not the client's fault
             raise ApiError(503 if not self.engine.alive else 500, str(exc), "server_error", "generation_failed") from exc
         use = usage(res.prompt_tokens, sum(len(c.token_ids) for c in res.choices))
@@ -233,6 +264,8 @@ class Serving:
                 yield _sse(chunk(piece, None, req.marks[pieces - 1] if wanted else 0))
             try:
                 res = self._finished(req)
+            except GuideError as exc:
+                yield _sse(error_body(str(exc), "invalid_request_error", "guide_failed"))
             except AutoGLMError as exc:
                 yield _sse(error_body(str(exc), "server_error", "generation_failed"))
             else:

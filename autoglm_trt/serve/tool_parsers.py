@@ -37,7 +37,7 @@ def call(name: str, arguments: dict) -> dict:
 def _object(text: str) -> dict | None:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's json reads
         return None
     return value if isinstance(value, dict) else None
 
@@ -87,7 +87,7 @@ class ToolFormat:
         for key, raw in pairs:
             try:
                 arguments[key.strip()] = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 arguments[key.strip()] = raw  # a string value is written as it is
         return name.strip(), arguments
 

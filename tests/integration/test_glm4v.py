@@ -294,14 +294,14 @@ def test_at_most_a_few_requests_hold_decoded_images_at_once(glm4v_engine, monkey
         return True
 
     decoded, lock, release = [0], threading.Lock(), threading.Event()
-    real_open = pipeline.open_image
+    real_decode = pipeline.decode_rgb
 
-    def counted(source, max_pixels):
+    def counted(image):
         with lock:
             decoded[0] += 1
-        return real_open(source, max_pixels)
+        return real_decode(image)
 
-    monkeypatch.setattr(pipeline, "open_image", counted)
+    monkeypatch.setattr(pipeline, "decode_rgb", counted)
     with Engine.load(glm4v_engine) as engine:
         hold_encoder(engine, release)
         got: list = [None] * 6

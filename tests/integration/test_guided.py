@@ -82,3 +82,65 @@ def test_malformed_guides_are_refused_before_any_work(glm4v_engine, guide, messa
         with pytest.raises(AutoGLMError, match=message):  # RequestError, or SamplingError when the params are made
             engine.generate(["hi"], SamplingParams(max_new_tokens=4, guide=guide))
         assert engine.stats()["waiting"] == engine.stats()["running"] == 0
+
+
+def _grammars(engine_dir, budget_s: float):
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.runtime.guided import Grammars
+
+    spec = Manifest.read(engine_dir).spec
+    return Grammars(engine_dir / "tokenizer.json", spec.vocab_size, list(spec.eos_token_ids), budget_s)
+
+
+def _slow_grammars(monkeypatch, release):
+    """Every guide's grammar is made only once ``release`` is set (inside the budgeted compilation)."""
+    real = Guide.grammar
+    monkeypatch.setattr(Guide, "grammar", lambda self: release.wait(30) and real(self))
+
+
+def test_a_compilation_past_its_budget_is_refused_and_not_kept(glm4v_engine, monkeypatch):
+    import threading
+    import time
+
+    release = threading.Event()
+    _slow_grammars(monkeypatch, release)
+    grammars = _grammars(glm4v_engine, budget_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(AutoGLMError, match="took more than 0.3 s to compile"):
+        grammars.state(Guide.regex("[ab]+"))
+    assert time.monotonic() - t0 < 10
+    release.set()
+    time.sleep(0.5)  # the worker finishes it in the background
+    assert not grammars._compiled  # too slow to be kept for the next request
+    grammars.close()
+
+
+def test_compilations_queue_within_a_bound_and_the_rest_are_busy(glm4v_engine, monkeypatch):
+    """Two workers and a queue of eight: a flood of distinct guides gets ``BusyError`` (the server's
+    429) past ten at once, instead of holding every thread that waits for one."""
+    import threading
+    import time
+
+    from autoglm_trt.errors import BusyError
+    from autoglm_trt.runtime.guided import GRAMMAR_WORKERS, MAX_QUEUED_GRAMMARS
+
+    release = threading.Event()
+    _slow_grammars(monkeypatch, release)
+    grammars = _grammars(glm4v_engine, budget_s=60)
+    bound = GRAMMAR_WORKERS + MAX_QUEUED_GRAMMARS
+    done: list = []
+    threads = [threading.Thread(target=lambda k=k: done.append(grammars.state(Guide.regex(f"a{{{k + 1}}}"))))
+               for k in range(bound)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(grammars._jobs) < bound and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(BusyError, match="retry"):
+        grammars.state(Guide.regex("b+"))
+    release.set()
+    for t in threads:
+        t.join(60)
+    assert len(done) == bound and len(grammars._compiled) == bound
+    grammars.state(Guide.regex("b+"))  # the queue has room again
+    grammars.close()

@@ -253,3 +253,56 @@ def test_prompt_encoder_bound_follows_the_longest_token(tiny_engine):
     assert tok.max_token_chars == 1 and enc.max_chars == 2 * 10 + 1024
     with pytest.raises(RequestError, match="1045 characters"):
         enc.encode("z" * 1045)
+
+
+@pytest.mark.parametrize("moment", ["after_scheduling", "model"])
+def test_a_request_cancelled_mid_step_fails_no_other(tiny_engine, monkeypatch, moment):
+    """A client that leaves while its request is in a step (its blocks freed from another thread)
+    must not fail the step's other requests. Before, the step's inputs were read from its sequences
+    after the loop let go of its lock: a cancel waiting for the lock got in first, emptied the leaving
+    request's block table, the inputs failed ("block table does not cover the new tokens") and every
+    request of the step with them (the load test's attackers leaving requests did it every few seconds)."""
+    pending: list[threading.Thread] = []
+
+    class Handoff(threading.Condition):
+        """The engine loop's lock; a cancel started while the loop held it runs as soon as it is let go."""
+
+        def __exit__(self, *exc):
+            out = super().__exit__(*exc)
+            if pending and threading.current_thread().name == "autoglm-scheduler":
+                pending.pop().join(2.0)
+            return out
+
+    monkeypatch.setattr(engine_module.threading, "Condition", Handoff)
+    with Engine.load(tiny_engine) as engine:
+        reqs: list = []
+        fired = threading.Event()
+
+        def cancel_first() -> threading.Thread:
+            fired.set()
+            leaving = threading.Thread(target=engine.cancel, args=(reqs[0],))
+            leaving.start()
+            return leaving
+
+        real_schedule, real_step = engine.scheduler.schedule, engine.backend.step
+
+        def schedule():
+            step = real_schedule()
+            if moment == "after_scheduling" and step is not None and len(step.seqs) == 2 and not fired.is_set():
+                pending.append(cancel_first())  # it waits for the lock, which the loop holds now
+            return step
+
+        def step(feeds, slots):
+            if moment == "model" and feeds["input_ids"].shape[0] == 2 and not fired.is_set():
+                cancel_first().join(2.0)  # nothing holds the lock while the model runs
+            return real_step(feeds, slots)
+
+        monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+        monkeypatch.setattr(engine.backend, "step", step)
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        reqs += engine._queue([engine._prepare([5, 6, 7], params, False, None),
+                               engine._prepare([8, 9, 10, 11], params, False, None)])
+        kept, error = call_with_timeout(lambda: engine.outcome(reqs[1]))
+        assert fired.is_set() and error is None and len(kept.token_ids) == 12
+        left, _ = call_with_timeout(lambda: engine.outcome(reqs[0]))
+        assert left.finish_reason == "cancelled" and engine.stats()["free_blocks"] == engine.stats()["num_blocks"]

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -26,15 +27,18 @@ START_S = 90
 
 @contextlib.contextmanager
 def server(engine_dir, *args: str):
-    """A running ``autoglm-trt serve`` (yields (port, process)); always stopped afterwards."""
+    """A running ``autoglm-trt serve`` (yields (port, process)); always stopped afterwards. Its output
+    goes to a file (a pipe nobody reads would stall a server that logs much)."""
     port = free_port()
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "serve", str(engine_dir), "--port", str(port),
-                             *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stderr.read()}")
+                log.seek(0)
+                raise AssertionError(f"server exited: {log.read()[-4000:]}")
             try:
                 if request(port, "GET", "/health")[0] == 200:
                     break
@@ -47,8 +51,7 @@ def server(engine_dir, *args: str):
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
-        proc.stdout.close()
-        proc.stderr.close()
+        log.close()
 
 
 def request(port: int, method: str, path: str, body: object = None, headers: dict | None = None,
@@ -247,18 +250,21 @@ def test_sigterm_drains_then_exits_zero(slow_engine):
 
 def test_load_test_script_and_bench_url(chat_engine):
     """The load test (bounded: 100 requests, 8 clients; disconnects of streams and of n = 3 requests,
-    malformed and oversized bodies, wrong keys) passes its own checks, and ``bench --url`` measures
-    the server."""
-    with server(chat_engine, "--api-key", "k", "--max-body-bytes", "65536") as (port, _):
+    malformed and oversized bodies, wrong keys; one attacker sending a 600 KB grammar, stop-string
+    floods and n = 4 requests it leaves) passes its own checks, and ``bench --url`` measures the
+    server."""
+    with server(chat_engine, "--api-key", "k", "--max-body-bytes", str(2 << 20)) as (port, _):
         url = f"http://127.0.0.1:{port}"
         r = subprocess.run([sys.executable, str(ROOT / "tools" / "load_test.py"), "--url", url, "--requests", "100",
                             "--concurrency", "8", "--gen-len", "16", "--disconnect", "0.2", "--malformed", "0.1",
-                            "--oversized", "0.05", "--bad-key", "0.05", "--api-key", "k", "--max-body-bytes", "65536"],
+                            "--oversized", "0.05", "--bad-key", "0.05", "--api-key", "k", "--max-body-bytes",
+                            str(2 << 20), "--attackers", "1"],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         report = json.loads(r.stdout.splitlines()[0])
         assert report["outcomes"]["completed"] > 30 and report["outcomes"]["cancelled"] > 0
         assert all(report["outcomes"][kind] > 0 for kind in ("malformed", "oversized", "bad_key"))
+        assert set(report["attacks"]) == {"grammar", "stops", "leave"}
         assert report["kv_blocks_used_after"] == 0 and report["requests_live_after"] == 0
         assert not any(int(s) >= 500 for s in report["statuses"])
         b = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", url, "--api-key", "k",

@@ -44,6 +44,12 @@ def guarded(chat_engine):
         yield port
 
 
+@pytest.fixture(scope="module")
+def unguarded(chat_engine):
+    with server(chat_engine) as (port, _):
+        yield port
+
+
 def test_no_key_is_401_before_the_body_is_read(guarded):
     """Whatever the body (malformed, oversized) or route, a request without the key learns nothing
     but that it needs one (before: a 400 with validation details, or the body parsed first)."""
@@ -220,3 +226,135 @@ def test_requests_with_images_are_prepared_on_threads_of_their_own(glm4v_engine)
             t.join(60)
         assert [a[0] for a in answers + late] == [200] * 7
         assert metrics(port)["autoglm_requests_preparing"] == 0 == engine.stats()["images_preparing"]
+
+
+def leave(port: int, path: str, body: dict) -> http.client.HTTPConnection:
+    """Send a request and return its connection, unread (``hang_up`` it to leave)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def hang_up(conn: http.client.HTTPConnection) -> None:
+    conn.sock.shutdown(2)
+    conn.close()
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_plain_request_is_cancelled_while_its_tokens_flow(slow_engine, n):
+    """A client that leaves a non-streamed request while the model generates cancels it within a poll,
+    every sample of it (before: the connection was looked at only after 0.25 s without a text piece,
+    which never came while tokens flowed, so the samples decoded to max_tokens)."""
+    with server(slow_engine) as (port, _):
+        conn = leave(port, "/v1/completions", {"model": "slow", "prompt": "go", "max_tokens": 1900, "n": n,
+                                               "temperature": 1.0, "seed": 1, "ignore_eos": True})
+        assert wait_for(lambda: metrics(port)["autoglm_requests_running"] == 1)
+        time.sleep(0.5)  # tokens are flowing
+        hang_up(conn)
+        left = time.monotonic()
+        assert wait_for(lambda: metrics(port)["autoglm_kv_blocks_used"] == 0, 30)
+        freed = time.monotonic() - left
+        m = metrics(port)
+        assert m['autoglm_requests_finished_total{finish_reason="cancelled"}'] == 1  # not "length": it was cut
+        assert m["autoglm_requests_running"] == m["autoglm_requests_waiting"] == 0
+        print(f"n={n}: blocks free {freed:.2f} s after the client left")
+
+
+def test_a_client_that_leaves_while_its_images_wait_stops_their_preparation(glm4v_engine):
+    """One request holds the encoder; a second client's screenshot waits for it, then the client
+    leaves: its preparation stops (the engine counts one request preparing, not two) while the
+    encoder is still held, instead of being encoded for nobody."""
+    with held_encoder_server(glm4v_engine, max_waiting=8) as (port, engine, release):
+        held, first = in_threads(port, [image_body(1)])
+        assert wait_for(lambda: engine.stats()["images_preparing"] == 1)
+        conn = leave(port, "/v1/chat/completions", image_body(2))
+        assert wait_for(lambda: engine.stats()["images_preparing"] == 2)
+        hang_up(conn)
+        assert wait_for(lambda: engine.stats()["images_preparing"] == 1, 5)
+        assert not release.is_set()
+        release.set()
+        held[0].join(60)
+        assert first[0][0] == 200 and engine.stats()["images_preparing"] == 0
+
+
+def test_the_bearer_scheme_is_case_insensitive(guarded):
+    """RFC 9110: an authentication scheme's name is case-insensitive (before: "bearer k" got a 401)."""
+    ok = json.dumps({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1}).encode()
+    for auth in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):
+        status, _ = raw(guarded, "POST", "/v1/completions", ok, {"Content-Type": "application/json",
+                                                                  "Authorization": auth})
+        assert status == 200, auth
+    for auth in ("Basic s3cret", "Bearer s3cre", "Bearers3cret", "s3cret"):
+        assert raw(guarded, "POST", "/v1/completions", ok, {"Content-Type": "application/json",
+                                                             "Authorization": auth})[0] == 401, auth
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", {"²": 1}),  # a digit to str.isdigit, not to int(): a 500 before
+    ("logit_bias", {"١٢": 1}),  # Arabic-Indic digits: taken as token 12 before
+    ("logit_bias", {"1" * 5000: 1}),  # past int()'s digit limit: a 500 before
+    ("repetition_penalty", 1e-300),  # logits divided by it are not finite: a 500 before
+    ("guided_json", json.loads('{"a":' * 950 + "{}" + "}" * 950)),  # deeper than the body check recursed
+])
+def test_crafted_values_are_400s(unguarded, field, value):
+    status, body = raw(unguarded, "POST", "/v1/completions", json.dumps(
+        {"model": "tiny-chat", "prompt": "hi", "max_tokens": 1, field: value}).encode(),
+        {"Content-Type": "application/json"})
+    assert status == 400 and is_openai_error(body), (status, body)
+
+
+def test_logprobs_under_a_guide_are_json(guarded):
+    """The alternatives a grammar masks out were -inf: a 500 ("Out of range float values are not JSON
+    compliant") for a plain request and ``-Infinity`` in a stream's JSON."""
+    body = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 3, "logprobs": 5, "guided_choice": ["yes", "no"]}
+    status, answer = raw(guarded, "POST", "/v1/completions", json.dumps(body).encode(),
+                         {"Content-Type": "application/json", **KEY})
+    assert status == 200 and answer["choices"][0]["text"] in ("yes", "no")
+    conn = http.client.HTTPConnection("127.0.0.1", guarded, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json", **KEY})
+    events = [line[6:] for line in conn.getresponse().read().decode().splitlines() if line.startswith("data: ")]
+    conn.close()
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a stream event"))
+
+    assert events[-1] == "[DONE]" and all(strict(e) for e in events[:-1])
+
+
+def test_a_bug_answers_openai_error_json_not_text(chat_engine):
+    """An unhandled exception (here: the engine's stats failing) is a 500 in OpenAI's error JSON
+    without the exception's text (before: Starlette's text/plain "Internal Server Error")."""
+    import asyncio
+
+    from autoglm_trt.runtime import Engine
+    from autoglm_trt.serve.app import ServeConfig, create_app
+
+    with Engine.load(chat_engine) as engine:
+        app = create_app(engine, ServeConfig("tiny-chat"))
+        engine.stats = lambda: (_ for _ in ()).throw(RuntimeError("secret internals"))  # type: ignore[method-assign]
+        sent: list[dict] = []
+
+        async def call() -> None:
+            body = json.dumps({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1}).encode()
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> dict:
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+                     "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": ""}
+            with contextlib.suppress(RuntimeError):  # Starlette re-raises the bug after answering (for the log)
+                await app(scope, receive, send)
+
+        asyncio.run(call())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 500 and (b"content-type", b"application/json") in start["headers"]
+    answer = json.loads(body)
+    assert is_openai_error(answer) and answer["error"]["type"] == "server_error"
+    assert "secret internals" not in answer["error"]["message"]

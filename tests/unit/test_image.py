@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from autoglm_trt.errors import RequestError
-from autoglm_trt.model.image import ImageConfig, ImageError, open_image, preprocess, smart_resize
+from autoglm_trt.model.image import (
+    ImageConfig,
+    ImageError,
+    decode_rgb,
+    open_header,
+    open_image,
+    preprocess,
+    smart_resize,
+)
 
 
 def _reference():
@@ -119,3 +127,92 @@ def test_bad_images_are_refused_with_a_reason():
         smart_resize(28, 28 * 300)
     good = open_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
     assert good.size == (64, 64)
+
+
+def _encoded(image, fmt: str, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["TIFF", "DDS", "ICO", "TGA", "PCX", "QOI", "SGI", "PPM", "EPS"])
+def test_only_the_formats_a_phone_or_browser_sends_are_read(fmt):
+    """Pillow reads some forty formats, and its rarer decoders raise what they like on crafted data
+    (TypeError, OverflowError, NotImplementedError: a 500 each, before); only PNG, JPEG, WebP, GIF
+    and BMP are opened, anything else is refused from its first bytes."""
+    with pytest.raises(ImageError, match="PNG, JPEG, WEBP, GIF, BMP"):
+        open_header(_encoded(_image(16, 16), fmt))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
+def test_the_formats_a_phone_sends_decode_and_corrupt_ones_are_refused(fmt):
+    data = _encoded(_image(40, 30, seed=3), fmt)
+    assert decode_rgb(open_header(data)).shape == (30, 40, 3)
+    rng = np.random.default_rng(len(data))
+    for k in range(40):  # truncated, or bytes flipped after the first few: an ImageError or an image, nothing else
+        cut = bytearray(data[: len(data) * (k + 1) // 41])
+        if k % 2:
+            cut = bytearray(data)
+            for i in rng.integers(8, len(data), 6):
+                cut[i] ^= int(rng.integers(1, 256))
+        try:
+            decode_rgb(open_header(bytes(cut)))
+        except ImageError:
+            pass
+
+
+def test_decoders_raising_anything_is_an_image_error(monkeypatch):
+    """What Pillow raised outside OSError/ValueError on corrupt data (TypeError from BLP, OverflowError
+    from DDS, NotImplementedError) reached the server as a 500."""
+    from PIL import ImageFile
+
+    image = open_header(_encoded(_image(8, 8), "PNG"))
+    for exc in (TypeError("x"), OverflowError("x"), NotImplementedError("x"), IndexError("x")):
+        def broken(self, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(ImageFile.ImageFile, "load", broken)
+        with pytest.raises(ImageError, match=type(exc).__name__):
+            decode_rgb(image)
+
+
+def test_the_header_is_read_without_decoding_pixels(monkeypatch):
+    from PIL import Image, ImageFile
+
+    loads = []
+    real = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(1) or real(self))
+    big = _encoded(Image.new("1", (8000, 8000)), "PNG")  # 64 Mpx of one bit: ~8 KB compressed
+    image = open_header(big)
+    assert image.size == (8000, 8000) and loads == []
+    assert decode_rgb(open_header(_encoded(_image(20, 10), "PNG"))).shape == (10, 20, 3) and loads
+
+
+def test_pixels_decoded_at_once_across_requests_stay_within_the_budget():
+    import threading
+    import time
+
+    from autoglm_trt.runtime.images import Cancelled, PixelBudget
+
+    budget = PixelBudget(100)
+    peak, lock = [0], threading.Lock()
+
+    def decode(pixels: int) -> None:
+        with budget.hold(pixels):
+            with lock:
+                peak[0] = max(peak[0], budget.used)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=decode, args=(p,)) for p in [60, 50, 40, 30, 70, 20, 100, 10] * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert 0 < peak[0] <= 100 and budget.used == 0
+    cancel = threading.Event()
+    with budget.hold(90):
+        cancel.set()
+        with pytest.raises(Cancelled):  # a request whose client left stops waiting
+            with budget.hold(20, cancel):
+                pass
+    assert budget.used == 0

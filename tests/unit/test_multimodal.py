@@ -60,8 +60,10 @@ def test_placeholders_and_images_must_pair_up():
 
 def test_a_block_is_keyed_by_the_images_it_covers():
     spans = [ImageSpan(3, 11, (1, 4, 8), b"a" * 16), ImageSpan(13, 15, (1, 2, 4), b"b" * 16)]
-    assert block_extras(17, spans, 4) == [b"a" * 16, b"a" * 16, b"a" * 16, b"b" * 16]
-    assert block_extras(17, [], 4) == [b""] * 4
+    at = lambda digest, offset: digest * 16 + offset.to_bytes(8, "little", signed=True)  # noqa: E731
+    assert block_extras(17, spans, 4) == [at(b"a", 3), at(b"a", -1), at(b"a", -5), at(b"b", 1), b""]
+    assert block_extras(17, [], 4) == [b""] * 5
+    assert block_extras(15, spans, 4)[-1] == at(b"b", 1)  # the partial last block, which decode fills
     pixels = np.ones((4, 24), np.float32)
     assert image_digest(pixels, (1, 2, 2)) != image_digest(pixels + 1e-7, (1, 2, 2))  # one pixel off: another image
 

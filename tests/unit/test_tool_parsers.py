@@ -80,3 +80,16 @@ def test_hermes_several_calls():
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1, "y": 2}
     assert calls[0]["id"] != calls[1]["id"]
     assert f.parse('<tool_call>{"name": "tap"}</tool_call>', NAMES) is None  # no arguments
+
+
+def test_output_nested_deeper_than_json_reads_is_text_not_an_error():
+    """A model (or a guided call) can write JSON nested deeper than Python's json reads; that raised
+    RecursionError through the parsers, a 500."""
+    from autoglm_trt.serve.protocol import tool_calls
+
+    deep = '{"a": ' * 100_000 + "1" + "}" * 100_000
+    assert ToolFormat("glm4").parse(f"tap\n{deep}", ["tap"]) is None
+    assert ToolFormat("hermes").parse(f'<tool_call>{{"name": "tap", "arguments": {deep}}}</tool_call>', ["tap"]) is None
+    assert ToolFormat("glm45").parse(f"<tool_call>tap\n<arg_key>x</arg_key><arg_value>{deep}</arg_value></tool_call>",
+                                     ["tap"])[1][0]["function"]["name"] == "tap"  # the value kept as text
+    assert tool_calls(deep, "tap") is None and tool_calls("[" * 100_000, "*") is None
