@@ -103,7 +103,7 @@ def _backend_for(req: BuildRequest, log: Callable[[str], None]) -> str:
 
 def _checkpoint_export(source: Path, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
     """Export ``source`` into the cache, or reuse an export whose recorded input hashes still match."""
-    from ..export.pipeline import ExportConfig, export_checkpoint
+    from ..export.pipeline import ExportConfig, default_max_seq_len, export_checkpoint
 
     out = cache / f"export-{dtype}"
     if (out / EXPORT_RECORD).is_file():
@@ -112,6 +112,9 @@ def _checkpoint_export(source: Path, dtype: str, cache: Path, log: Callable[[str
         record = ExportRecord.read(out)
         if record.graph_version != GRAPH_VERSION:
             log(f"{out} was exported by another version of the graph code: exporting again")
+        elif record.max_seq_len != default_max_seq_len(record.spec):
+            log(f"{out} was exported for sequences of {record.max_seq_len} tokens, not the "
+                f"{default_max_seq_len(record.spec)} its model takes now: exporting again")
         elif record.source_sha256 == current:
             log(f"reusing export {out} (checkpoint hashes match)")
             return out
@@ -321,12 +324,14 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     model_dir = _quantized(req, backend, float_dir, cache, log)
 
     record = ExportRecord.read(model_dir)
-    if cfg.max_seq_len > record.max_seq_len:
-        raise AutoGLMError(f"max_seq_len {cfg.max_seq_len} exceeds what the export allows "
-                           f"({record.max_seq_len}); export with a larger --max-seq-len")
     kv_dtype = cfg.kv_cache_dtype or record.dtype
     if kv_dtype not in (record.dtype, "int8"):
         raise AutoGLMError(f"a {record.dtype} engine keeps its KV cache in {record.dtype} or int8, not {kv_dtype}")
+    cfg = cfg.resolved(record.spec, record.max_seq_len, kv_bytes_per_elem(kv_dtype), available_memory_bytes(), log)
+    assert cfg.max_seq_len is not None and cfg.max_input_len is not None  # resolved
+    if cfg.max_seq_len > record.max_seq_len:
+        raise AutoGLMError(f"max_seq_len {cfg.max_seq_len} exceeds what the export allows "
+                           f"({record.max_seq_len}); export with a larger --max-seq-len")
     num_blocks = cfg.num_blocks(record.spec, kv_bytes_per_elem(kv_dtype))
     if backend == "onnxruntime":
         check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), AutoGLMError)
@@ -395,6 +400,7 @@ def kv_bytes_per_elem(dtype: str) -> int:
 def _manifest(req: BuildRequest, backend: str, engine_file: str, record: ExportRecord, cfg: BuildConfig,
               profiles: dict, report: dict) -> dict:
     """The manifest's fields but the KV cache, the ONNX Runtime graphs and the file hashes."""
+    assert cfg.max_input_len is not None and cfg.max_seq_len is not None, "resolve the config first"
     manifest = {
         "format": ENGINE_FORMAT,
         "backend": backend,

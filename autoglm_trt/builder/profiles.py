@@ -22,6 +22,7 @@ Profile = dict[str, tuple[Shape, Shape, Shape]]  # input -> (min, opt, max)
 
 def profile_shapes(cfg: BuildConfig, spec: ModelSpec, num_blocks: int) -> dict[str, Profile]:
     b, t, mb = cfg.max_batch_size, cfg.max_input_len, cfg.blocks_per_seq
+    assert t is not None, "resolve the config first (BuildConfig.resolved)"
     pool: Shape = pool_shape(num_blocks, cfg.kv_block_size, spec.num_kv_heads, spec.head_dim)
 
     def make(min_t: int, opt_b: int, opt_t: int, max_t: int, opt_mb: int) -> Profile:

@@ -288,6 +288,7 @@ def _vision_report(manifest) -> list[str]:
     from ..artifacts import ExportRecord
     from ..model.image import ImageConfig
     from ..runtime.images import ImageOptions, image_options
+    from ..serve.guard import default_max_body_bytes
 
     vision = ExportRecord.read(manifest.dir).vision()
     if vision is None:
@@ -299,8 +300,11 @@ def _vision_report(manifest) -> list[str]:
     runs = (f"vision.plan on TensorRT ({manifest.data.get('build_config', {}).get('vision_dtype', 'float32')} "
             "linears and attention)" if manifest.backend == "tensorrt"
             else "vision.onnx on ONNX Runtime (float32, fused MultiHeadAttention)")
+    body = default_max_body_bytes(options.max_images or 0, pixels)
     return [f"vision encoder: {runs}; by default images of up to {pixels:,} pixels ({patches:,} patches, "
-            f"{patches // vision.merge_size ** 2:,} image tokens), {options.max_images} a prompt, encoded one at a time"]
+            f"{patches // vision.merge_size ** 2:,} image tokens), {options.max_images} a prompt, encoded one at a time",
+            f"serve takes request bodies of up to {body:,} bytes by default ({options.max_images} PNG images of "
+            f"{pixels:,} pixels, uncompressed RGBA, as base64; serve --max-body-bytes to change)"]
 
 
 def _native_report(manifest) -> list[str]:

@@ -7,7 +7,6 @@ from pathlib import Path
 import click
 
 from ..errors import AutoGLMError
-from ..serve.guard import DEFAULT_MAX_BODY_BYTES
 from . import _log, cli
 
 
@@ -147,16 +146,18 @@ def _image_size(text: str) -> tuple[int, int]:
 @click.option("--allowed-local-media-path", type=click.Path(path_type=Path, file_okay=False, exists=True),
               default=None, help="Image-text engines: the directory file:// image URLs may point into "
                                  "[default: none; images come as data: URLs, http(s) URLs are never fetched].")
-@click.option("--max-body-bytes", type=click.IntRange(1024), default=DEFAULT_MAX_BODY_BYTES, show_default=True,
-              help="Larger request bodies get 413 before they are parsed (the default fits a 5-megapixel "
-                   "screenshot as a base64 data: URL).")
+@click.option("--max-body-bytes", type=click.IntRange(1024), default=None,
+              help="Larger request bodies get 413 before they are parsed [default: 8 MiB for a text engine; for an "
+                   "image-text engine, max-images of the largest PNG (8-bit RGBA, uncompressed) of max-pixels "
+                   "pixels as base64 data: URLs, and 1 MiB of text: 10 of 5,000,000 pixels make 268 MB; "
+                   "`autoglm-trt doctor ENGINE` says the engine's].")
 @click.option("--max-client-priority", type=click.IntRange(-(2**31), 2**31), default=0, show_default=True,
               help="The most urgent 'priority' a client may ask for (lower runs first): 0 lets clients only "
                    "lower their own; a request asking for more gets 400.")
 def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
               max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
               spinning: bool, prefix_caching: bool, max_pixels: int | None, max_images: int | None,
-              allowed_local_media_path: Path | None, max_body_bytes: int, max_client_priority: int) -> None:
+              allowed_local_media_path: Path | None, max_body_bytes: int | None, max_client_priority: int) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require
 

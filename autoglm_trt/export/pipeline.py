@@ -31,7 +31,14 @@ from ..model.weights import WeightReader
 from .validate import default_tolerance, validate_export
 
 DTYPES = ("float32", "float16")
-DEFAULT_MAX_SEQ_LEN = 8192
+DEFAULT_MAX_SEQ_LEN = 8192  # a text model's export, at most
+IMAGE_MAX_SEQ_LEN = 65536  # an image-text model's (GLM-4.1V-9B's max_position_embeddings): screenshots are long
+
+
+def default_max_seq_len(spec) -> int:
+    """The longest sequence an export of ``spec`` allows unless told: its max_position_embeddings, at most
+    ``DEFAULT_MAX_SEQ_LEN`` (text) or ``IMAGE_MAX_SEQ_LEN`` (image-text)."""
+    return min(spec.max_position_embeddings, IMAGE_MAX_SEQ_LEN if spec.vision else DEFAULT_MAX_SEQ_LEN)
 
 
 @dataclass
@@ -39,7 +46,7 @@ class ExportConfig:
     checkpoint: Path
     out_dir: Path
     dtype: str = "float32"
-    max_seq_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    max_seq_len: int | None = None  # default: default_max_seq_len(spec)
     validate: bool = True
     tolerance: float | None = None
     allow_pickle: bool = False
@@ -68,7 +75,7 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
     spec = spec_from_config(ckpt.config)
     if cfg.validate:
         _check_reference_fits(spec)
-    max_seq_len = cfg.max_seq_len or min(spec.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = cfg.max_seq_len or default_max_seq_len(spec)
     opts = GraphOptions(dtype=cfg.dtype, max_seq_len=max_seq_len)
     log(f"exporting {spec.family} model from {ckpt.path}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads, vocab {spec.vocab_size}, weights as {cfg.dtype}")

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import AutoGLMError, BusyError
 from ..runtime import Engine, ImageOptions
-from .guard import DEFAULT_MAX_BODY_BYTES, Guard, error_json
+from .guard import DEFAULT_MAX_BODY_BYTES, Guard, default_max_body_bytes, error_json
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import ApiError, Serving
@@ -49,8 +49,19 @@ class ServeConfig:
     drain_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
     prefix_caching: bool = True
     images: ImageOptions | None = None  # an image-text engine's image limits
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger body gets 413 before it is parsed
+    max_body_bytes: int | None = None  # a larger body gets 413 before it is parsed (None: ``body_limit``)
     max_client_priority: int = 0  # the most urgent ``priority`` a client may ask for (lower runs first)
+
+
+def body_limit(engine: Engine, configured: int | None = None) -> int:
+    """The largest request body the server takes: ``configured``, else for an image-text engine its
+    image limits' worth (``guard.default_max_body_bytes``: 10 PNG screenshots of 5,000,000 pixels are
+    some 270 MB as base64), else ``DEFAULT_MAX_BODY_BYTES``."""
+    if configured is not None:
+        return configured
+    if engine.images is None or engine.prompts.images is None:
+        return DEFAULT_MAX_BODY_BYTES
+    return default_max_body_bytes(engine.prompts.images.max_images, engine.images.config.max_pixels)
 
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
@@ -60,7 +71,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     serving = Serving(engine, cfg.served_model_name, metrics, cfg.max_waiting, cfg.request_timeout,
                       cfg.max_client_priority)
     app.state.serving = serving
-    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=body_limit(engine, cfg.max_body_bytes),
                        rejected=lambda status: metrics.rejected.labels(str(status)).inc())
 
     def check(request: Request, draining_ok: bool = False) -> None:

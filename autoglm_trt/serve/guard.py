@@ -4,7 +4,9 @@
 gets a 401 before a byte of its body is read or parsed (whatever the route, known or not;
 ``/health`` stays open for load balancers), a body over ``max_body_bytes`` gets a 413 (from
 its Content-Length at once, else as soon as that many bytes have come), and a body that is not
-JSON by its Content-Type a 415. The body is read here, bounded, and handed to the app whole.
+JSON by its Content-Type a 415. The body is read here, bounded, and handed to the app whole;
+the bodies of all requests in flight together are bounded too (twice the largest body, 256 MiB
+at least: past it a 429), as each holds its body until it is answered.
 Every refusal is OpenAI's error JSON. ``body_problem`` finds, in a parsed body, nesting deeper
 than ``MAX_DEPTH`` and a string that cannot be UTF-8 (a lone surrogate, which JSON's ``\\ud800``
 escapes can carry).
@@ -18,11 +20,30 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 OPEN_PATHS = ("/health",)
-DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 5-megapixel PNG screenshot is ~1-5 MB, base64 adds a third
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a text engine's, and an image-text engine's at least
+TEXT_ROOM_BYTES = 1 << 20  # beside the images: the system prompt, the history, the fields
+MIN_INFLIGHT_BYTES = 256 << 20  # bodies held by requests in flight, at least this much is allowed
 MAX_DEPTH = 64  # a request body's nesting (a JSON schema or tool arguments need a few levels)
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+
+
+def image_body_bytes(max_pixels: int) -> int:
+    """The largest a data: URL of an image of ``max_pixels`` pixels may be: a PNG of 8-bit RGBA (what a
+    phone's screenshot is) that does not compress (4 bytes a pixel, a filter byte a row, 0.1% for
+    zlib's and PNG's framing), as base64 (4 characters per 3 bytes), with its URL's head."""
+    png = int(max_pixels * 4 * 1.001) + 4096
+    return -(-png // 3) * 4 + 64
+
+
+def default_max_body_bytes(max_images: int, max_pixels: int | None) -> int:
+    """A request body the server takes by default: ``max_images`` of the largest images at
+    ``max_pixels`` (``image_body_bytes``) and ``TEXT_ROOM_BYTES`` of text, at least
+    ``DEFAULT_MAX_BODY_BYTES`` (a text engine's: ``max_pixels`` None)."""
+    if max_pixels is None or max_images == 0:
+        return DEFAULT_MAX_BODY_BYTES
+    return max(DEFAULT_MAX_BODY_BYTES, max_images * image_body_bytes(max_pixels) + TEXT_ROOM_BYTES)
 
 
 def error_json(message: str, type_: str, code: str | None = None, param: str | None = None) -> bytes:
@@ -42,6 +63,9 @@ class Guard:
                  rejected: Callable[[int], None] = lambda status: None):
         self.app, self.max_body_bytes, self.rejected = app, max_body_bytes, rejected
         self.expected = api_key.encode() if api_key is not None else None
+        # the bodies of the requests in flight, in all (a request holds its body until it is answered)
+        self.max_inflight_bytes = max(2 * max_body_bytes, MIN_INFLIGHT_BYTES)
+        self.inflight_bytes = 0  # the event loop's thread alone counts
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -65,18 +89,43 @@ class Guard:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             await self._too_large(send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # nobody to answer
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                await self._too_large(send)
-                return
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(bytes(body), receive), send)
+        held = 0  # bytes of this body counted in inflight_bytes
+        try:
+            if declared is not None:
+                if not self._hold(int(declared)):
+                    await self._busy(send)
+                    return
+                held = int(declared)
+            body = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # nobody to answer
+                body += message.get("body", b"")
+                if len(body) > self.max_body_bytes:
+                    await self._too_large(send)
+                    return
+                if len(body) > held:  # a chunked body: held as it comes
+                    if not self._hold(len(body) - held):
+                        await self._busy(send)
+                        return
+                    held = len(body)
+                if not message.get("more_body", False):
+                    break
+            await self.app(scope, _replay(bytes(body), receive), send)
+        finally:
+            self.inflight_bytes -= held
+
+    def _hold(self, n: int) -> bool:
+        if self.inflight_bytes + n > self.max_inflight_bytes:
+            return False
+        self.inflight_bytes += n
+        return True
+
+    async def _busy(self, send: Send) -> None:
+        await self._refuse(send, 429, f"the requests in flight hold {self.inflight_bytes:,} bytes of bodies and this "
+                                      f"server holds at most {self.max_inflight_bytes:,}; retry shortly",
+                           "rate_limit_error", "bodies_in_flight", ((b"retry-after", b"1"),))
 
     def _authorized(self, value: bytes) -> bool:
         """``Authorization: Bearer <key>``, the scheme in any case (RFC 9110, 11.1)."""

@@ -26,7 +26,33 @@ def test_yaml_config_with_overrides(tmp_path):
     f = tmp_path / "b.yaml"
     f.write_text("max_batch_size: 4\nmax_seq_len: 512\nkv_num_blocks: 100\n")
     cfg = load_config(f, {"max_batch_size": 2, "max_input_len": None})
-    assert (cfg.max_batch_size, cfg.max_seq_len, cfg.kv_num_blocks, cfg.max_input_len) == (2, 512, 100, 512)
+    assert (cfg.max_batch_size, cfg.max_seq_len, cfg.kv_num_blocks, cfg.max_input_len) == (2, 512, 100, None)
+    assert cfg.resolved(tiny_spec(), 8192, 4, None, print).max_input_len == 512  # a text model's 1,024 at most
+
+
+def test_limits_left_unset_follow_the_model():
+    """A text model keeps 2,048 / 1,024 / 512 MiB; an image-text model takes the sequences its export
+    allows, chunks of 4,096 and a pool that holds one whole sequence, within half the memory available
+    (and says what it chose)."""
+    import types
+
+    text = tiny_spec()  # a KV block: 8,192 bytes (2 layers, 2 KV heads of 16, float32, 16 tokens)
+    cfg = BuildConfig().resolved(text, 8192, 4, 10**12, print)
+    assert (cfg.max_seq_len, cfg.max_input_len, cfg.kv_memory_bytes) == (2048, 1024, 512 << 20)
+    images = types.SimpleNamespace(vision=True, num_layers=2, num_kv_heads=2, head_dim=16)  # what sizing reads
+    said: list[str] = []
+    cfg = BuildConfig().resolved(images, 65536, 4, 10**12, said.append)
+    assert (cfg.max_seq_len, cfg.max_input_len) == (65536, 4096)
+    assert cfg.num_blocks(images, 4) == (512 << 20) // 8192 and "sequences of up to 65,536 tokens" in said[-1]
+    big = BuildConfig().resolved(images, 2**20, 4, 10**12, print)  # one sequence is more than 512 MiB: the pool holds it
+    assert big.max_seq_len == 2**20 and big.num_blocks(images, 4) == 2**20 // 16
+    small = 2 * (512 << 20)  # half of what is available holds 1,048,576 tokens
+    said.clear()
+    cfg = BuildConfig().resolved(images, 10**7, 4, small, said.append)
+    assert cfg.max_seq_len == (512 << 20) // 8192 * 16 and cfg.kv_memory_bytes == 512 << 20
+    assert "the model allows 10,000,000" in said[0]
+    fixed = BuildConfig(max_seq_len=1000, max_input_len=500).resolved(images, 65536, 4, 10**12, print)
+    assert (fixed.max_seq_len, fixed.max_input_len) == (1000, 500)
 
 
 @pytest.mark.parametrize("text, message", [

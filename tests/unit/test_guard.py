@@ -1,0 +1,120 @@
+"""The server's guard, without a server: the body limit an image-text engine gets by default, the
+bodies held by requests in flight bounded together, and the bearer scheme in any case."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from autoglm_trt.serve.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    MIN_INFLIGHT_BYTES,
+    TEXT_ROOM_BYTES,
+    Guard,
+    body_problem,
+    default_max_body_bytes,
+    image_body_bytes,
+)
+
+
+def test_an_image_engines_body_limit_fits_its_largest_images():
+    """A PNG of 8-bit RGBA that does not compress, as base64: 1080 x 2400 is 13.8 MB as a data: URL,
+    which the 8 MiB a text engine takes would refuse."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(1).integers(0, 256, (240, 108, 4), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGBA").save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert len(url) <= image_body_bytes(240 * 108) < 1.01 * len(url) + 8192  # the bound holds, and is tight
+    assert image_body_bytes(1080 * 2400) > 13_800_000
+    assert default_max_body_bytes(10, 5_000_000) == 10 * image_body_bytes(5_000_000) + TEXT_ROOM_BYTES
+    assert default_max_body_bytes(10, None) == default_max_body_bytes(0, 5_000_000) == DEFAULT_MAX_BODY_BYTES
+    assert default_max_body_bytes(1, 100 * 100) == DEFAULT_MAX_BODY_BYTES  # never less than a text engine's
+
+
+async def call(guard: Guard, body: bytes, headers: dict[bytes, bytes]) -> int:
+    """One request through ``guard`` (its body in chunks of 1 MiB): the status answered."""
+    chunks = [body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)] or [b""]
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        await asyncio.sleep(0)  # the other requests' chunks come in between
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": list({b"content-type": b"application/json", **headers}.items())}
+    await guard(scope, receive, send)
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def drive(guard: Guard, requests: list[tuple[bytes, dict[bytes, bytes]]]) -> list[int]:
+    async def all_at_once() -> list[int]:
+        return list(await asyncio.gather(*(call(guard, b, h) for b, h in requests)))
+
+    return asyncio.run(all_at_once())
+
+
+@pytest.mark.parametrize("declared, sent, answered", [(True, 4, [200, 200, 429, 429]), (False, 3, [200, 200, 429])])
+def test_bodies_in_flight_are_bounded_together(declared, sent, answered):
+    """Each request holds its body until it is answered: past twice the largest body (256 MiB at
+    least) in all, a 429, whether the size is declared or the body comes in chunks; nothing is held
+    once they are answered."""
+    big = b"x" * (90 << 20)
+
+    async def scenario() -> tuple[list[int], int, int]:
+        release, arrived = asyncio.Event(), [0]
+
+        async def app(scope, receive, send) -> None:  # holds every request until all have come
+            await receive()
+            arrived[0] += 1
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        guard = Guard(app, None, max_body_bytes=100 << 20)
+        assert guard.max_inflight_bytes == MIN_INFLIGHT_BYTES == 256 << 20
+        headers = {b"content-length": str(len(big)).encode()} if declared else {}
+        tasks = [asyncio.ensure_future(call(guard, big, headers)) for _ in range(sent)]
+        while arrived[0] + sum(t.done() for t in tasks) < sent:
+            await asyncio.sleep(0.01)
+        held = guard.inflight_bytes
+        release.set()
+        return sorted(await asyncio.gather(*tasks)), held, guard.inflight_bytes
+
+    statuses, held, after = asyncio.run(scenario())
+    assert statuses == answered and held == 2 * len(big) and after == 0
+
+
+def test_the_bearer_scheme_in_any_case():
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = Guard(app, "k")
+    for auth, status in [(b"Bearer k", 200), (b"bearer k", 200), (b"BEARER  k", 200), (b"Bearer K", 401),
+                         (b"Basic k", 401), (b"Bearerk", 401), (b"", 401)]:
+        assert drive(guard, [(b"{}", {b"authorization": auth})]) == [status], auth
+
+
+def test_nesting_and_text_that_is_not_unicode():
+    assert body_problem({"a": [[[[1]]]]}) is None
+    deep: object = 1
+    for _ in range(65):
+        deep = [deep]
+    assert "nested more than 64 levels" in body_problem({"x": deep})
+    assert "x[0] holds text that is not valid Unicode" in body_problem({"x": ["\ud800"]})
+    assert body_problem({"\udfff": 1}).startswith("<key>")
+    very: object = 1
+    for _ in range(100_000):  # walked with a stack: no RecursionError
+        very = {"a": very}
+    assert "nested" in body_problem(very)
