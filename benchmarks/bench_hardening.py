@@ -8,7 +8,7 @@ Starts ``autoglm-trt serve`` on SmolLM2's INT8 engine, then on the small GLM-4.1
 ``bench_encode_overlap`` (SmolLM2's decoder shape, the small vision tower, int8-wo; a third of
 its requests carry a 270 x 600 screenshot), and runs ``tools/load_test.py --quiet-first
 --attackers N`` against each: the well-behaved load alone, then with N clients sending image
-bombs (image engine), a 600 KB grammar with n = 8, 16 stop strings of 1,024 characters, and
+bombs (image engine), a 240 KB grammar with n = 8, 16 stop strings of 1,024 characters, and
 non-streamed n = 4 requests they leave. Prints each report (JSON) and a table: the well-behaved
 streams' inter-token latency quiet and attacked, the attacks' statuses, the server's resident
 memory, the engine loop's longest hold, and whether the load test's checks passed.

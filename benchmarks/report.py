@@ -105,7 +105,7 @@ SECTIONS = (
     Section("serve", "Serving", ("benchmarks.bench_serve",),
             "Server against in-process aggregate tokens/s, 16 concurrent streams."),
     Section("hardening", "Serving under attack", ("benchmarks.bench_hardening",),
-            "Well-behaved streams with and without crafted clients beside them (image bombs, a 600 KB grammar, "
+            "Well-behaved streams with and without crafted clients beside them (image bombs, a 240 KB grammar, "
             "stop-string floods, clients leaving n = 4 requests): the load test's figures and checks."),
     Section("triton", "Triton", ("benchmarks.bench_triton",), "Through tritonserver against in-process."),
     Section("genai", "Side by side with ONNX Runtime GenAI", ("benchmarks.bench_genai", "--rounds", "3"),

@@ -12,7 +12,7 @@ and, with ``--api-key``, ``--bad-key`` (2%) a wrong key; with ``--image WxH`` (a
 engine), ``--image-share`` of them (50%) are chats that carry a new synthetic screenshot of that
 size. With ``--attackers N``, N more threads send crafted requests while that load runs (and each
 kind at least once), in turn: an image bomb (ten 8000 x 8000 one-bit PNGs, ~100 KB; image engines only), a huge
-grammar (a ~600 KB JSON schema, an enum of 50,000 words, ``n`` = 8), a stop-string flood (16
+grammar (a 240 KB JSON schema, an enum of 18,000 words, ``n`` = 8), a stop-string flood (16
 stop strings of 1,024 characters, streamed) and a client that leaves a non-streamed ``n`` = 4
 request while it decodes. With ``--quiet-first`` the same well-behaved load first runs alone.
 
@@ -139,7 +139,7 @@ class Attacks:
         self.url, self.model, self.api_key, self.gen_len = url, model, api_key, gen_len
         rng = random.Random(1)
         words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(5, 15)))
-                 for _ in range(50_000)]
+                 for _ in range(18_000)]
         self.schema = {"type": "object", "properties": {"w": {"enum": words}}, "required": ["w"]}
         self.stop_strings = ["".join(rng.choice("QXZJ") for _ in range(1024)) for _ in range(16)]
         self.bomb_url = one_bit_png_url(8000) if images else None

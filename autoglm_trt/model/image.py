@@ -43,6 +43,8 @@ PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's names of what a phone or a browser sends
+MAX_JPEG_SCANS = 64  # a progressive JPEG has about ten; each scan is another pass over the whole image
+ALPHA_STRIP_ROWS = 256  # rows composited at a time: Pillow holds the GIL while it composites
 MAX_IMAGE_FILE_BYTES = 64 << 20  # a file:// image, at most (a data: URL is bounded by the request body)
 
 
@@ -173,6 +175,11 @@ def open_header(source: object, max_decode_pixels: int = ImageConfig.max_decode_
         except Exception as exc:  # noqa: BLE001 - whatever a header parser raises, the data are not a usable image
             raise ImageError(f"the data are not an image of a format this server reads ({', '.join(IMAGE_FORMATS)}) "
                              f"({str(exc)[:200]})") from exc
+        # a scan starts at an SOS marker, FF DA, which entropy-coded data cannot hold (FF is stuffed there);
+        # whatever Pillow calls it (an MPO is JPEG data), data that start as a JPEG are counted
+        if data.startswith(b"\xff\xd8") and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+            raise ImageError(f"the JPEG has {scans:,} scans; at most {MAX_JPEG_SCANS} are decoded (a progressive JPEG "
+                             "has about ten)")
     width, height = image.size
     if width < 1 or height < 1:
         raise ImageError(f"the image is empty ({width} x {height})")
@@ -229,7 +236,11 @@ def rgb(image) -> np.ndarray:
 
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
-        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        out = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        for top in range(0, rgba.height, ALPHA_STRIP_ROWS):  # the same pixels; other threads run in between
+            box = (0, top, rgba.width, min(rgba.height, top + ALPHA_STRIP_ROWS))
+            out.paste(Image.alpha_composite(out.crop(box), rgba.crop(box)), box)
+        image = out.convert("RGB")
     else:
         image = image.convert("RGB")
     return np.asarray(image)

@@ -62,6 +62,7 @@ from .request import (
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Step
+from .threads import start_thread
 
 log = logging.getLogger(__name__)
 __all__ = ["Choice", "Engine", "GenerationResult", "Guide", "ImageOptions", "Prompt", "RequestError"]
@@ -91,8 +92,7 @@ class Engine:
         self._cv = threading.Condition()
         self.longest_hold_s = 0.0  # the longest the loop held its lock in one go: scheduling, or sampling a step
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="autoglm-scheduler", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, "autoglm-scheduler")  # grammars' masks recurse as deep as they are
 
     # -- loading -----------------------------------------------------------------
     @classmethod

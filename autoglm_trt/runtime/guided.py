@@ -1,42 +1,48 @@
 """Structured output: generation held to a JSON schema, a regex, a list of choices or a Lark
 grammar, with llguidance (the grammar engine TensorRT-LLM and vLLM use; Rust, no dependencies).
 
-``Guide`` says what the output must match. ``Grammars`` (one per engine) compiles a guide into
-an llguidance matcher on a worker thread of its own (``GRAMMAR_WORKERS``), never on the engine's
-loop or a server's event loop: once per guide (the last ``GRAMMAR_CACHE`` are kept), within
-llguidance's resource limits (``_limits``) and a time budget (``COMPILE_BUDGET_S`` of work, counted
-from when a worker takes it); a malformed guide, or one over a limit or the budget, is refused with
-a ``RequestError`` before the request is queued, and a full queue of compilations with a
-``BusyError``. Each request gets a copy of the compiled matcher (``GuidedState``, with its first
-mask computed already); its further samples copy the request's (``GuidedState.fork``). Per
-sequence the state masks the logits of every token the grammar cannot take next, consumes each
-sampled token and says when the grammar has ended; a grammar that hits a limit while generating
-ends its request with a ``GuideError``. A grammar allows the end-of-sequence tokens exactly
-where it may end.
+``Guide`` says what the output must match (at most ``MAX_GUIDE_CHARS``). ``Grammars`` (one per
+engine) compiles a guide into an llguidance matcher on worker threads of its own
+(``GRAMMAR_WORKERS``, with deep stacks: ``runtime.threads``), never on the engine's loop or a
+server's event loop: once per guide (the last ``GRAMMAR_CACHE`` are kept), within llguidance's
+resource limits (``_limits``) and a time budget (``COMPILE_BUDGET_S`` of work, counted from when a
+worker takes it); a malformed guide, or one over a limit or the budget, is refused with a
+``RequestError`` before the request is queued (one over the budget is remembered and refused at
+once after), and a full queue of compilations with a ``BusyError``. Each request gets a copy of
+the compiled matcher (``GuidedState``, with its first mask computed already); its further
+samples copy the request's (``GuidedState.fork``). Per sequence the state masks the logits of
+every token the grammar cannot take next, consumes each sampled token and says when the grammar
+has ended; a grammar that passes a limit while generating, or whose mask for one token takes
+longer than ``MASK_BUDGET_S``, ends its request with a ``GuideError``. A grammar allows the
+end-of-sequence tokens exactly where it may end.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import BusyError, RequestError
+from .threads import start_thread
 
-GRAMMAR_CACHE = 16  # compiled matchers kept by guide
+GRAMMAR_CACHE = 8  # compiled matchers kept by guide (a large one holds tens of MB)
 GRAMMAR_WORKERS = 2  # threads compiling guides
 MAX_QUEUED_GRAMMARS = 8  # compilations waiting for a worker; past this a BusyError
-COMPILE_BUDGET_S = 2.0  # a compilation's work, at most (a 633 KB enum of 50,000 words: ~0.2 s)
+COMPILE_BUDGET_S = 2.0  # a compilation's work, at most (the largest guides taken need a fraction of it)
+REFUSED_KEPT = 256  # guides refused for their time, remembered (by text) and refused at once
+MASK_BUDGET_S = 0.1  # one token's mask, at most (llguidance's limits keep one to a few ms)
+STEP_MAX_ITEMS = 5_000  # Earley items per mask (llguidance's default, 50,000, lets an ambiguous grammar stall the loop)
 KINDS = ("json_schema", "regex", "choice", "lark")
-MAX_GUIDE_CHARS = 1_000_000
+MAX_GUIDE_CHARS = 262_144
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,8 @@ class Guide:
             choices = json.loads(self.text)
             if not choices or not all(isinstance(c, str) and c for c in choices):
                 raise RequestError("a choice guide needs a non-empty list of non-empty strings")
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+            # one terminal (the lexer's), not a rule of as many alternatives (llguidance's parser takes 2,000)
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices))
         return LLMatcher.grammar_from_lark(self.text)
 
 
@@ -124,11 +131,11 @@ def _first_line(error: str) -> str:
 
 def _limits():
     """llguidance's limits for one matcher: its defaults (llguidance 1.x: 2,000 items in a row, 1,000,000
-    initial lexer fuel, 200,000 per step (~14 ms), 50,000 Earley items per step, 250,000 lexer states),
-    with the grammar's size held to twice the longest guide text."""
+    initial lexer fuel, 200,000 per step (~14 ms)), at most ``STEP_MAX_ITEMS`` Earley items per mask,
+    and the grammar's size held to twice the longest guide text."""
     from llguidance import LLParserLimits
 
-    return LLParserLimits(max_grammar_size=2 * MAX_GUIDE_CHARS)
+    return LLParserLimits(max_grammar_size=2 * MAX_GUIDE_CHARS, step_max_items=STEP_MAX_ITEMS)
 
 
 class Grammars:
@@ -139,11 +146,13 @@ class Grammars:
                  budget_s: float = COMPILE_BUDGET_S):
         self.path, self.vocab_size, self.eos_ids, self.budget_s = Path(tokenizer_json), vocab_size, eos_ids, budget_s
         self._tokenizer = None
-        self._compiled: OrderedDict[Guide, object] = OrderedDict()  # guide -> an llguidance matcher, never advanced
+        self._compiled: OrderedDict[Guide, GuidedState] = OrderedDict()  # guide -> its state before any token
+        self._refused: OrderedDict[Guide, str] = OrderedDict()  # guides over the time budget -> why
         self._jobs: dict[Guide, Future] = {}  # compilations queued or running
         self._started: dict[Guide, float] = {}  # when a worker took each
+        self._queue: queue.Queue[tuple[Guide, Future] | None] = queue.Queue()
+        self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
 
     def tokenizer(self):
         with self._lock:
@@ -163,7 +172,9 @@ class Grammars:
         self.tokenizer()
         job: Future | None = None
         with self._lock:
-            template: Any = self._compiled.get(guide)
+            if guide in self._refused:
+                raise RequestError(self._refused[guide])
+            template = self._compiled.get(guide)
             if template is not None:
                 self._compiled.move_to_end(guide)
             else:
@@ -171,16 +182,19 @@ class Grammars:
                 if job is None:
                     if len(self._jobs) >= MAX_QUEUED_GRAMMARS + GRAMMAR_WORKERS:
                         raise BusyError(f"{len(self._jobs)} output guides are being compiled; retry shortly")
-                    if self._pool is None:
-                        self._pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="autoglm-grammar")
-                    job = self._jobs[guide] = self._pool.submit(self._compile, guide)
+                    while len(self._workers) < GRAMMAR_WORKERS:
+                        self._workers.append(start_thread(self._work, f"autoglm-grammar-{len(self._workers)}"))
+                    job = self._jobs[guide] = Future()
+                    self._queue.put((guide, job))
         if job is not None:
             template = self._wait(guide, job)
-        return GuidedState(template.deep_copy(), self.vocab_size, primed=True)
+        assert template is not None
+        return template.fork()
 
-    def _wait(self, guide: Guide, job: Future):
-        """The compiled matcher, once the worker is done; ``RequestError`` once it has worked on it for
-        longer than the budget (it finishes in the background, within llguidance's limits, and is dropped)."""
+    def _wait(self, guide: Guide, job: Future) -> GuidedState:
+        """The compiled state, once a worker is done; ``RequestError`` once it has worked on it for
+        longer than the budget (it finishes in the background, within llguidance's limits, and is
+        remembered as refused)."""
         while True:
             try:
                 return job.result(timeout=0.05)
@@ -188,62 +202,85 @@ class Grammars:
                 with self._lock:
                     started = self._started.get(guide)
                 if started is not None and time.monotonic() - started > self.budget_s:
-                    raise RequestError(f"the {guide.kind} guide took more than {self.budget_s:g} s to compile; "
-                                       "simplify it (fewer alternatives, a smaller schema)") from None
+                    raise RequestError(self._too_slow(guide)) from None
 
-    def _compile(self, guide: Guide):
-        """On a worker: the guide's matcher with its first mask computed (which builds the lexer's
-        first states), kept for the next requests if it took no longer than the budget."""
+    def _too_slow(self, guide: Guide) -> str:
+        return (f"the {guide.kind} guide took more than {self.budget_s:g} s to compile; simplify it (fewer "
+                "alternatives, a smaller schema)")
+
+    def _work(self) -> None:
+        """A worker: compile queued guides until ``close``."""
+        while (item := self._queue.get()) is not None:
+            guide, job = item
+            try:
+                job.set_result(self._compile(guide))
+            except BaseException as exc:  # noqa: BLE001 - handed to the request that waits for it
+                job.set_exception(exc)
+
+    def _compile(self, guide: Guide) -> GuidedState:
+        """The guide's state before any token, its first mask computed (which builds the lexer's first
+        states); kept for the next requests if it took no longer than the budget, else remembered as
+        refused."""
         from llguidance import LLMatcher
 
         with self._lock:
             self._started[guide] = start = time.monotonic()
         try:
             matcher = LLMatcher(self.tokenizer(), guide.grammar(), log_level=0, limits=_limits())
+            state = GuidedState(matcher, self.vocab_size)
             if not matcher.is_error():
-                GuidedState(matcher, self.vocab_size).fill()
+                state.fill()
             if matcher.is_error():
                 raise RequestError(f"the {guide.kind} guide is not usable: {_first_line(matcher.get_error())}")
             with self._lock:
                 if time.monotonic() - start <= self.budget_s:
-                    self._compiled[guide] = matcher
+                    self._compiled[guide] = state
                     while len(self._compiled) > GRAMMAR_CACHE:
                         self._compiled.popitem(last=False)
-            return matcher
+                else:
+                    self._refused[guide] = self._too_slow(guide)
+                    while len(self._refused) > REFUSED_KEPT:
+                        self._refused.popitem(last=False)
+            return state
         finally:
             with self._lock:
                 self._jobs.pop(guide, None)
                 self._started.pop(guide, None)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._workers:
+            self._queue.put(None)
 
 
 class GuidedState:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher, vocab_size: int, primed: bool = False):
+    def __init__(self, matcher, vocab_size: int):
         import llguidance.numpy as lln
 
         self.matcher, self.lln, self.vocab_size = matcher, lln, vocab_size
         self.mask = lln.allocate_token_bitmask(1, vocab_size)
         self._filled = False
-        if primed:
-            self.fill()  # the compiled matcher computed this mask already: its lexer states are built
 
     def fork(self) -> GuidedState:
-        """A copy for a further sample of the same request, at the same place in the grammar."""
+        """A copy at the same place in the grammar (for a request, of the compiled state; for a further
+        sample, of the request's), its mask copied rather than computed again."""
         out = GuidedState.__new__(GuidedState)
         out.matcher, out.lln, out.vocab_size = self.matcher.deep_copy(), self.lln, self.vocab_size
         out.mask, out._filled = self.mask.copy(), self._filled
         return out
 
     def fill(self) -> None:
-        """Compute the mask of the tokens the grammar may take next (once per token consumed)."""
+        """Compute the mask of the tokens the grammar may take next (once per token consumed);
+        ``GuideError`` if that took longer than ``MASK_BUDGET_S``."""
         if not self._filled:
+            start = time.perf_counter()
             self.lln.fill_next_token_bitmask(self.matcher, self.mask, 0)
             self._filled = True
+            took = time.perf_counter() - start
+            if took > MASK_BUDGET_S:
+                raise GuideError(f"the output guide took {took * 1000:.0f} ms to decide the next token (at most "
+                                 f"{MASK_BUDGET_S * 1000:.0f}); simplify it")
 
     def masked(self, logits: np.ndarray, in_place: bool = False) -> np.ndarray:
         """``logits`` (a float32 copy, or themselves with ``in_place``) with every token the grammar

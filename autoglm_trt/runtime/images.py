@@ -47,7 +47,7 @@ from ..model.vision import VisionSpec
 
 MAX_IMAGES = 10  # per prompt, as Open-AutoGLM's deployment sets it
 MAX_REQUEST_PIXELS = 128_000_000  # the images of one request, by their headers (two of the largest)
-DECODE_BUDGET_PIXELS = 64_000_000  # decoded at once across requests (~0.5 GB with Pillow's and numpy's copies)
+DECODE_BUDGET_PIXELS = 64_000_000  # decoded at once across requests (docs/security.md: the memory it takes)
 WAIT_S = 0.1  # how often a waiting request looks at its cancel event
 TRIM_AFTER_PIXELS = 16_000_000  # decoded since the heap was last handed back
 ENCODER_CACHE_BYTES = 256 * 1024**2  # encoder outputs kept by image hash
@@ -198,7 +198,7 @@ class PixelBudget:
     """Pixels decoded at once, across requests: at most ``capacity`` (an image larger than that, which
     ``max_decode_pixels`` refuses by default, would go alone). When none is held any more after at
     least ``TRIM_AFTER_PIXELS`` were, the freed heap is handed back to the system (glibc keeps freed
-    blocks under 32 MB for reuse: a 64 Mpx image left some 130 MB resident)."""
+    blocks under 32 MB for reuse)."""
 
     def __init__(self, capacity: int):
         self.capacity, self.used = capacity, 0

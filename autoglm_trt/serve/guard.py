@@ -7,7 +7,8 @@ its Content-Length at once, else as soon as that many bytes have come), and a bo
 JSON by its Content-Type a 415. The body is read here, bounded, and handed to the app whole;
 the bodies of all requests in flight together are bounded too (twice the largest body, 256 MiB
 at least: past it a 429), as each holds its body until it is answered.
-Every refusal is OpenAI's error JSON. ``body_problem`` finds, in a parsed body, nesting deeper
+A body of more than ``MAX_JSON_VALUES`` values (counted from its bytes) is a 400 before it is
+parsed. Every refusal is OpenAI's error JSON. ``body_problem`` finds, in a parsed body, nesting deeper
 than ``MAX_DEPTH`` and a string that cannot be UTF-8 (a lone surrogate, which JSON's ``\\ud800``
 escapes can carry).
 """
@@ -23,6 +24,9 @@ OPEN_PATHS = ("/health",)
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a text engine's, and an image-text engine's at least
 TEXT_ROOM_BYTES = 1 << 20  # beside the images: the system prompt, the history, the fields
 MIN_INFLIGHT_BYTES = 256 << 20  # bodies held by requests in flight, at least this much is allowed
+# a body's JSON values, at most (a prompt of 65,536 token ids has as many): parsing and validating
+# many tiny values holds the event loop
+MAX_JSON_VALUES = 100_000
 MAX_DEPTH = 64  # a request body's nesting (a JSON schema or tool arguments need a few levels)
 
 Receive = Callable[[], Awaitable[dict]]
@@ -112,6 +116,10 @@ class Guard:
                     held = len(body)
                 if not message.get("more_body", False):
                     break
+            if (values := json_values(body)) > MAX_JSON_VALUES:
+                await self._refuse(send, 400, f"the body holds some {values:,} JSON values; this server reads at most "
+                                              f"{MAX_JSON_VALUES:,}", "invalid_request_error", "too_many_values")
+                return
             await self.app(scope, _replay(bytes(body), receive), send)
         finally:
             self.inflight_bytes -= held
@@ -159,24 +167,44 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 def body_problem(value: Any) -> str | None:
     """What is wrong with a parsed JSON body that its fields' types cannot say, or None: nesting
     deeper than ``MAX_DEPTH`` (the code that reads a schema or a tool call recurses), or a string
-    (or key) that UTF-8 cannot encode, with its path. Walked with a stack, not recursion."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    (or key) that UTF-8 cannot encode, with its path. Walked with a stack, not recursion; a path is
+    spelled out only for the value at fault."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else "body holds text that is not valid Unicode"
+    stack: list[tuple[Any, int, tuple | None]] = [(value, 0, None)]  # (a list or dict, depth, where)
     while stack:
-        item, where, depth = stack.pop()
+        item, depth, where = stack.pop()
         if depth > MAX_DEPTH:
-            return f"{where or 'body'}: the body is nested more than {MAX_DEPTH} levels deep"
-        if isinstance(item, str):
-            if not item.isascii() and not _encodes(item):
-                return f"{where or 'body'} holds text that is not valid Unicode (an unpaired surrogate escape)"
-        elif isinstance(item, dict):
-            for key, sub in item.items():
-                if isinstance(key, str) and not key.isascii() and not _encodes(key):
-                    return f"{where}.<key> holds text that is not valid Unicode (an unpaired surrogate escape)" \
-                        if where else "<key> holds text that is not valid Unicode (an unpaired surrogate escape)"
-                stack.append((sub, f"{where}.{key}" if where else str(key), depth + 1))
-        elif isinstance(item, list):
-            stack.extend((sub, f"{where}[{i}]", depth + 1) for i, sub in enumerate(item))
+            return f"{_path(where) or 'body'}: the body is nested more than {MAX_DEPTH} levels deep"
+        pairs = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, sub in pairs:
+            if isinstance(key, str) and not key.isascii() and not _encodes(key):
+                return f"{_path((where, '<key>'))} holds text that is not valid Unicode (an unpaired surrogate escape)"
+            if isinstance(sub, str):
+                if not sub.isascii() and not _encodes(sub):
+                    return (f"{_path((where, key))} holds text that is not valid Unicode (an unpaired surrogate "
+                            "escape)")
+            elif isinstance(sub, dict | list):
+                stack.append((sub, depth + 1, (where, key)))
     return None
+
+
+def _path(where: tuple | None) -> str:
+    """``a.b[0].c`` from ``(((None, "a"), "b"), 0), "c")``: dict keys after dots, list indices in brackets."""
+    keys: list[object] = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    out = ""
+    for key in reversed(keys):
+        out += f"[{key}]" if isinstance(key, int) else f".{key}" if out else str(key)
+    return out
+
+
+def json_values(body: bytes | bytearray) -> int:
+    """An upper bound on the values a JSON body holds, from its bytes: its brackets, braces and commas
+    (those in strings counted too; base64 has none)."""
+    return body.count(b"[") + body.count(b"{") + body.count(b",")
 
 
 def _encodes(text: str) -> bool:

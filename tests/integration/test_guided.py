@@ -122,7 +122,7 @@ def test_compilations_queue_within_a_bound_and_the_rest_are_busy(glm4v_engine, m
     import time
 
     from autoglm_trt.errors import BusyError
-    from autoglm_trt.runtime.guided import GRAMMAR_WORKERS, MAX_QUEUED_GRAMMARS
+    from autoglm_trt.runtime.guided import GRAMMAR_CACHE, GRAMMAR_WORKERS, MAX_QUEUED_GRAMMARS
 
     release = threading.Event()
     _slow_grammars(monkeypatch, release)
@@ -141,6 +141,76 @@ def test_compilations_queue_within_a_bound_and_the_rest_are_busy(glm4v_engine, m
     release.set()
     for t in threads:
         t.join(60)
-    assert len(done) == bound and len(grammars._compiled) == bound
+    assert len(done) == bound and len(grammars._compiled) == min(bound, GRAMMAR_CACHE)
     grammars.state(Guide.regex("b+"))  # the queue has room again
     grammars.close()
+
+
+def test_a_guide_past_its_budget_is_refused_at_once_the_next_time(glm4v_engine, monkeypatch):
+    import threading
+    import time
+
+    release, calls = threading.Event(), []
+    real = Guide.grammar
+    monkeypatch.setattr(Guide, "grammar", lambda self: calls.append(1) or (release.wait(30) and real(self)))
+    grammars = _grammars(glm4v_engine, budget_s=0.3)
+    with pytest.raises(AutoGLMError, match="took more than"):
+        grammars.state(Guide.regex("[cd]+"))
+    release.set()
+    deadline = time.monotonic() + 10
+    while grammars._jobs and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(AutoGLMError, match="took more than"):  # remembered: not compiled again
+        grammars.state(Guide.regex("[cd]+"))
+    assert len(calls) == 1
+    grammars.close()
+
+
+@pytest.mark.parametrize("guide", [
+    # a chain of 1,000 $refs: three levels of JSON, a thousand of llguidance's recursion
+    Guide.json_schema({"$ref": "#/$defs/d0", "$defs": {
+        **{f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(1000)},
+        "d1000": {"type": "integer"}}}),
+    Guide.lark("start: r0\n" + "".join(f'r{i}: "x" r{i + 1} | "y"\n' for i in range(3000)) + 'r3000: "z"\n'),
+])
+def test_deep_grammars_do_not_overflow_a_stack(glm4v_engine, guide):
+    """Before, llguidance overflowed a worker thread's 8 MiB stack on these and killed the process (a
+    75 KB request): the grammar workers and the engine's loop now run on deep stacks, and the guide is
+    compiled and followed, or refused as the client's mistake."""
+    with Engine.load(glm4v_engine) as engine:
+        try:
+            [res] = engine.generate("x", SamplingParams(max_new_tokens=8, guide=guide))
+            assert res.finish_reason in ("stop", "length")
+        except AutoGLMError as exc:  # a RequestError (a 400), not a crash
+            assert "guide" in str(exc)
+
+
+def test_an_ambiguous_grammar_fails_fast_instead_of_stalling_the_loop(smollm2):
+    """``e: e "+" e | e e | ...`` over SmolLM2's 49,152 tokens took 150-660 ms a mask with llguidance's
+    default 50,000 Earley items a step (n = 14 held the engine's loop 2.5 s a step); at 5,000 the
+    parser gives up within a few tokens, a ``GuideError`` (the server's 400)."""
+    import numpy as np
+
+    from autoglm_trt.runtime.guided import Grammars, GuideError
+
+    grammars = Grammars(smollm2 / "tokenizer.json", 49152, [2])
+    state = grammars.state(Guide.lark('start: e\ne: e "+" e | e "*" e | e e | "(" e ")" | /[a-z]/\n'))
+    rng = np.random.default_rng(0)
+    with pytest.raises(GuideError, match="Too many items"):
+        for _ in range(200):
+            logits = state.masked(np.zeros(49152, np.float32))
+            state.accept(int(rng.choice(np.flatnonzero(np.isfinite(logits)))))
+    grammars.close()
+
+
+def test_a_choice_of_thousands_of_options_generates(glm4v_engine):
+    """A choice guide is one terminal of the lexer: as a rule of as many alternatives it passed
+    llguidance's 2,000 items a row and failed at the first token."""
+    import random
+
+    rng = random.Random(3)
+    options = sorted({"".join(rng.choice("abcdef") for _ in range(8)) for _ in range(3_000)})
+    with Engine.load(glm4v_engine) as engine:
+        [res] = engine.generate([[{"role": "user", "content": "Pick."}]], SamplingParams(
+            max_new_tokens=16, temperature=1.0, seed=4, n=4, guide=Guide.choice(options)))
+    assert len(options) > 2_000 and all(c.text in options and c.finish_reason == "stop" for c in res.choices)

@@ -250,7 +250,7 @@ def test_sigterm_drains_then_exits_zero(slow_engine):
 
 def test_load_test_script_and_bench_url(chat_engine):
     """The load test (bounded: 100 requests, 8 clients; disconnects of streams and of n = 3 requests,
-    malformed and oversized bodies, wrong keys; one attacker sending a 600 KB grammar, stop-string
+    malformed and oversized bodies, wrong keys; one attacker sending a 240 KB grammar, stop-string
     floods and n = 4 requests it leaves) passes its own checks, and ``bench --url`` measures the
     server."""
     with server(chat_engine, "--api-key", "k", "--max-body-bytes", str(2 << 20)) as (port, _):

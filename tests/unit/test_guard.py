@@ -4,6 +4,7 @@ bodies held by requests in flight bounded together, and the bearer scheme in any
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -118,3 +119,27 @@ def test_nesting_and_text_that_is_not_unicode():
     for _ in range(100_000):  # walked with a stack: no RecursionError
         very = {"a": very}
     assert "nested" in body_problem(very)
+
+
+def test_a_body_of_millions_of_tiny_values_is_refused_before_it_is_parsed():
+    """``[[],[],...]`` 2.8 million times is 8 MB: parsing and walking it took the event loop 3-5 s."""
+    async def app(scope, receive, send) -> None:  # never reached
+        raise AssertionError("parsed")
+
+    guard = Guard(app, None)
+    flood = b'{"model": "m", "prompt": "hi", "junk": [' + b"[]," * 150_000 + b"[]]}"
+    assert drive(guard, [(flood, {})]) == [400]
+    ids = json.dumps({"model": "m", "prompt": list(range(65536))}).encode()  # a long prompt of token ids passes
+
+    async def ok(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    assert drive(Guard(ok, None), [(ids, {})]) == [200]
+
+
+def test_a_problem_is_named_by_its_path():
+    assert body_problem({"a": {"b": [1, {"c": "\ud800"}]}}) == \
+        "a.b[1].c holds text that is not valid Unicode (an unpaired surrogate escape)"
+    assert body_problem({"a": [{"\udfff": 1}]}).startswith("a[0].<key> holds text")
+    assert body_problem({"a": [0] * 150_000}) is None and body_problem("\ud800") is not None

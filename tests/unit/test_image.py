@@ -216,3 +216,42 @@ def test_pixels_decoded_at_once_across_requests_stay_within_the_budget():
             with budget.hold(20, cancel):
                 pass
     assert budget.used == 0
+
+
+def test_a_jpeg_of_many_scans_is_refused_from_its_bytes(monkeypatch):
+    """Each scan of a progressive JPEG is a pass over the whole image, and libjpeg decodes a scan
+    repeated thousands of times with only a warning (a 1.3 MB JPEG of 30,000 scans of 8000 x 8000
+    took 36 s, the decode budget held all along): more than 64 scans are refused before decoding."""
+    from PIL import Image, ImageFile
+
+    data = _encoded(Image.new("RGB", (64, 64), (120, 130, 140)), "JPEG", progressive=True, quality=90)
+    assert 1 < data.count(b"\xff\xda") <= 64 and open_header(data).size == (64, 64)
+    last = data.rindex(b"\xff\xda")
+    scan = data[last:-2]  # the last scan: its header and entropy-coded data, up to EOI
+    many = data[:-2] + scan * 100 + b"\xff\xd9"
+    loads = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(1))
+    with pytest.raises(ImageError, match="scans; at most 64"):
+        open_header(many)
+    # the same data with an MPO's APP2 "MPF" segment after SOI: Pillow calls it an MPO, still JPEG data
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, "MPO", save_all=True, append_images=[Image.new("RGB", (16, 16))])
+    mpo = buf.getvalue()
+    at = mpo.index(b"\xff\xe2")
+    app2 = mpo[at:at + 2 + int.from_bytes(mpo[at + 2:at + 4], "big")]
+    assert app2[4:8] == b"MPF\0"
+    with pytest.raises(ImageError, match="scans; at most 64"):
+        open_header(many[:2] + app2 + many[2:])
+    assert loads == []
+
+
+def test_transparency_is_composited_onto_white_in_strips_exactly():
+    """The strips (so that other threads run in between) give the pixels one composite of the whole
+    image gives."""
+    from PIL import Image
+
+    from autoglm_trt.model.image import ALPHA_STRIP_ROWS, rgb
+
+    rgba = _image(37, ALPHA_STRIP_ROWS * 2 + 41, "RGBA", seed=5)
+    whole = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    np.testing.assert_array_equal(rgb(rgba), np.asarray(whole))
