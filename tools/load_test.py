@@ -65,13 +65,22 @@ def post_raw(url: str, body: bytes, api_key: str | None) -> tuple[int, dict | No
             pass
         r = http.client.HTTPResponse(sock)
         r.begin()
-        data = r.read()
-        try:
-            return r.status, json.loads(data)
-        except ValueError:
-            return r.status, None
+        return answer(r)
     finally:
         sock.close()
+
+
+def answer(r: http.client.HTTPResponse) -> tuple[int, dict | None]:
+    """A response's status and its JSON body (None if it is not JSON)."""
+    data = r.read()
+    try:
+        return r.status, json.loads(data)
+    except ValueError:
+        return r.status, None
+
+
+def json_headers(api_key: str | None) -> dict[str, str]:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
 def openai_error(body: dict | None) -> bool:
@@ -82,7 +91,7 @@ def close_while_running(url: str, model: str, prompt: list[int], max_tokens: int
                         after_s: float) -> None:
     """A request for 3 samples without streaming, whose client goes away after ``after_s``."""
     conn, base = connect(url, 60)
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    headers = json_headers(api_key)
     conn.request("POST", f"{base}/v1/completions", json.dumps({"model": model, "prompt": prompt, "n": 3,
                  "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}), headers)
     time.sleep(after_s)
@@ -107,15 +116,9 @@ def server_gauges(url: str, api_key: str | None, names: tuple[str, ...] = LIVE) 
 def post_json(url: str, path: str, body: dict, api_key: str | None) -> tuple[int, dict | None]:
     """A non-streamed request over a connection of its own: its status and JSON answer."""
     conn, base = connect(url, 300)
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     try:
-        conn.request("POST", f"{base}{path}", json.dumps(body), headers)
-        r = conn.getresponse()
-        data = r.read()
-        try:
-            return r.status, json.loads(data)
-        except ValueError:
-            return r.status, None
+        conn.request("POST", f"{base}{path}", json.dumps(body), json_headers(api_key))
+        return answer(conn.getresponse())
     finally:
         conn.close()
 
@@ -175,8 +178,7 @@ class Attacks:
 
     def stops(self) -> tuple[int, set[int], str]:
         conn, base = connect(self.url, 300)
-        headers = {"Content-Type": "application/json",
-                   **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+        headers = json_headers(self.api_key)
         try:
             conn.request("POST", f"{base}/v1/completions", json.dumps({
                 "model": self.model, "prompt": "Tell me a story.", "max_tokens": self.gen_len, "stream": True,
@@ -190,8 +192,7 @@ class Attacks:
 
     def leave(self) -> tuple[int, set[int], str]:
         conn, base = connect(self.url, 60)
-        headers = {"Content-Type": "application/json",
-                   **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+        headers = json_headers(self.api_key)
         conn.request("POST", f"{base}/v1/completions", json.dumps({
             "model": self.model, "prompt": "Tell me a long story.", "n": 4, "max_tokens": 4 * self.gen_len,
             "temperature": 1.0, "ignore_eos": True}), headers)
