@@ -49,6 +49,15 @@ def default_engine(tmp_path_factory):
     return work / "tiny-agent"
 
 
+def test_doctor_says_the_body_limit_serve_takes(default_engine):
+    from autoglm_trt.serve.guard import default_max_body_bytes
+
+    r = run_cli("doctor", str(default_engine))
+    assert r.returncode == 0, r.stderr
+    limit = default_max_body_bytes(10, GLM41V_PREPROCESSOR["size"]["longest_edge"])
+    assert f"serve takes request bodies of up to {limit:,} bytes by default" in r.stdout and limit > 500_000_000
+
+
 def test_the_default_build_and_server_answer_open_autoglms_request(default_engine):
     png = worst_case_screenshot()
     url = "data:image/png;base64," + base64.b64encode(png).decode()
