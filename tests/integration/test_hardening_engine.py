@@ -83,6 +83,9 @@ def test_a_caller_that_gives_up_stops_its_images_preparation(glm4v_engine):
         hold_encoder(engine, release)
         first = threading.Thread(target=engine.prepare, args=(image_message("a ", random_image(64, 96, 1)),))
         first.start()
+        deadline = time.monotonic() + 30
+        while not engine.images._encoding.locked() and time.monotonic() < deadline:  # the first is in the encoder
+            time.sleep(0.01)
         outcome: list = []
 
         def second() -> None:

@@ -266,7 +266,7 @@ def test_a_client_that_leaves_while_its_images_wait_stops_their_preparation(glm4
     encoder is still held, instead of being encoded for nobody."""
     with held_encoder_server(glm4v_engine, max_waiting=8) as (port, engine, release):
         held, first = in_threads(port, [image_body(1)])
-        assert wait_for(lambda: engine.stats()["images_preparing"] == 1)
+        assert wait_for(lambda: engine.images._encoding.locked())  # the first is in the encoder
         conn = leave(port, "/v1/chat/completions", image_body(2))
         assert wait_for(lambda: engine.stats()["images_preparing"] == 2)
         hang_up(conn)
