@@ -97,6 +97,11 @@ SECTIONS = (
             "A 1080 x 2400 screenshot through the small GLM-4.1V vision tower above: the float32 encoder as ONNX "
             "Runtime runs it against the graph a TensorRT build compiles (graph/vision_trt.py) in float32, float16 "
             "and bfloat16, the half types also as tensor cores compute (half operands and results, float32 sums)."),
+    Section("vision_int8", "The vision encoder's INT8 linears", ("benchmarks.vision_int8",),
+            "A 1080 x 2400 screenshot through the small GLM-4.1V vision tower above and through one layer of "
+            "GLM-4.1V-9B's width: the float32 encoder, its INT8-linear form (activations per token, weights per "
+            "channel; graph/vision_int8.py) and transformers' tower, with the INT8 embeddings' cosine per image "
+            "token against the float32 ones."),
     Section("tensorrt_forms", "The float16 graphs of a TensorRT build", ("benchmarks.tensorrt_forms",),
             "SmolLM2's int8, int8-wo and int4-awq plans written as a TensorRT build writes them (float16 Q/DQ or "
             "dequantized weights, 8-bit weight-only ones per output channel, GEMMs, attention and KV cache) and in "

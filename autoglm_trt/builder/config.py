@@ -36,6 +36,7 @@ class BuildConfigError(AutoGLMError):
 TEXT_MAX_SEQ_LEN, TEXT_MAX_INPUT_LEN = 2048, 1024
 IMAGE_MAX_INPUT_LEN = 4096
 KV_MEMORY_BYTES = 512 * 1024 * 1024
+VISION_LINEARS = ("auto", "int8", "float32")
 KV_SHARE = 0.5  # of the memory available at build, the most a pool sized for the model takes
 
 
@@ -62,6 +63,10 @@ class BuildConfig:
     max_images: int = 10
     # a TensorRT vision engine's linears and attention: bfloat16 (GLM-4.1V's own), float16 or float32
     vision_dtype: str = "bfloat16"
+    # an ONNX Runtime engine's vision linears: "int8" (activations per token, weights per channel; run
+    # where the CPU sums bytes exactly, graph.vision_int8), "float32", or "auto": int8 for the
+    # precisions whose decoder rounds its activations to 8 bits anyway, float32 for the others
+    vision_linears: str = "auto"
 
     def check(self) -> None:
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size", "kv_memory_bytes",
@@ -72,6 +77,9 @@ class BuildConfig:
             raise BuildConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
         if self.vision_dtype not in VISION_DTYPES:
             raise BuildConfigError(f"vision_dtype must be one of {', '.join(VISION_DTYPES)}, got {brief(self.vision_dtype)}")
+        if self.vision_linears not in VISION_LINEARS:
+            raise BuildConfigError(f"vision_linears must be one of {', '.join(VISION_LINEARS)}, "
+                                   f"got {brief(self.vision_linears)}")
         if self.max_images < 0:
             raise BuildConfigError(f"max_images must be >= 0, got {self.max_images}")
         if self.max_input_len is not None and self.max_seq_len is not None and self.max_input_len > self.max_seq_len:

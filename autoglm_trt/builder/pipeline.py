@@ -242,14 +242,35 @@ def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, 
 
 def _vision_engine(backend: str, model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig,
                    req: BuildRequest, report: dict, log: Callable[[str], None]) -> None:
-    """An image-text model's vision encoder in the build: on TensorRT its engine (``report["vision"]``),
-    on ONNX Runtime nothing to build (the export's float32 graph runs)."""
+    """An image-text model's vision encoder in the build (``report["vision"]``): on TensorRT its
+    engine; on ONNX Runtime the export's float32 graph, and with INT8 linears its INT8 form beside it."""
     if record.vision() is None:
         return
     if backend == "tensorrt":
         report["vision"] = _vision_plan(model_dir, record, tmp, cfg, req, log)
-    elif cfg.vision_dtype != BuildConfig.vision_dtype:
-        log(f"vision_dtype {cfg.vision_dtype} is for a TensorRT vision engine; ONNX Runtime's encoder runs float32")
+        return
+    if cfg.vision_dtype != BuildConfig.vision_dtype:
+        log(f"vision_dtype {cfg.vision_dtype} is for a TensorRT vision engine; ONNX Runtime's encoder runs "
+            "float32 or INT8 linears (vision_linears)")
+    linears = cfg.vision_linears if cfg.vision_linears != "auto" else (
+        "int8" if req.precision in BF16_ATTENTION else "float32")
+    report["vision"] = {"linears": linears, "graphs": {"float32": record.vision_files()[0].name}}
+    if linears == "int8":
+        report["vision"].update(_int8_vision(record.vision_files()[0], tmp, log))
+
+
+def _int8_vision(graph: Path, tmp: Path, log: Callable[[str], None]) -> dict:
+    """``vision.int8.onnx`` beside the float32 encoder: its linears INT8 (``graph.vision_int8``)."""
+    import onnx
+
+    from ..graph.vision_int8 import INT8_VISION_GRAPH, int8_vision_graph
+
+    model, count = int8_vision_graph(onnx.load(str(graph)))
+    onnx.save_model(model, str(tmp / INT8_VISION_GRAPH), save_as_external_data=True,
+                    location=f"{INT8_VISION_GRAPH}.data", size_threshold=1024)
+    log(f"vision encoder: {count} linears INT8 ({INT8_VISION_GRAPH}), run where the CPU sums bytes exactly "
+        "(VNNI, or not x86), else the float32 graph")
+    return {"graphs": {"float32": graph.name, "int8": INT8_VISION_GRAPH}, "int8_linears": count}
 
 
 def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig, req: BuildRequest,
@@ -361,6 +382,8 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
                                                                      for n, v in kv_amax.items()}).as_dict()
         if graphs is not None:
             manifest["onnxruntime"] = graphs
+        if backend == "onnxruntime" and "vision" in report:
+            manifest["vision"] = report["vision"]
         manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
         manifest["files"] = hash_dir(tmp)
         write_json(tmp / MANIFEST, manifest)
@@ -369,7 +392,8 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
 
 
 # the precisions whose activations are rounded to 8 bits anyway: their prefill's attention runs in
-# bfloat16 where AMX has it (passes/prefill_attention.py, docs/native.md)
+# bfloat16 where AMX has it (passes/prefill_attention.py, docs/native.md), their vision encoder's
+# linears in INT8 by default
 BF16_ATTENTION = ("int8", "int8-dyn", "int4-awq")
 
 

@@ -238,6 +238,13 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
                    + (f", as {decode['why_plain']}" if decode["why_plain"] else "")
                    + f"; the optimized graph has {decode['saved_nodes']}): "
                    + ", ".join(f"{op} x{n}" for op, n in ops[:8]))
+    if manifest.backend == "onnxruntime" and "vision" in manifest.data:
+        from ..runtime.images import vision_graph
+
+        built = manifest.data["vision"]
+        graph, why = vision_graph(manifest)
+        click.echo(f"vision       linears {built.get('linears')} at build ("
+                   + ", ".join(f"{k}: {v}" for k, v in built.get("graphs", {}).items()) + f"); here {graph}: {why}")
 
 
 def _decode_graph(manifest, report: dict | None) -> dict:
@@ -287,7 +294,7 @@ def _vision_report(manifest) -> list[str]:
     """An image-text engine's vision encoder: what runs it, and the images its defaults take."""
     from ..artifacts import ExportRecord
     from ..model.image import ImageConfig
-    from ..runtime.images import ImageOptions, image_options
+    from ..runtime.images import ImageOptions, image_options, vision_graph
     from ..serve.guard import default_max_body_bytes
 
     vision = ExportRecord.read(manifest.dir).vision()
@@ -299,7 +306,7 @@ def _vision_report(manifest) -> list[str]:
     patches = vision.max_patches(pixels)
     runs = (f"vision.plan on TensorRT ({manifest.data.get('build_config', {}).get('vision_dtype', 'float32')} "
             "linears and attention)" if manifest.backend == "tensorrt"
-            else "vision.onnx on ONNX Runtime (float32, fused MultiHeadAttention)")
+            else "{} on ONNX Runtime here: {}, float32 fused MultiHeadAttention".format(*vision_graph(manifest)))
     body = default_max_body_bytes(options.max_images or 0, pixels)
     return [f"vision encoder: {runs}; by default images of up to {pixels:,} pixels ({patches:,} patches, "
             f"{patches // vision.merge_size ** 2:,} image tokens), {options.max_images} a prompt, encoded one at a time",

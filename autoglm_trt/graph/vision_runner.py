@@ -51,11 +51,11 @@ class GridInputs:
 
 
 class VisionEncoder:
-    """The encoder graph in an ONNX Runtime session."""
+    """The encoder graph (``graph``: the float32 one, or its INT8 form) in an ONNX Runtime session."""
 
-    def __init__(self, model_dir: Path, spec: VisionSpec, threads: int | None = None):
-        self.spec = spec
-        self.session = make_session(Path(model_dir) / VISION_GRAPH, threads=threads)
+    def __init__(self, model_dir: Path, spec: VisionSpec, threads: int | None = None, graph: str = VISION_GRAPH):
+        self.spec, self.graph = spec, graph
+        self.session = make_session(Path(model_dir) / graph, threads=threads)
         self.grid_inputs = GridInputs(model_dir, spec)
 
     def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:

@@ -37,7 +37,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
-from ..artifacts import EngineError, ExportRecord, Manifest
+from ..artifacts import EngineError, ExportRecord, Manifest, inside
 from ..errors import RequestError
 from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
@@ -366,5 +366,28 @@ def image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -
 
         encoder: VisionEncoder | TrtVisionEncoder = TrtVisionEncoder(manifest.dir, vision, config.max_pixels)
     else:
-        encoder = VisionEncoder(manifest.dir, vision, options.threads)
+        encoder = VisionEncoder(manifest.dir, vision, options.threads, vision_graph(manifest)[0])
     return ImagePipeline(encoder, vision, config, block_size, options.encoder_cache_bytes)
+
+
+ENV_VISION_INT8 = "AUTOGLM_TRT_VISION_INT8"  # "0": the float32 encoder even where the INT8 one runs
+
+
+def vision_graph(manifest: Manifest) -> tuple[str, str]:
+    """The ONNX Runtime engine's encoder graph this machine runs, and why: its INT8 form where the
+    build made one (``vision_linears``) and the CPU sums bytes exactly (VNNI, or not x86;
+    ``graph.vision_int8``), else the float32 graph."""
+    import os
+
+    from ..graph.vision_runner import VISION_GRAPH
+    from ..native import int8_pairs_saturate
+
+    graphs = manifest.data.get("vision", {}).get("graphs", {})
+    if "int8" not in graphs:
+        return VISION_GRAPH, "float32 linears (the build's vision_linears)"
+    if os.environ.get(ENV_VISION_INT8) == "0":
+        return VISION_GRAPH, f"float32 linears ({ENV_VISION_INT8}=0)"
+    if int8_pairs_saturate():
+        return VISION_GRAPH, "float32 linears (this CPU has no VNNI: ONNX Runtime's INT8 products would saturate)"
+    int8 = inside(manifest.dir, graphs["int8"], f"{manifest.dir}/manifest.json vision.graphs.int8", EngineError)
+    return int8.name, "INT8 linears (activations per token, weights per channel)"

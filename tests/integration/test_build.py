@@ -62,6 +62,7 @@ def test_limits_left_unset_follow_the_model():
     ("max_input_len: 4096\nmax_seq_len: 1024\n", "exceeds max_seq_len"),
     ("- a list\n", "must hold a mapping"),
     ("vision_dtype: half\n", "vision_dtype must be one of bfloat16, float16, float32, got 'half'"),
+    ("vision_linears: int4\n", "vision_linears must be one of auto, int8, float32, got 'int4'"),
 ])
 def test_bad_yaml_config(tmp_path, text, message):
     f = tmp_path / "b.yaml"
