@@ -8,11 +8,15 @@ with Open-AutoGLM's image settings (``max_pixels`` 5,000,000: a 1080 x 2400 scre
 image tokens) runs a multi-turn trace shaped like Open-AutoGLM's: a system prompt of about 1,500
 tokens, then per turn one new 1080 x 2400 UI-like screenshot with a short instruction, the
 earlier turns kept as text (their screenshots dropped, as the agent drops them), and an answer of
-``--answer-tokens`` tokens (greedy, EOS ignored). For each turn it prints the engine's time to
-first token split into image decode, preprocessing, encoder and prefill (the step that computes
-the first token, prefix cache on), and transformers' for the same request (its image processor,
-then ``generate`` to the first token, with the same processor output). The goal in the issue:
-the engine's TTFT at most 0.5x transformers'.
+``--answer-tokens`` tokens (greedy, EOS ignored). Two engines run it: fp32 (everything float32)
+and int8-dyn (8-bit decoder activations, so by default INT8 vision linears and bfloat16 vision
+attention where this CPU has them), the latter sent the fp32 engine's answers as its history so
+that both see the same prompts. For each turn it prints each engine's time to first token split
+into image decode, preprocessing, encoder and prefill (the step that computes the first token,
+prefix cache on), and transformers' for the same request (its image processor, then ``generate``
+to the first token, with the same processor output); and whether the first tokens agree
+(fp32's with transformers', int8-dyn's with fp32's). The goal in the issue: the engine's TTFT at
+most 0.5x transformers'.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ def messages(system: str, history: list[tuple[str, str]], instruction: str, imag
     return out
 
 
-def run_engine(engine_dir: Path, system: str, steps: list, answer: int) -> list[dict]:
+def run_engine(engine_dir: Path, system: str, steps: list, answer: int, answers: list[str] | None = None) -> list[dict]:
+    """The engine's rows, turn by turn; ``answers``: the earlier turns' answers to send instead of its own."""
     from autoglm_trt.runtime import Engine, ImageOptions, SamplingParams
 
     params = SamplingParams(max_new_tokens=answer, ignore_eos=True)
@@ -80,8 +85,9 @@ def run_engine(engine_dir: Path, system: str, steps: list, answer: int) -> list[
                          "preprocess_ms": 1000 * s["preprocess"], "encode_ms": 1000 * s["encode"],
                          "prefill_ms": 1000 * res.ttft, "ttft_ms": 1000 * (prep + res.ttft), "tokens": res.token_ids,
                          "hit_tokens": engine.stats()["prefix_hit_tokens"],
-                         "image_tokens": prepared.ids.count(IMAGE_TOKEN)})
-            history.append((instruction, res.text))
+                         "image_tokens": prepared.ids.count(IMAGE_TOKEN), "text": res.text,
+                         "graph": engine.images.encoder.graph})
+            history.append((instruction, res.text if answers is None else answers[len(history)]))
     return rows
 
 
@@ -133,15 +139,15 @@ def is_current(engine: Path) -> bool:
         return False
 
 
-def fp32_engine(work: Path) -> Path:
-    """``work``/engine-fp32: the fp32 ONNX Runtime engine of ``checkpoint(work / "checkpoint")``,
-    built unless a current one is there."""
+def fp32_engine(work: Path, precision: str = "fp32") -> Path:
+    """``work``/engine-<precision>: the ONNX Runtime engine of ``checkpoint(work / "checkpoint")``
+    (fp32 unless said), built unless a current one is there."""
     from autoglm_trt.builder.config import BuildConfig
     from autoglm_trt.builder.pipeline import BuildRequest, build_engine
 
-    engine = work / "engine-fp32"
+    engine = work / f"engine-{precision}"
     if not is_current(engine):
-        build_engine(BuildRequest(checkpoint(work / "checkpoint"), engine, precision="fp32", backend="onnxruntime",
+        build_engine(BuildRequest(checkpoint(work / "checkpoint"), engine, precision=precision, backend="onnxruntime",
                                   force=engine.exists(),
                                   config=BuildConfig(max_seq_len=8192, max_input_len=2048, max_batch_size=4)),
                      log=lambda m: print(m, file=sys.stderr))
@@ -159,20 +165,26 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "engines" / "bench-glm4v")
     args = ap.parse_args()
     ckpt = checkpoint(args.work / "checkpoint")
-    engine = fp32_engine(args.work)
+    engines = {"fp32": fp32_engine(args.work), "int8-dyn": fp32_engine(args.work, "int8-dyn")}
     system, steps = trace(args.turns, args.system_tokens)
-    mine = run_engine(engine, system, steps, args.answer_tokens)
+    mine = run_engine(engines["fp32"], system, steps, args.answer_tokens)
+    fast = run_engine(engines["int8-dyn"], system, steps, args.answer_tokens, [row["text"] for row in mine])
     ref = run_transformers(ckpt, system, steps, mine)
-    for t, (a, b) in enumerate(zip(mine, ref)):
+    keys = ("decode_ms", "preprocess_ms", "encode_ms", "prefill_ms", "ttft_ms")
+    for t, (a, f, b) in enumerate(zip(mine, fast, ref)):
         print(json.dumps({"turn": t + 1, "prompt_tokens": a["prompt_tokens"],
-                          **{k: round(a[k], 1) for k in ("decode_ms", "preprocess_ms", "encode_ms", "prefill_ms",
-                                                         "ttft_ms")},
                           "hf_preprocess_ms": round(b["preprocess_ms"], 1), "hf_ttft_ms": round(b["ttft_ms"], 1),
-                          "ttft_ratio": round(a["ttft_ms"] / b["ttft_ms"], 3), "first_token_equal": b["first_token_equal"],
-                          "prefix_hit_tokens": a["hit_tokens"]}))
-    ratios = [a["ttft_ms"] / b["ttft_ms"] for a, b in zip(mine, ref)]
-    print(json.dumps({"turns": args.turns, "median_ttft_ratio": round(statistics.median(ratios), 3),
-                      "image_tokens_per_screenshot": mine[0]["image_tokens"],
+                          "prefix_hit_tokens": a["hit_tokens"],
+                          "fp32": {**{k: round(a[k], 1) for k in keys}, "ttft_ratio": round(a["ttft_ms"] / b["ttft_ms"], 3),
+                                   "first_token_equal_hf": b["first_token_equal"]},
+                          "int8-dyn": {**{k: round(f[k], 1) for k in keys},
+                                       "ttft_ratio": round(f["ttft_ms"] / b["ttft_ms"], 3),
+                                       "first_token_equal_fp32": f["tokens"][0] == a["tokens"][0]}}))
+    print(json.dumps({"turns": args.turns, "image_tokens_per_screenshot": mine[0]["image_tokens"],
+                      "median_ttft_ratio": {name: round(statistics.median(r["ttft_ms"] / b["ttft_ms"]
+                                                                          for r, b in zip(rows, ref)), 3)
+                                            for name, rows in (("fp32", mine), ("int8-dyn", fast))},
+                      "vision_graph": {"fp32": mine[0]["graph"], "int8-dyn": fast[0]["graph"]},
                       "machine": machine()}))
 
 

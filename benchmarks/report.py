@@ -81,7 +81,8 @@ SECTIONS = (
             "4 agents at once, a 1,000-token system prompt, 8 turns, the whole history resent each turn."),
     Section("agent_images", "The phone agent on a small GLM-4.1V", ("benchmarks.bench_agent", "--images"),
             "Open-AutoGLM's trace: one new 1080 x 2400 screenshot a turn (3,108 image tokens at max_pixels "
-            "5,000,000), a 1,500-token system prompt, the engine's time to first token split, against transformers."),
+            "5,000,000), a 1,500-token system prompt: the fp32 engine's and the int8-dyn engine's time to first token "
+            "split (the latter with the vision encoder's fast forms, its defaults), against transformers."),
     Section("encode_overlap", "Decoding beside a screenshot's encoding",
             ("benchmarks.bench_encode_overlap", "--rounds", "3"),
             "A GLM-4.1V engine (SmolLM2's decoder shape, the small vision tower above, int8-wo) loaded with its "
@@ -97,11 +98,12 @@ SECTIONS = (
             "A 1080 x 2400 screenshot through the small GLM-4.1V vision tower above: the float32 encoder as ONNX "
             "Runtime runs it against the graph a TensorRT build compiles (graph/vision_trt.py) in float32, float16 "
             "and bfloat16, the half types also as tensor cores compute (half operands and results, float32 sums)."),
-    Section("vision_int8", "The vision encoder's INT8 linears", ("benchmarks.vision_int8",),
+    Section("vision_forms", "The vision encoder's fast forms", ("benchmarks.vision_forms",),
             "A 1080 x 2400 screenshot through the small GLM-4.1V vision tower above and through one layer of "
             "GLM-4.1V-9B's width: the float32 encoder, its INT8-linear form (activations per token, weights per "
-            "channel; graph/vision_int8.py) and transformers' tower, with the INT8 embeddings' cosine per image "
-            "token against the float32 ones."),
+            "channel; graph/vision_int8.py), each with the native bfloat16 attention (ImageAttentionBf16, where the "
+            "CPU has AVX512-BF16), and transformers' tower; each form's cosine per image token against the float32 "
+            "encoder's."),
     Section("tensorrt_forms", "The float16 graphs of a TensorRT build", ("benchmarks.tensorrt_forms",),
             "SmolLM2's int8, int8-wo and int4-awq plans written as a TensorRT build writes them (float16 Q/DQ or "
             "dequantized weights, 8-bit weight-only ones per output channel, GEMMs, attention and KV cache) and in "

@@ -292,6 +292,23 @@ def free_port() -> int:
     return pick()
 
 
+def float_op_session(library, op: str, inputs: tuple[str, ...], output: str = "context"):
+    """A session of one native operator (domain autoglm.trt) of float32 ``inputs`` and one float32
+    output, with ``library`` registered."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    graph = helper.make_graph([helper.make_node(op, list(inputs), [output], domain="autoglm.trt")],
+                              "native", [helper.make_tensor_value_info(n, f, None) for n in inputs],
+                              [helper.make_tensor_value_info(output, f, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
 def cpu_has(flag: str) -> bool:
     try:
         return flag in Path("/proc/cpuinfo").read_text().split()

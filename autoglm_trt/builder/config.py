@@ -37,6 +37,7 @@ TEXT_MAX_SEQ_LEN, TEXT_MAX_INPUT_LEN = 2048, 1024
 IMAGE_MAX_INPUT_LEN = 4096
 KV_MEMORY_BYTES = 512 * 1024 * 1024
 VISION_LINEARS = ("auto", "int8", "float32")
+VISION_ATTENTION = ("auto", "bfloat16", "float32")
 KV_SHARE = 0.5  # of the memory available at build, the most a pool sized for the model takes
 
 
@@ -67,6 +68,9 @@ class BuildConfig:
     # where the CPU sums bytes exactly, graph.vision_int8), "float32", or "auto": int8 for the
     # precisions whose decoder rounds its activations to 8 bits anyway, float32 for the others
     vision_linears: str = "auto"
+    # and its attention: "bfloat16" (the native ImageAttentionBf16 where the CPU has AVX512-BF16),
+    # "float32" (ONNX Runtime's MultiHeadAttention), or "auto": as vision_linears's auto
+    vision_attention: str = "auto"
 
     def check(self) -> None:
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "kv_block_size", "kv_memory_bytes",
@@ -80,6 +84,9 @@ class BuildConfig:
         if self.vision_linears not in VISION_LINEARS:
             raise BuildConfigError(f"vision_linears must be one of {', '.join(VISION_LINEARS)}, "
                                    f"got {brief(self.vision_linears)}")
+        if self.vision_attention not in VISION_ATTENTION:
+            raise BuildConfigError(f"vision_attention must be one of {', '.join(VISION_ATTENTION)}, "
+                                   f"got {brief(self.vision_attention)}")
         if self.max_images < 0:
             raise BuildConfigError(f"max_images must be >= 0, got {self.max_images}")
         if self.max_input_len is not None and self.max_seq_len is not None and self.max_input_len > self.max_seq_len:

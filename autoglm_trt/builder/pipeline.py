@@ -243,7 +243,8 @@ def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, 
 def _vision_engine(backend: str, model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig,
                    req: BuildRequest, report: dict, log: Callable[[str], None]) -> None:
     """An image-text model's vision encoder in the build (``report["vision"]``): on TensorRT its
-    engine; on ONNX Runtime the export's float32 graph, and with INT8 linears its INT8 form beside it."""
+    engine; on ONNX Runtime the export's float32 graph, with INT8 linears (``vision_linears``) its
+    INT8 form beside it, and with bfloat16 attention (``vision_attention``) each one's native form."""
     if record.vision() is None:
         return
     if backend == "tensorrt":
@@ -252,15 +253,21 @@ def _vision_engine(backend: str, model_dir: Path, record: ExportRecord, tmp: Pat
     if cfg.vision_dtype != BuildConfig.vision_dtype:
         log(f"vision_dtype {cfg.vision_dtype} is for a TensorRT vision engine; ONNX Runtime's encoder runs "
             "float32 or INT8 linears (vision_linears)")
-    linears = cfg.vision_linears if cfg.vision_linears != "auto" else (
-        "int8" if req.precision in BF16_ATTENTION else "float32")
-    report["vision"] = {"linears": linears, "graphs": {"float32": record.vision_files()[0].name}}
+    eight_bits = req.precision in BF16_ATTENTION
+    linears = cfg.vision_linears if cfg.vision_linears != "auto" else ("int8" if eight_bits else "float32")
+    attention = cfg.vision_attention if cfg.vision_attention != "auto" else ("bfloat16" if eight_bits else "float32")
+    graph = record.vision_files()[0]
+    report["vision"] = {"linears": linears, "attention": attention, "graphs": {"float32": graph.name}}
     if linears == "int8":
-        report["vision"].update(_int8_vision(record.vision_files()[0], tmp, log))
+        report["vision"]["graphs"]["int8"], report["vision"]["int8_linears"] = _int8_vision(graph, tmp, log)
+    if attention == "bfloat16":
+        report["vision"]["native_graphs"] = _native_vision(report["vision"]["graphs"], graph.parent, tmp,
+                                                           record.vision(), log)
 
 
-def _int8_vision(graph: Path, tmp: Path, log: Callable[[str], None]) -> dict:
-    """``vision.int8.onnx`` beside the float32 encoder: its linears INT8 (``graph.vision_int8``)."""
+def _int8_vision(graph: Path, tmp: Path, log: Callable[[str], None]) -> tuple[str, int]:
+    """``vision.int8.onnx`` beside the float32 encoder: its linears INT8 (``graph.vision_int8``); and
+    how many linears it has."""
     import onnx
 
     from ..graph.vision_int8 import INT8_VISION_GRAPH, int8_vision_graph
@@ -270,7 +277,28 @@ def _int8_vision(graph: Path, tmp: Path, log: Callable[[str], None]) -> dict:
                     location=f"{INT8_VISION_GRAPH}.data", size_threshold=1024)
     log(f"vision encoder: {count} linears INT8 ({INT8_VISION_GRAPH}), run where the CPU sums bytes exactly "
         "(VNNI, or not x86), else the float32 graph")
-    return {"graphs": {"float32": graph.name, "int8": INT8_VISION_GRAPH}, "int8_linears": count}
+    return INT8_VISION_GRAPH, count
+
+
+def _native_vision(graphs: dict[str, str], export_dir: Path, tmp: Path, vision, log: Callable[[str], None]) -> dict:
+    """Each encoder graph's form with the native bfloat16 attention (``<name>.native.onnx``, a graph
+    naming its base's weights), by the same keys; none where the head size does not fit it."""
+    import onnx
+
+    from ..backends.onnxrt.passes.image_attention import HEAD_SIZES, native_image_attention
+
+    made = {}
+    for key, name in graphs.items():
+        base = tmp / name if (tmp / name).is_file() else export_dir / name
+        model, count = native_image_attention(onnx.load(str(base), load_external_data=False), vision.head_dim)
+        if count:
+            made[key] = name.removesuffix(".onnx") + ".native.onnx"
+            onnx.save_model(model, str(tmp / made[key]))
+    log(f"vision encoder: attention in bfloat16 ({', '.join(made.values())}) where the native library runs "
+        "ImageAttentionBf16 (AVX512-BF16), else float32" if made else
+        f"vision encoder: head size {vision.head_dim} is not one ImageAttentionBf16 takes ({HEAD_SIZES}); "
+        "attention stays float32")
+    return made
 
 
 def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig, req: BuildRequest,

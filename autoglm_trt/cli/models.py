@@ -242,9 +242,11 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
         from ..runtime.images import vision_graph
 
         built = manifest.data["vision"]
-        graph, why = vision_graph(manifest)
-        click.echo(f"vision       linears {built.get('linears')} at build ("
-                   + ", ".join(f"{k}: {v}" for k, v in built.get("graphs", {}).items()) + f"); here {graph}: {why}")
+        graph, why, _ = vision_graph(manifest)
+        made = {**built.get("graphs", {}), **{f"{k}, native attention": v
+                                               for k, v in built.get("native_graphs", {}).items()}}
+        click.echo(f"vision       {built.get('linears')} linears and {built.get('attention', 'float32')} attention at "
+                   "build (" + ", ".join(f"{k}: {v}" for k, v in made.items()) + f"); here {graph}: {why}")
 
 
 def _decode_graph(manifest, report: dict | None) -> dict:
@@ -306,7 +308,7 @@ def _vision_report(manifest) -> list[str]:
     patches = vision.max_patches(pixels)
     runs = (f"vision.plan on TensorRT ({manifest.data.get('build_config', {}).get('vision_dtype', 'float32')} "
             "linears and attention)" if manifest.backend == "tensorrt"
-            else "{} on ONNX Runtime here: {}, float32 fused MultiHeadAttention".format(*vision_graph(manifest)))
+            else "{} on ONNX Runtime here: {}".format(*vision_graph(manifest)[:2]))
     body = default_max_body_bytes(options.max_images or 0, pixels)
     return [f"vision encoder: {runs}; by default images of up to {pixels:,} pixels ({patches:,} patches, "
             f"{patches // vision.merge_size ** 2:,} image tokens), {options.max_images} a prompt, encoded one at a time",

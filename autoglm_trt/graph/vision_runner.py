@@ -51,11 +51,13 @@ class GridInputs:
 
 
 class VisionEncoder:
-    """The encoder graph (``graph``: the float32 one, or its INT8 form) in an ONNX Runtime session."""
+    """The encoder graph (``graph``: the float32 one, or another form of it) in an ONNX Runtime
+    session (``custom_ops``: the native library a form with native operators needs)."""
 
-    def __init__(self, model_dir: Path, spec: VisionSpec, threads: int | None = None, graph: str = VISION_GRAPH):
+    def __init__(self, model_dir: Path, spec: VisionSpec, threads: int | None = None, graph: str = VISION_GRAPH,
+                 custom_ops: Path | None = None):
         self.spec, self.graph = spec, graph
-        self.session = make_session(Path(model_dir) / graph, threads=threads)
+        self.session = make_session(Path(model_dir) / graph, threads=threads, custom_ops=custom_ops)
         self.grid_inputs = GridInputs(model_dir, spec)
 
     def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:

@@ -142,6 +142,12 @@ def attention_bf16(path: Path) -> bool:
     return bool(ctypes.CDLL(str(path)).AutoglmAttentionBf16())
 
 
+def image_attention_bf16(path: Path) -> bool:
+    """Whether the library's ``ImageAttentionBf16`` (the vision encoder's attention in bfloat16) runs
+    here: an AVX-512 build on a CPU with AVX512-BF16."""
+    return bool(ctypes.CDLL(str(path)).AutoglmImageAttentionBf16())
+
+
 def block_kernel(path: Path) -> str:
     """Which instructions the library's ``Int4WeightLinear`` and ``Int8BlockLinear`` dot products use
     ("avx512-vnni", "avx2" or "portable C")."""

@@ -273,7 +273,7 @@ def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
     doctor = run_cli("doctor", str(engine_dir))
     assert doctor.returncode == 0, doctor.stderr
     assert ("vision encoder: vision.onnx on ONNX Runtime here: float32 linears (the build's vision_linears), "
-            "float32 fused MultiHeadAttention; by default images of "
+            "float32 MultiHeadAttention (the build's vision_attention); by default images of "
             "up to 7,200 pixels (18 patches, 4 image tokens), 1 a prompt") in doctor.stdout
 
 
@@ -426,8 +426,8 @@ def test_images_survive_preemption_and_forks(tiny_dir, tmp_path):
 def test_an_int8_build_calibrates_with_images_and_answers_them(tiny_dir, tmp_path):
     """``build --precision int8`` on GLM-4.1V: the calibration takes image windows (synthetic
     screenshots: the shipped calibration folder holds text), the engine keeps the float encoder, adds
-    its INT8-linear form (``vision_linears`` auto: an 8-bit decoder gets 8-bit vision linears) and
-    answers image prompts."""
+    its INT8-linear and bfloat16-attention forms (``vision_linears`` and ``vision_attention`` auto: an
+    8-bit decoder gets them) and answers image prompts."""
     import json
 
     from conftest import build_tiny_engine
@@ -436,7 +436,8 @@ def test_an_int8_build_calibrates_with_images_and_answers_them(tiny_dir, tmp_pat
                                    kv_num_blocks=64)
     record = json.loads((engine_dir / "calib.json").read_text())
     assert record["data"]["image_windows"] == 4 and (engine_dir / "vision.onnx").is_file()
-    assert json.loads((engine_dir / "manifest.json").read_text())["vision"]["linears"] == "int8"
+    built = json.loads((engine_dir / "manifest.json").read_text())["vision"]
+    assert (built["linears"], built["attention"]) == ("int8", "bfloat16")
     with Engine.load(engine_dir) as engine:
         [res] = engine.generate([image_message("what is on the screen? ", random_image(120, 200, 3))],
                                 SamplingParams(max_new_tokens=6, ignore_eos=True))
@@ -488,49 +489,65 @@ def test_an_int4_awq_build_searches_its_scales_on_image_windows_too(tiny_dir, tm
 MARGIN = 0.1  # nats
 
 
-def test_int8_vision_linears_keep_the_image_tokens_and_the_answers(glm4v_engine, tiny_dir, tmp_path, monkeypatch):
-    """``vision_linears: int8``: the encoder's INT8 form beside the float one, run where the CPU sums
-    bytes exactly; per image token a cosine of at least 0.999 with the float32 encoder's embedding,
-    and greedy answers to image prompts equal the float encoder's engine's wherever that engine is
-    sure of its token (its top two log-probabilities ``MARGIN`` apart: the tiny random model also
-    hesitates between two tokens by less, which any rounding may flip). ``AUTOGLM_TRT_VISION_INT8=0``
+@pytest.mark.parametrize("linears,attention", [("int8", "float32"), ("float32", "bfloat16"), ("int8", "bfloat16")])
+def test_fast_vision_forms_keep_the_image_tokens_and_the_answers(glm4v_engine, tiny_dir, tmp_path, monkeypatch,
+                                                                 linears, attention):
+    """``vision_linears: int8`` and ``vision_attention: bfloat16``: the encoder's INT8 form and each
+    graph's native-attention form beside the float one, each run where this CPU can (INT8 where it
+    sums bytes exactly, the native attention where it has AVX512-BF16); per image token a cosine of
+    at least 0.999 with the float32 encoder's embedding, and greedy answers to image prompts equal
+    the float encoder's engine's wherever that engine is sure of its token (its top two
+    log-probabilities ``MARGIN`` apart: the tiny random model also hesitates between two tokens by
+    less, which any rounding may flip). ``AUTOGLM_TRT_VISION_INT8=0`` with ``AUTOGLM_TRT_NATIVE=0``
     runs the float32 graph."""
     from conftest import build_tiny_engine
 
     from autoglm_trt.artifacts import Manifest
-    from autoglm_trt.native import int8_pairs_saturate
+    from autoglm_trt.native import image_attention_bf16, int8_pairs_saturate
+    from autoglm_trt.native import library as native_library
     from autoglm_trt.runtime.images import vision_graph
 
-    engine_dir = build_tiny_engine(tiny_dir, tmp_path / "int8-vision", family="glm4v", max_input_len=24,
-                                   max_seq_len=256, kv_num_blocks=160, vision_linears="int8")
-    manifest = Manifest.read(engine_dir)
-    assert manifest.data["vision"]["graphs"] == {"float32": "vision.onnx", "int8": "vision.int8.onnx"}
-    # per block qkv, proj, gate, up, down; the patch embedding, the downsample and the merger's four
-    assert manifest.data["vision"]["int8_linears"] == 2 * 5 + 6
-    assert Manifest.read(glm4v_engine).data["vision"] == {"linears": "float32", "graphs": {"float32": "vision.onnx"}}
-    assert vision_graph(manifest)[0] == ("vision.onnx" if int8_pairs_saturate() else "vision.int8.onnx")
+    engine_dir = build_tiny_engine(tiny_dir, tmp_path / "fast-vision", family="glm4v", max_input_len=24,
+                                   max_seq_len=256, kv_num_blocks=160, vision_linears=linears,
+                                   vision_attention=attention)
+    built = Manifest.read(engine_dir).data["vision"]
+    assert (built["linears"], built["attention"]) == (linears, attention)
+    assert built["graphs"] == {"float32": "vision.onnx", **({"int8": "vision.int8.onnx"} if linears == "int8" else {})}
+    if linears == "int8":  # per block qkv, proj, gate, up, down; the patch embedding, the downsample and the merger's
+        assert built["int8_linears"] == 2 * 5 + 6
+    assert built.get("native_graphs") == ({k: v.replace(".onnx", ".native.onnx") for k, v in built["graphs"].items()}
+                                          if attention == "bfloat16" else None)
+    assert Manifest.read(glm4v_engine).data["vision"] == {"linears": "float32", "attention": "float32",
+                                                          "graphs": {"float32": "vision.onnx"}}
+    library = native_library()[0]
+    int8_here = linears == "int8" and not int8_pairs_saturate()
+    native_here = attention == "bfloat16" and library is not None and image_attention_bf16(library)
+    want = ("vision.int8" if int8_here else "vision") + (".native" if native_here else "") + ".onnx"
+    assert vision_graph(Manifest.read(engine_dir))[0] == want
     images = [random_image(181, 250, 1), random_image(151, 109, 2), random_image(300, 90, 4)]
     prompts = [image_message("look: ", images[0], " what is it?"), image_message("compare ", images[1], " with ",
                                                                                     images[2], ".")]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=2)
     embeddings, answers, margins = {}, {}, []
-    for name, path in (("float", glm4v_engine), ("int8", engine_dir)):
+    for name, path in (("float", glm4v_engine), ("fast", engine_dir)):
         with Engine.load(path, prefix_caching=False) as engine:
             pipeline = engine.images
+            assert pipeline.encoder.graph == (want if name == "fast" else "vision.onnx")
             embeddings[name] = [pipeline.encoder.encode(*_rows_and_grid(pipeline, image)) for image in images]
             results = engine.generate(prompts, params)
             answers[name] = [r.token_ids for r in results]
             if name == "float":
                 margins = [[t.top[0][1] - t.top[1][1] for t in r.choices[0].logprobs] for r in results]
-    if int8_pairs_saturate():
-        pytest.skip("this CPU has no VNNI: the engine runs the float32 encoder (checked above)")
-    for ours, theirs in zip(embeddings["int8"], embeddings["float"]):
+    if want == "vision.onnx":
+        pytest.skip("this CPU runs neither form here (no VNNI or no AVX512-BF16): the float32 encoder ran (checked)")
+    for ours, theirs in zip(embeddings["fast"], embeddings["float"]):
         cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
         assert cosine.min() >= 0.999 and not np.array_equal(ours, theirs)
     sure = [next((i for i, m in enumerate(ms) if m < MARGIN), len(ms)) for ms in margins]
     assert min(sure) >= 1, sure
-    assert [a[:n] for a, n in zip(answers["int8"], sure)] == [a[:n] for a, n in zip(answers["float"], sure)]
+    assert [a[:n] for a, n in zip(answers["fast"], sure)] == [a[:n] for a, n in zip(answers["float"], sure)]
     monkeypatch.setenv("AUTOGLM_TRT_VISION_INT8", "0")
+    monkeypatch.setenv("AUTOGLM_TRT_NATIVE", "0")
     with Engine.load(engine_dir, prefix_caching=False) as engine:
         assert engine.images.encoder.graph == "vision.onnx"
         np.testing.assert_array_equal(engine.images.encoder.encode(*_rows_and_grid(engine.images, images[0])),

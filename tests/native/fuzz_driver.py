@@ -135,6 +135,11 @@ def _kv_rows(rng) -> list[np.ndarray]:
     return [(rng.standard_normal(shape) * rng.choice([1e-9, 1.0, 1e4])).astype(F)]
 
 
+def _image_attention(rng) -> list[np.ndarray]:
+    shape = (int(rng.integers(1, 150)), int(rng.integers(1, 4)), int(rng.choice([16, 32, 64, 128])))
+    return [(rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 30.0])).astype(F) for _ in range(3)]
+
+
 OUTPUT_TYPES = {"HadamardQuantize": [U8], "QuantizeKVRows": [I8, F]}  # float32 for the others
 # name: (inputs that fit, outputs, how many trailing inputs are optional)
 OPS: dict[str, tuple[Callable, int, int]] = {
@@ -166,6 +171,7 @@ OPS: dict[str, tuple[Callable, int, int]] = {
     "PrefillAttention": (_prefill_attention, 1, 0),
     "PrefillAttentionBf16": (_prefill_attention, 1, 0),
     "QuantizeKVRows": (_kv_rows, 2, 0),
+    "ImageAttentionBf16": (_image_attention, 1, 0),
 }
 
 
@@ -244,6 +250,7 @@ def main() -> int:
     # whether MaskedSoftmax runs at all in this build (it needs AVX-512F), asked in this process,
     # where a sanitizer build's runtime is loaded first
     print(f"RESULT softmax exact: {int(ctypes.CDLL(args.library).AutoglmSoftmaxExact())}", flush=True)
+    print(f"RESULT image attention: {int(ctypes.CDLL(args.library).AutoglmImageAttentionBf16())}", flush=True)
     kernel = ctypes.CDLL(args.library).AutoglmFloatKernel
     kernel.restype = ctypes.c_char_p
     print(f"RESULT fma: {int(kernel() != b'portable C')}", flush=True)  # PrefillAttention runs only with it

@@ -19,7 +19,7 @@ SANITIZERS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno
 # the tests of the operators' arithmetic, run again against the sanitizer build
 OPERATOR_TESTS = ("test_native_attention.py", "test_int8_linear.py", "test_float_linear.py", "test_rope_op.py",
                   "test_masked_softmax.py", "test_constant_inputs.py", "test_int8_weight_linear.py", "test_block_linear.py",
-                  "test_prefill_attention.py")
+                  "test_prefill_attention.py", "test_image_attention.py")
 
 
 def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None) -> dict[str, tuple[int, int]]:
@@ -32,12 +32,13 @@ def fuzz(library: Path, cases: int, seed: int, env: dict[str, str] | None = None
         f"exit {done.returncode}; last case: {next((x for x in reversed(lines) if ' case ' in x), '-')}\n"
         + "\n".join(problems[:40]))
     results = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"RESULT (\w+): (\d+) ran, (\d+) refused", done.stdout)}
-    assert len(results) == 28, results
+    assert len(results) == 29, results
     no_fma = "RESULT fma: 0" in done.stdout
     absent = {"MaskedSoftmax": "RESULT softmax exact: 0" in done.stdout, "PrefillAttention": no_fma,
-              "PrefillAttentionBf16": no_fma}
+              "PrefillAttentionBf16": no_fma, "ImageAttentionBf16": "RESULT image attention: 0" in done.stdout}
     for op, (ran, refused) in results.items():  # the cases reach the kernels, and the checks
-        if absent.get(op):  # a build without AVX-512F (MaskedSoftmax) or FMA (PrefillAttention): refused by name
+        if absent.get(op):  # a build without AVX-512F (MaskedSoftmax), FMA (PrefillAttention) or a CPU without
+            # AVX512-BF16 (ImageAttentionBf16): refused by name
             assert ran == 0 and refused == cases, (op, ran, refused)
             continue
         # QuantizeKVRows takes any float tensor of rank 1 to 8 (the mutations rarely leave that)

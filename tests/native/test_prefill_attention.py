@@ -7,24 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from conftest import float_op_session
 
 NEG_INF = -1.0e9  # the engine graph's mask value (graph/decoder.py)
 NAMES = ("q", "k_past", "k_new", "v_past", "v_new", "bias")
 
 
 def _session(library, op: str = "PrefillAttention"):
-    import onnxruntime as ort
-
-    f = TensorProto.FLOAT
-    graph = helper.make_graph([helper.make_node(op, list(NAMES), ["context"], domain="autoglm.trt")],
-                              "native", [helper.make_tensor_value_info(n, f, None) for n in NAMES],
-                              [helper.make_tensor_value_info("context", f, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("autoglm.trt", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return float_op_session(library, op, NAMES)
 
 
 def reference(feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -141,11 +131,13 @@ def test_the_bf16_form_rounds_its_products_to_bfloat16_where_amx_has_them(kernel
         assert np.sqrt(np.mean(error**2)) < 5e-3 * np.sqrt(np.mean(want**2))
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
         assert not np.array_equal(got, exact)
-        script = ("import sys, numpy as np; sys.path[:0] = sys.argv[1:2]; import test_prefill_attention as t; "
+        script = ("import sys, numpy as np; sys.path[:0] = sys.argv[3:4] + sys.argv[1:2]; "
+                  "import test_prefill_attention as t; "
                   "f = t._feeds(np.random.default_rng(3), 1, 1, 2, 40, 0, 64, [0]); "
                   "a = t._session(sys.argv[2], 'PrefillAttentionBf16').run(None, f)[0]; "
                   "b = t._session(sys.argv[2]).run(None, f)[0]; sys.exit(0 if np.array_equal(a, b) else 1)")
-        done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), str(kernel_library)],
+        done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), str(kernel_library),
+                               os.path.dirname(os.path.dirname(__file__))],
                               env=dict(os.environ, AUTOGLM_TRT_AMX="0"), capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     else:

@@ -59,17 +59,43 @@ def test_the_rewrite_takes_the_encoders_linears_alone_and_leaves_its_input():
     assert int8_vision_graph(_one_linear(w, "lm_head.weight"))[1] == 0
 
 
+def test_a_down_projections_input_is_rotated_and_its_weight_with_it():
+    """A Hadamard rotation of the input (blocks of 32 here: 96 = 3 x 32) and the weight rotated to
+    match leave the float product as it was; the per-token INT8 product of the rotated pair errs
+    less where one input of the row is an outlier."""
+    from autoglm_trt.graph.hadamard import hadamard, rotate_weight
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((96, 40), np.float32)
+    x = rng.standard_normal((50, 96), np.float32)
+    x[:, 7] *= 60  # one channel of outliers, as a SiLU-gated product has
+    turned = (x.reshape(50, 3, 32) @ hadamard(32)).reshape(50, 96)
+    np.testing.assert_allclose(turned @ rotate_weight(w, 32), x @ w, rtol=1e-4, atol=1e-3)
+    exact = x.astype(np.float64) @ w
+    plain, rotated = reference_linear(x, w), reference_linear(x, w, 32)
+    assert np.linalg.norm(rotated - exact) < 0.5 * np.linalg.norm(plain - exact)
+    model, count = int8_vision_graph(_one_linear(w, "visual.blocks.0.mlp.down_proj.weight"))
+    ops = [node.op_type for node in model.graph.node]
+    assert count == 1 and ops.count("MatMul") == 2 and ops.count("Reshape") == 2  # the rotation's, and "other"
+
+
 @pytest.mark.skipif(int8_pairs_saturate(), reason="ONNX Runtime's INT8 products saturate on this CPU (no VNNI); "
                                                    "the runtime runs the float32 encoder here")
-def test_the_rewritten_linear_computes_the_reference():
+@pytest.mark.parametrize("name,block", [("visual.blocks.0.attn.qkv.weight", 0),
+                                        ("visual.blocks.0.mlp.down_proj.weight", 32)])
+def test_the_rewritten_linear_computes_the_reference(name, block):
     import onnxruntime as ort
 
     rng = np.random.default_rng(2)
     w = rng.standard_normal((96, 40), np.float32)
     x = rng.standard_normal((33, 96), np.float32) * rng.uniform(0.01, 100, (33, 1)).astype(np.float32)
     x[4] = 0.0
-    rewritten, _ = int8_vision_graph(_one_linear(w, "visual.blocks.0.attn.qkv.weight"))
+    rewritten, _ = int8_vision_graph(_one_linear(w, name))
     session = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
     [z] = session.run(None, {"x": x})
-    np.testing.assert_allclose(z, reference_linear(x, w), rtol=2e-6, atol=1e-30)
+    want = reference_linear(x, w, block)
+    if block:  # ONNX Runtime's float32 rotation sums in another order: a code may differ by one step
+        assert np.abs(z - want).max() < 2e-2 * np.abs(want).max()
+    else:
+        np.testing.assert_allclose(z, want, rtol=2e-6, atol=1e-30)
     assert not z[4].any()

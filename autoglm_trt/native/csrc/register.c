@@ -81,7 +81,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
                                          &int4_weight_linear_split, &int4_weight_linear_silu_mul,
                                          &int4_weight_linear_skip_norm, &int8_block_linear, &int8_block_linear_split,
                                          &int8_block_linear_silu_mul, &int8_block_linear_skip_norm, &prefill_attention,
-                                         &prefill_attention_bf16, &quantize_kv_rows};
+                                         &prefill_attention_bf16, &quantize_kv_rows, &image_attention_bf16};
   if (domain == NULL) {
     OrtStatus *status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain);
     for (size_t i = 0; status == NULL && i < sizeof ops / sizeof ops[0]; i++)
@@ -99,6 +99,9 @@ __attribute__((visibility("default"))) int AutoglmInt8Amx(void) { return amx_rea
 
 /* 1 where PrefillAttentionBf16 takes its bfloat16 path on AMX (prefill_attention.c) */
 __attribute__((visibility("default"))) int AutoglmAttentionBf16(void) { return amx_bf16_ready(); }
+
+/* 1 where ImageAttentionBf16 runs (image_attention.c), else 0 */
+__attribute__((visibility("default"))) int AutoglmImageAttentionBf16(void) { return image_attention_ready(); }
 
 /* which instructions Int4WeightLinear's and Int8BlockLinear's dot products use ("avx2" or "portable C") */
 __attribute__((visibility("default"))) const char *AutoglmBlockKernel(void) { return block_linear_kernel; }
