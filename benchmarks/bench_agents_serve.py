@@ -9,8 +9,11 @@ the small vision tower, int8-wo) with Open-AutoGLM's max_pixels, measured by ``a
 (3,108 image tokens) as a data: URL, streamed, ``--gen-len`` tokens; 1 client for 2 requests,
 then 4 clients for 8. The server runs as it does by default (the decoder's idle threads
 spinning) and with ``--no-spinning``, in turns over ``--rounds``; it prints each level's time to
-first token, per-token latency and tokens/s (medians over rounds), then ``--no-spinning``'s over
-the default's.
+first token, per-token latency and tokens/s (medians over rounds) with the server's split of the
+time to first token (``autoglm_request_phase_seconds``, the mean of each phase over the level's
+requests: reading the body, waiting for a worker, decoding, preprocessing, waiting for the
+encoder, encoding, queue and prefill, and the whole), then ``--no-spinning``'s over the
+default's and four clients' median time to first token over one client's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from .bench_encode_overlap import engine
 from .common import ROOT, machine
 
 KEYS = ("ttft_ms_p50", "ttft_ms_p90", "token_ms_p50", "token_ms_p90", "tokens_per_s", "wall_s")
+# the server's split of a request's time to first token (autoglm_request_phase_seconds), in order
+PHASES = ("read", "images_wait", "decode", "preprocess", "encoder_wait", "encode", "queue_prefill", "ttft")
 
 
 def free_port() -> int:
@@ -35,6 +40,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def phase_totals(url: str) -> dict[str, tuple[float, float]]:
+    """The server's ``autoglm_request_phase_seconds`` so far: (sum, count) by phase."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for kind, k in (("_sum", 0), ("_count", 1)):
+            head = f"autoglm_request_phase_seconds{kind}{{phase=\""
+            if line.startswith(head):
+                phase, value = line[len(head):].split("\"}", 1)
+                out.setdefault(phase, [0.0, 0.0])[k] = float(value)
+    return {p: (v[0], v[1]) for p, v in out.items()}
 
 
 def measured(path: Path, blocking: bool, gen_len: int) -> list[dict]:
@@ -54,10 +73,18 @@ def measured(path: Path, blocking: bool, gen_len: int) -> list[dict]:
                 if server.poll() is not None:
                     raise SystemExit(f"serve exited: {server.stderr.read() if server.stderr else ''}") from None
                 time.sleep(0.2)
-        out = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", url, "--image", "1080x2400",
-                              "--concurrency", "1,4", "--prompt-len", "64", "--gen-len", str(gen_len), "--json"],
-                             capture_output=True, text=True, check=True, timeout=1800)
-        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        rows = []
+        for concurrency in (1, 4):
+            before = phase_totals(url)
+            out = subprocess.run([sys.executable, "-m", "autoglm_trt", "bench", "--url", url, "--image", "1080x2400",
+                                  "--concurrency", str(concurrency), "--prompt-len", "64", "--gen-len", str(gen_len),
+                                  "--json"], capture_output=True, text=True, check=True, timeout=1800)
+            after = phase_totals(url)
+            [row] = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            counts = {p: after[p][1] - before.get(p, (0.0, 0.0))[1] for p in after}
+            rows.append({**row, "phase_ms_mean": {p: 1000 * (after[p][0] - before.get(p, (0.0, 0.0))[0]) / counts[p]
+                                                  for p in PHASES if counts.get(p)}})
+        return rows
     finally:
         server.terminate()
         server.wait(60)
@@ -77,7 +104,9 @@ def main() -> None:
         for blocking in ((False, True) if r % 2 == 0 else (True, False)):
             runs[blocking].append(measured(path, blocking, args.gen_len))
     med = {s: [{"concurrency": rows[0]["concurrency"], "requests": rows[0]["requests"],
-                **{k: statistics.median(row[k] for row in rows) for k in KEYS}}
+                **{k: statistics.median(row[k] for row in rows) for k in KEYS},
+                "phase_ms_mean": {p: round(statistics.median(row["phase_ms_mean"][p] for row in rows), 1)
+                                  for p in PHASES if all(p in row["phase_ms_mean"] for row in rows)}}
                for rows in zip(*runs[s])] for s in runs}
     for s in (False, True):
         for row in med[s]:
@@ -86,6 +115,10 @@ def main() -> None:
     for default, blocking in zip(med[False], med[True]):
         print(json.dumps({"concurrency": default["concurrency"], "no_spinning_over_default":
                           {k: round(blocking[k] / default[k], 3) for k in KEYS}}))
+    for s in (False, True):
+        one, four = med[s]
+        print(json.dumps({"server": "--no-spinning" if s else "default",
+                          "ttft_p50_4_over_1": round(four["ttft_ms_p50"] / one["ttft_ms_p50"], 3)}))
     print(json.dumps({"gen_len": args.gen_len, "image": "1080x2400", "machine": machine()}))
 
 

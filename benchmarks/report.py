@@ -93,7 +93,8 @@ SECTIONS = (
                                                                   "--gen-len", "200"),
             "serve on the GLM-4.1V engine above (SmolLM2's decoder shape, int8-wo), measured by bench --url "
             "--image 1080x2400: each request a new screenshot (3,108 image tokens) as a data: URL, streamed, 200 "
-            "tokens; 1 client, then 4; the server as by default and with --no-spinning, in turns."),
+            "tokens; 1 client, then 4; the server as by default and with --no-spinning, in turns; with the server's "
+            "own split of the time to first token (autoglm_request_phase_seconds, mean per phase)."),
     Section("vision_half", "The TensorRT vision engine's half types", ("benchmarks.vision_half",),
             "A 1080 x 2400 screenshot through the small GLM-4.1V vision tower above: the float32 encoder as ONNX "
             "Runtime runs it against the graph a TensorRT build compiles (graph/vision_trt.py) in float32, float16 "

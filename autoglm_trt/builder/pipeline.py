@@ -38,6 +38,7 @@ from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec
 from .config import BuildConfig
 from .profiles import profile_shapes
+from .vision import vision_engine
 
 if TYPE_CHECKING:
     from .int4_awq import Int4Settings
@@ -235,99 +236,14 @@ def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, 
         return OPT_GRAPH, optimize(graph_file, tmp, cfg.threads, rewritten)
     from ..backends.trt.loader import build_plan
 
-    timing = Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
+    timing = _timing_cache(cfg, req)
     return "engine.plan", build_plan(graph_file, tmp, profiles, cfg.workspace_bytes, cfg.builder_optimization_level,
                                      timing, None if rewritten is None else rewritten.SerializeToString())
 
 
-def _vision_engine(backend: str, model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig,
-                   req: BuildRequest, report: dict, log: Callable[[str], None]) -> None:
-    """An image-text model's vision encoder in the build (``report["vision"]``): on TensorRT its
-    engine; on ONNX Runtime the export's float32 graph, with INT8 linears (``vision_linears``) its
-    INT8 form beside it, and with bfloat16 attention (``vision_attention``) each one's native form."""
-    if record.vision() is None:
-        return
-    if backend == "tensorrt":
-        report["vision"] = _vision_plan(model_dir, record, tmp, cfg, req, log)
-        return
-    if cfg.vision_dtype != BuildConfig.vision_dtype:
-        log(f"vision_dtype {cfg.vision_dtype} is for a TensorRT vision engine; ONNX Runtime's encoder runs "
-            "float32 or INT8 linears (vision_linears)")
-    eight_bits = req.precision in BF16_ATTENTION
-    linears = cfg.vision_linears if cfg.vision_linears != "auto" else ("int8" if eight_bits else "float32")
-    attention = cfg.vision_attention if cfg.vision_attention != "auto" else ("bfloat16" if eight_bits else "float32")
-    graph = record.vision_files()[0]
-    report["vision"] = {"linears": linears, "attention": attention, "graphs": {"float32": graph.name}}
-    if linears == "int8":
-        report["vision"]["graphs"]["int8"], report["vision"]["int8_linears"] = _int8_vision(graph, tmp, log)
-    if attention == "bfloat16":
-        report["vision"]["native_graphs"] = _native_vision(report["vision"]["graphs"], graph.parent, tmp,
-                                                           record.vision(), log)
-
-
-def _int8_vision(graph: Path, tmp: Path, log: Callable[[str], None]) -> tuple[str, int]:
-    """``vision.int8.onnx`` beside the float32 encoder: its linears INT8 (``graph.vision_int8``); and
-    how many linears it has."""
-    import onnx
-
-    from ..graph.vision_int8 import INT8_VISION_GRAPH, int8_vision_graph
-
-    model, count = int8_vision_graph(onnx.load(str(graph)))
-    onnx.save_model(model, str(tmp / INT8_VISION_GRAPH), save_as_external_data=True,
-                    location=f"{INT8_VISION_GRAPH}.data", size_threshold=1024)
-    log(f"vision encoder: {count} linears INT8 ({INT8_VISION_GRAPH}), run where the CPU sums bytes exactly "
-        "(VNNI, or not x86), else the float32 graph")
-    return INT8_VISION_GRAPH, count
-
-
-def _native_vision(graphs: dict[str, str], export_dir: Path, tmp: Path, vision, log: Callable[[str], None]) -> dict:
-    """Each encoder graph's form with the native bfloat16 attention (``<name>.native.onnx``, a graph
-    naming its base's weights), by the same keys; none where the head size does not fit it."""
-    import onnx
-
-    from ..backends.onnxrt.passes.image_attention import HEAD_SIZES, native_image_attention
-
-    made = {}
-    for key, name in graphs.items():
-        base = tmp / name if (tmp / name).is_file() else export_dir / name
-        model, count = native_image_attention(onnx.load(str(base), load_external_data=False), vision.head_dim)
-        if count:
-            made[key] = name.removesuffix(".onnx") + ".native.onnx"
-            onnx.save_model(model, str(tmp / made[key]))
-    log(f"vision encoder: attention in bfloat16 ({', '.join(made.values())}) where the native library runs "
-        "ImageAttentionBf16 (AVX512-BF16), else float32" if made else
-        f"vision encoder: head size {vision.head_dim} is not one ImageAttentionBf16 takes ({HEAD_SIZES}); "
-        "attention stays float32")
-    return made
-
-
-def _vision_plan(model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig, req: BuildRequest,
-                 log: Callable[[str], None]) -> dict:
-    """A TensorRT engine of the vision encoder (``vision.plan``): its graph in TensorRT's form
-    (``graph.vision_trt``: plain attention, linears and attention in ``cfg.vision_dtype``), one
-    profile over the patch count up to ``max_pixels``."""
-    import onnx
-
-    from ..backends.trt.loader import build_plan
-    from ..backends.trt.probe import bfloat16_refusal, cuda_device
-    from ..backends.trt.vision import VISION_PLAN
-    from ..graph.vision_trt import tensorrt_vision_graph
-    from ..model.image import ImageConfig
-    from .profiles import vision_profile
-
-    vision = record.vision()
-    assert vision is not None
-    graph = record.vision_files()[0]
-    max_pixels = cfg.max_pixels or ImageConfig.from_dir(model_dir).max_pixels
-    if cfg.vision_dtype == "bfloat16" and (refusal := bfloat16_refusal(cuda_device())):
-        raise AutoGLMError(refusal)
-    form = tensorrt_vision_graph(onnx.load(str(graph), load_external_data=False), vision.head_dim, cfg.vision_dtype)
-    log(f"building the {cfg.vision_dtype} vision engine for images of up to {max_pixels} pixels "
-        f"({vision.max_patches(max_pixels)} patches)")
-    timing = Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
-    report = build_plan(graph, tmp, vision_profile(vision, max_pixels), cfg.workspace_bytes,
-                        cfg.builder_optimization_level, timing, form.SerializeToString(), VISION_PLAN)
-    return {**report, "dtype": cfg.vision_dtype}
+def _timing_cache(cfg: BuildConfig, req: BuildRequest) -> Path:
+    """TensorRT's timing cache: the config's, else ``.cache/timing.cache`` beside the engine."""
+    return Path(cfg.timing_cache) if cfg.timing_cache else Path(req.out_dir).parent / ".cache" / "timing.cache"
 
 
 def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]) -> dict:
@@ -392,7 +308,8 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     with staged_directory(out_dir, req.force) as tmp:
         log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
         engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
-        _vision_engine(backend, model_dir, record, tmp, cfg, req, report, log)
+        vision_engine(backend, model_dir, record, tmp, cfg, req.precision in BF16_ATTENTION, _timing_cache(cfg, req),
+                      report, log)
         graphs = _ort_graphs(tmp, record, kv_dtype, req.precision, log) if backend == "onnxruntime" else None
         copy_tokenizer_files(model_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))
@@ -410,8 +327,6 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
                                                                      for n, v in kv_amax.items()}).as_dict()
         if graphs is not None:
             manifest["onnxruntime"] = graphs
-        if backend == "onnxruntime" and "vision" in report:
-            manifest["vision"] = report["vision"]
         manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
         manifest["files"] = hash_dir(tmp)
         write_json(tmp / MANIFEST, manifest)
@@ -468,6 +383,8 @@ def _manifest(req: BuildRequest, backend: str, engine_file: str, record: ExportR
         "versions": library_versions("onnx", "onnxruntime", "numpy", "tensorrt"),
         "fusions": report.get("fusions", report.get("fused_count")),
     }
+    if backend == "onnxruntime" and "vision" in report:  # the encoder's graphs, of which the runtime chooses
+        manifest["vision"] = report["vision"]
     if backend == "tensorrt":
         from ..backends.trt.probe import cuda_device
 

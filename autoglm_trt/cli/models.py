@@ -239,7 +239,7 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
                    + f"; the optimized graph has {decode['saved_nodes']}): "
                    + ", ".join(f"{op} x{n}" for op, n in ops[:8]))
     if manifest.backend == "onnxruntime" and "vision" in manifest.data:
-        from ..runtime.images import vision_graph
+        from ..backends.onnxrt.vision import vision_graph
 
         built = manifest.data["vision"]
         graph, why, _ = vision_graph(manifest)
@@ -295,8 +295,9 @@ def doctor_cmd(engine_dir: Path) -> None:
 def _vision_report(manifest) -> list[str]:
     """An image-text engine's vision encoder: what runs it, and the images its defaults take."""
     from ..artifacts import ExportRecord
+    from ..backends.onnxrt.vision import vision_graph
     from ..model.image import ImageConfig
-    from ..runtime.images import ImageOptions, image_options, vision_graph
+    from ..runtime.images import ImageOptions, image_options
     from ..serve.guard import default_max_body_bytes
 
     vision = ExportRecord.read(manifest.dir).vision()

@@ -37,7 +37,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
-from ..artifacts import EngineError, ExportRecord, Manifest, inside
+from ..artifacts import EngineError, ExportRecord, Manifest
 from ..errors import RequestError
 from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
@@ -366,44 +366,9 @@ def image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -
 
         encoder: VisionEncoder | TrtVisionEncoder = TrtVisionEncoder(manifest.dir, vision, config.max_pixels)
     else:
+        from ..backends.onnxrt.vision import vision_graph
+
         graph, _, library = vision_graph(manifest)
         encoder = VisionEncoder(manifest.dir, vision, options.threads, graph, library)
     return ImagePipeline(encoder, vision, config, block_size, options.encoder_cache_bytes)
 
-
-ENV_VISION_INT8 = "AUTOGLM_TRT_VISION_INT8"  # "0": the float32 linears even where the INT8 ones run
-
-
-def vision_graph(manifest: Manifest) -> tuple[str, str, Path | None]:
-    """The ONNX Runtime engine's encoder graph this machine runs, why, and the native library it
-    needs (None: none). Its linears INT8 where the build made them (``vision_linears``) and the CPU
-    sums bytes exactly (VNNI, or not x86: ``graph.vision_int8``), else float32; its attention the
-    native bfloat16 one where the build made it (``vision_attention``) and the native library runs
-    it here (AVX512-BF16), else ONNX Runtime's float32 MultiHeadAttention."""
-    import os
-
-    from ..graph.vision_runner import VISION_GRAPH
-    from ..native import image_attention_bf16, int8_pairs_saturate
-    from ..native import library as native_library
-
-    built = manifest.data.get("vision", {})
-    graphs, natives = built.get("graphs", {}), built.get("native_graphs", {})
-    linears, why = "float32", "float32 linears (the build's vision_linears)"
-    if "int8" in graphs:
-        if os.environ.get(ENV_VISION_INT8) == "0":
-            why = f"float32 linears ({ENV_VISION_INT8}=0)"
-        elif int8_pairs_saturate():
-            why = "float32 linears (this CPU has no VNNI: ONNX Runtime's INT8 products would saturate)"
-        else:
-            linears, why = "int8", "INT8 linears (activations per token, weights per channel)"
-    where = f"{manifest.dir}/manifest.json vision"
-    if linears not in natives:
-        name = inside(manifest.dir, graphs.get(linears, VISION_GRAPH), f"{where}.graphs", EngineError).name
-        return name, why + ", float32 MultiHeadAttention (the build's vision_attention)", None
-    library, missing = native_library()
-    if library is None or not image_attention_bf16(library):
-        name = inside(manifest.dir, graphs.get(linears, VISION_GRAPH), f"{where}.graphs", EngineError).name
-        return name, why + ", float32 MultiHeadAttention (" + (
-            f"no native library: {missing})" if library is None else "this CPU has no AVX512-BF16)"), None
-    name = inside(manifest.dir, natives[linears], f"{where}.native_graphs", EngineError).name
-    return name, why + ", bfloat16 attention (native ImageAttentionBf16)", library

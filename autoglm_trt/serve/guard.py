@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 OPEN_PATHS = ("/health",)
+ARRIVED = "arrived"  # the request state's key for when its headers came (time.perf_counter())
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a text engine's, and an image-text engine's at least
 TEXT_ROOM_BYTES = 1 << 20  # beside the images: the system prompt, the history, the fields
 MIN_INFLIGHT_BYTES = 256 << 20  # bodies held by requests in flight, at least this much is allowed
@@ -75,6 +77,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})[ARRIVED] = time.perf_counter()  # request.state.arrived: phases start here
         headers = dict(scope["headers"])  # names arrive lower-cased
         if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
                 headers.get(b"authorization", b"")):

@@ -60,14 +60,25 @@ class ServerMetrics:
                              buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("autoglm_e2e_request_latency_seconds", "Submission to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.phases = Histogram("autoglm_request_phase_seconds", "Where a request's time to its first token went: "
+                                "read (headers to the parsed body), images_wait (a worker, a decode slot, the chat "
+                                "template), decode (base64 and image), preprocess, encoder_wait, encode, "
+                                "queue_prefill (submitted to first token); ttft (headers to first token)", ["phase"],
+                                buckets=LATENCY_BUCKETS, registry=r)
 
     def observe(self, finish_reason: str, prompt_tokens: int, token_times: list[float], submitted: float,
-                ended: float) -> None:
+                ended: float, phases: dict[str, float] | None = None, arrived: float | None = None) -> None:
+        """A finished request; ``phases``: the seconds of its phases before submission, and
+        ``arrived``: when its headers came (``autoglm_request_phase_seconds``)."""
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(len(token_times))
         if token_times:
             self.ttft.observe(token_times[0] - submitted)
+            if phases is not None and arrived is not None:
+                for phase, seconds in {**phases, "queue_prefill": token_times[0] - submitted,
+                                       "ttft": token_times[0] - arrived}.items():
+                    self.phases.labels(phase).observe(max(seconds, 0.0))
             for a, b in zip(token_times, token_times[1:]):
                 self.itl.observe(b - a)
         self.e2e.observe(ended - submitted)

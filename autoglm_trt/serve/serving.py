@@ -33,6 +33,7 @@ from ..runtime.guided import GRAMMAR_WORKERS, MAX_QUEUED_GRAMMARS, GuideError
 from ..runtime.images import PREPARED_AT_ONCE, PreparedPrompt
 from ..runtime.request import Prompt
 from ..runtime.request import Request as EngineRequest
+from .guard import ARRIVED
 from .metrics import ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -73,10 +74,13 @@ class ApiError(Exception):
 
 class _LoopSink:
     """Pieces from the engine thread into an asyncio queue (never blocks the engine); without
-    ``text``, only the end (None)."""
+    ``text``, only the end (None). It also carries its request's phases before submission and
+    when its headers came (``ServerMetrics.observe``)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, text: bool = True):
+    def __init__(self, loop: asyncio.AbstractEventLoop, text: bool = True, phases: dict[str, float] | None = None,
+                 arrived: float | None = None):
         self.loop, self.queue, self.text = loop, asyncio.Queue[str | None](), text
+        self.phases, self.arrived = phases, arrived
 
     def put(self, item: str | None) -> None:
         if item is not None and not self.text:
@@ -132,11 +136,16 @@ class Serving:
                                 'GLM-4.5\'s, Hermes\'); use "required", a named function, or "none"', param="tool_choice")
         parse = (self.tool_format, auto) if auto and self.tool_format is not None else None
         images = isinstance(body, ChatCompletionRequest) and body.carries_images()
+        started = time.perf_counter()
         prepared = await (self._prepare_images(request, prompt, tools) if images
                           else run_in_threadpool(self.engine.prepare, prompt, None, tools))
         if prepared is None:  # the client left while its images were prepared
             self.metrics.finished.labels("cancelled").inc()
             return Response(status_code=499)
+        arrived = getattr(request.state, ARRIVED, started)
+        phases = {"read": started - arrived}
+        if images:  # the preparation's own phases, and the rest of its time: waits for a thread and a slot
+            phases.update(prepared.seconds, images_wait=time.perf_counter() - started - sum(prepared.seconds.values()))
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
             room = max(1, self.engine.max_seq_len - len(prepared.ids))  # a prompt too long is refused by submit
@@ -146,7 +155,7 @@ class Serving:
             raise ApiError(400, "stream carries one choice: n > 1 and beam_width > 1 need stream false",
                            param="stream")
         # a stream's sink carries its text; a plain request's only its end (the others are awaited after)
-        sink = _LoopSink(asyncio.get_running_loop(), text=body.stream)
+        sink = _LoopSink(asyncio.get_running_loop(), body.stream, phases, arrived)
         if params.guide is not None:  # compiled on the engine's grammar workers: this waits, off the event loop
             if self._guided is None:
                 self._guided = anyio.CapacityLimiter(GUIDED_SUBMITS)
@@ -200,7 +209,7 @@ class Serving:
                 return Response(status_code=499)
             await asyncio.sleep(0.01)
         try:
-            res = self._finished(req)
+            res = self._finished(req, sink)
         except GuideError as exc:  # the client's grammar hit one of llguidance's limits while generating
             raise ApiError(400, str(exc), code="guide_failed") from exc
         except AutoGLMError as exc:  # the engine failed or closed under this request: not the client's fault
@@ -263,7 +272,7 @@ class Serving:
                     piece, held = held, None  # not a call: what was held goes out now
                 yield _sse(chunk(piece, None, req.marks[pieces - 1] if wanted else 0))
             try:
-                res = self._finished(req)
+                res = self._finished(req, sink)
             except GuideError as exc:
                 yield _sse(error_body(str(exc), "invalid_request_error", "guide_failed"))
             except AutoGLMError as exc:
@@ -297,8 +306,8 @@ class Serving:
             self.engine.cancel(req)
             self.metrics.finished.labels("cancelled").inc()
 
-    def _finished(self, req: EngineRequest):
+    def _finished(self, req: EngineRequest, sink: _LoopSink):
         res = self.engine.outcome(req)
         self.metrics.observe(res.finish_reason, res.prompt_tokens, res.token_times, res.submitted,
-                             time.perf_counter())
+                             time.perf_counter(), sink.phases, sink.arrived)
         return res

@@ -85,3 +85,29 @@ def test_the_default_build_and_server_answer_open_autoglms_request(default_engin
         assert wait_for(lambda: metrics(port)["autoglm_kv_blocks_used"] == 0, 60)
         # the prompt admitted: the screenshot's 3,354 image tokens and the text around them
         assert metrics(port)["autoglm_prefix_cache_queried_tokens_total"] > 3354 + len(system)
+
+
+PHASES = ("read", "images_wait", "decode", "preprocess", "encoder_wait", "encode", "queue_prefill")
+
+
+def test_the_server_splits_a_screenshot_steps_time_to_first_token(default_engine):
+    """``autoglm_request_phase_seconds``: a screenshot request's time from its headers to its first
+    token, phase by phase (each observed once, none negative); the phases are disjoint parts of it,
+    so they add up to no more than the whole."""
+    url = "data:image/png;base64," + base64.b64encode(worst_case_screenshot()).decode()
+    body = {"model": "tiny-agent", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Open the settings."},
+                                     {"type": "image_url", "image_url": {"url": url}}]}]}
+    with server(default_engine) as (port, _):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, r.read()[:500]
+        assert json.loads(r.read())["usage"]["completion_tokens"] == 2
+        conn.close()
+        seen = metrics(port)
+    count = {p: seen[f'autoglm_request_phase_seconds_count{{phase="{p}"}}'] for p in (*PHASES, "ttft")}
+    took = {p: seen[f'autoglm_request_phase_seconds_sum{{phase="{p}"}}'] for p in (*PHASES, "ttft")}
+    assert set(count.values()) == {1.0} and min(took.values()) >= 0.0
+    assert took["encode"] > 0 and took["decode"] > 0 and took["queue_prefill"] > 0
+    assert sum(took[p] for p in PHASES) <= took["ttft"] + 1e-3

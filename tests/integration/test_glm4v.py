@@ -503,9 +503,9 @@ def test_fast_vision_forms_keep_the_image_tokens_and_the_answers(glm4v_engine, t
     from conftest import build_tiny_engine
 
     from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.vision import vision_graph
     from autoglm_trt.native import image_attention_bf16, int8_pairs_saturate
     from autoglm_trt.native import library as native_library
-    from autoglm_trt.runtime.images import vision_graph
 
     engine_dir = build_tiny_engine(tiny_dir, tmp_path / "fast-vision", family="glm4v", max_input_len=24,
                                    max_seq_len=256, kv_num_blocks=160, vision_linears=linears,
