@@ -64,15 +64,10 @@ def test_the_default_build_and_server_answer_open_autoglms_request(default_engin
     assert len(url) > 13_000_000  # past the 8 MiB the server took before
     system = "You are a phone agent. " + "Reply with <think>...</think><answer>do(action=...)</answer>. " * 30
     body = {"model": "tiny-agent", "stream": True, "max_tokens": 3000, "temperature": 0.0, "top_p": 0.85,
-            "frequency_penalty": 0.2, "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": [{"type": "text", "text": "Open the settings. ** Screen Info **"},
-                                             {"type": "image_url", "image_url": {"url": url}}]}]}
+            "frequency_penalty": 0.2, "messages": [{"role": "system", "content": system},
+                                                   _screenshot_turn("Open the settings. ** Screen Info **", url)]}
     with server(default_engine) as (port, _):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        assert r.status == 200, r.read()[:500]
+        conn, r = _posted(port, body)
         chunks = 0
         while chunks < 24 and (line := r.readline()):
             if line.startswith(b"data: {"):
@@ -87,6 +82,19 @@ def test_the_default_build_and_server_answer_open_autoglms_request(default_engin
         assert metrics(port)["autoglm_prefix_cache_queried_tokens_total"] > 3354 + len(system)
 
 
+def _screenshot_turn(text: str, url: str) -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}
+
+
+def _posted(port: int, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """The chat request sent, and its response (status 200) to read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200, r.read()[:500]
+    return conn, r
+
+
 PHASES = ("read", "images_wait", "decode", "preprocess", "encoder_wait", "encode", "queue_prefill")
 
 
@@ -95,14 +103,9 @@ def test_the_server_splits_a_screenshot_steps_time_to_first_token(default_engine
     token, phase by phase (each observed once, none negative); the phases are disjoint parts of it,
     so they add up to no more than the whole."""
     url = "data:image/png;base64," + base64.b64encode(worst_case_screenshot()).decode()
-    body = {"model": "tiny-agent", "max_tokens": 2, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Open the settings."},
-                                     {"type": "image_url", "image_url": {"url": url}}]}]}
+    body = {"model": "tiny-agent", "max_tokens": 2, "messages": [_screenshot_turn("Open the settings.", url)]}
     with server(default_engine) as (port, _):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        assert r.status == 200, r.read()[:500]
+        conn, r = _posted(port, body)
         assert json.loads(r.read())["usage"]["completion_tokens"] == 2
         conn.close()
         seen = metrics(port)
