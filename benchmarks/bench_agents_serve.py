@@ -13,7 +13,8 @@ first token, per-token latency and tokens/s (medians over rounds) with the serve
 time to first token (``autoglm_request_phase_seconds``, the mean of each phase over the level's
 requests: reading the body, waiting for a worker, decoding, preprocessing, waiting for the
 encoder, encoding, queue and prefill, and the whole), then ``--no-spinning``'s over the
-default's and four clients' median time to first token over one client's.
+default's, four clients' median time to first token over one client's, and one client's over the
+same requests made to the engine in the benchmark's own process (before the servers run).
 """
 
 from __future__ import annotations
@@ -90,6 +91,26 @@ def measured(path: Path, blocking: bool, gen_len: int) -> list[dict]:
         server.wait(60)
 
 
+def in_process(path: Path, requests: int = 2) -> float:
+    """The median time to first token (ms) of ``requests`` screenshot requests as the server's one
+    client sends them, made to the engine in this process: the baseline the server's path adds to."""
+    import random
+
+    from autoglm_trt.model.screens import screenshot_message
+    from autoglm_trt.runtime import Engine, ImageOptions, SamplingParams
+
+    times = []
+    with Engine.load(path, images=ImageOptions(max_pixels=5_000_000)) as engine:
+        for k in range(1, requests + 1):
+            text = " ".join(str(random.Random(k).randrange(1000)) for _ in range(64))
+            t0 = time.perf_counter()
+            prepared = engine.prepare(screenshot_message(k, (1080, 2400), text))
+            prepare_s = time.perf_counter() - t0
+            [res] = engine.generate([prepared], SamplingParams(max_new_tokens=1, ignore_eos=True))
+            times.append(1000 * (prepare_s + res.ttft))
+    return statistics.median(times)
+
+
 def main() -> None:
     import argparse
 
@@ -99,6 +120,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "engines" / "bench-glm4v-overlap")
     args = ap.parse_args()
     path = engine(args.work)
+    alone = in_process(path)
     runs: dict[bool, list[list[dict]]] = {False: [], True: []}
     for r in range(args.rounds):
         for blocking in ((False, True) if r % 2 == 0 else (True, False)):
@@ -118,7 +140,9 @@ def main() -> None:
     for s in (False, True):
         one, four = med[s]
         print(json.dumps({"server": "--no-spinning" if s else "default",
-                          "ttft_p50_4_over_1": round(four["ttft_ms_p50"] / one["ttft_ms_p50"], 3)}))
+                          "ttft_p50_4_over_1": round(four["ttft_ms_p50"] / one["ttft_ms_p50"], 3),
+                          "ttft_p50_1_over_in_process": round(one["ttft_ms_p50"] / alone, 3)}))
+    print(json.dumps({"in_process_ttft_ms_p50": round(alone, 1)}))
     print(json.dumps({"gen_len": args.gen_len, "image": "1080x2400", "machine": machine()}))
 
 
