@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..artifacts import ExportRecord
 from ..errors import AutoGLMError
+from ..model.vision import VisionSpec
 from .config import BuildConfig
 
 
@@ -36,8 +37,9 @@ def vision_engine(backend: str, model_dir: Path, record: ExportRecord, tmp: Path
     if linears == "int8":
         report["vision"]["graphs"]["int8"], report["vision"]["int8_linears"] = _int8_vision(graph, tmp, log)
     if attention == "bfloat16":
-        report["vision"]["native_graphs"] = _native_vision(report["vision"]["graphs"], graph.parent, tmp,
-                                                           record.vision(), log)
+        spec = record.vision()
+        assert spec is not None  # checked above
+        report["vision"]["native_graphs"] = _native_vision(report["vision"]["graphs"], graph.parent, tmp, spec, log)
 
 
 def _int8_vision(graph: Path, tmp: Path, log: Callable[[str], None]) -> tuple[str, int]:
@@ -55,7 +57,8 @@ def _int8_vision(graph: Path, tmp: Path, log: Callable[[str], None]) -> tuple[st
     return INT8_VISION_GRAPH, count
 
 
-def _native_vision(graphs: dict[str, str], export_dir: Path, tmp: Path, vision, log: Callable[[str], None]) -> dict:
+def _native_vision(graphs: dict[str, str], export_dir: Path, tmp: Path, vision: VisionSpec,
+                   log: Callable[[str], None]) -> dict:
     """Each encoder graph's form with the native bfloat16 attention (``<name>.native.onnx``, a graph
     naming its base's weights), by the same keys; none where the head size does not fit it."""
     import onnx

@@ -23,7 +23,11 @@ def vision_graph(manifest: Manifest) -> tuple[str, str, Path | None]:
     native bfloat16 one where the build made it (``vision_attention``) and the native library runs
     it here (AVX512-BF16), else ONNX Runtime's float32 MultiHeadAttention."""
     built = manifest.data.get("vision", {})
-    graphs, natives = built.get("graphs", {}), built.get("native_graphs", {})
+    graphs = built.get("graphs", {}) if isinstance(built, dict) else None
+    natives = built.get("native_graphs", {}) if isinstance(built, dict) else None
+    if not isinstance(graphs, dict) or not isinstance(natives, dict):
+        raise EngineError(f"{manifest.dir}/manifest.json: vision must be an object whose graphs and native_graphs "
+                          f"are objects of file names, got {str(built)[:200]}; rebuild the engine")
     linears, why = "float32", "float32 linears (the build's vision_linears)"
     if "int8" in graphs:
         if os.environ.get(ENV_VISION_INT8) == "0":
