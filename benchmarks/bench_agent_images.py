@@ -139,7 +139,7 @@ def is_current(engine: Path) -> bool:
         return False
 
 
-def fp32_engine(work: Path, precision: str = "fp32") -> Path:
+def small_engine(work: Path, precision: str = "fp32") -> Path:
     """``work``/engine-<precision>: the ONNX Runtime engine of ``checkpoint(work / "checkpoint")``
     (fp32 unless said), built unless a current one is there."""
     from autoglm_trt.builder.config import BuildConfig
@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "engines" / "bench-glm4v")
     args = ap.parse_args()
     ckpt = checkpoint(args.work / "checkpoint")
-    engines = {"fp32": fp32_engine(args.work), "int8-dyn": fp32_engine(args.work, "int8-dyn")}
+    engines = {"fp32": small_engine(args.work), "int8-dyn": small_engine(args.work, "int8-dyn")}
     system, steps = trace(args.turns, args.system_tokens)
     mine = run_engine(engines["fp32"], system, steps, args.answer_tokens)
     fast = run_engine(engines["int8-dyn"], system, steps, args.answer_tokens, [row["text"] for row in mine])

@@ -21,7 +21,7 @@ import json
 
 import numpy as np
 
-from .bench_agent_images import fp32_engine
+from .bench_agent_images import small_engine
 from .common import ROOT, machine
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=3)
     args = ap.parse_args()
     width, height = (int(x) for x in args.size.split("x"))
-    engine = fp32_engine(ROOT / "engines" / "bench-glm4v")
+    engine = small_engine(ROOT / "engines" / "bench-glm4v")
     vision = ExportRecord.read(engine).vision()
     assert vision is not None
     encoder = VisionEncoder(engine, vision)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-from .hadamard import block_size, hadamard, rotate_weight
+from .hadamard import block_size, hadamard, rotate_rows, rotate_weight
 from .quant import quantize_weight_per_channel
 from .vision import MICROSOFT
 
@@ -52,8 +52,7 @@ def reference_linear(x: np.ndarray, w: np.ndarray, block: int = 0) -> np.ndarray
     ``MatMulIntegerToFloat`` and the row scale's ``Mul`` do."""
     x, w = np.asarray(x, np.float32), np.asarray(w, np.float32)
     if block:
-        x = (x.reshape(len(x), -1, block) @ hadamard(block)).reshape(x.shape)
-        w = rotate_weight(w, block)
+        x, w = rotate_rows(x, block), rotate_weight(w, block)
     q, s = row_quantize(x)
     wq, ws = quantize_weight_per_channel(w)
     sums = (q.astype(np.int64) - ZERO_POINT) @ wq.astype(np.int64)
@@ -80,9 +79,8 @@ def int8_vision_graph(model: ModelProto) -> tuple[ModelProto, int]:
         block = block_size(weight.shape[0], ROTATION) if w.name.endswith(ROTATED) else 0
         if block > 1:  # x H and H^T W: the same product, the activations' outliers spread over the block
             weight = rotate_weight(weight, block)
-            x = _rotated(graph, node.name, x, block)
-            nodes += x[1]
-            x = x[0]
+            x, rotation = _rotated(graph, node.name, x, block)
+            nodes += rotation
         wq, ws = quantize_weight_per_channel(weight)
         graph.initializer.extend([numpy_helper.from_array(wq, f"{w.name}.int8"),
                                   numpy_helper.from_array(ws, f"{w.name}.int8_scale")])
