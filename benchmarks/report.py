@@ -130,6 +130,12 @@ SECTIONS = (
             ("benchmarks.export_9b_shape", "--model", "glm4v", "--work", "/tmp/glm4v9b"),
             "The decoder to float16 and the 24-layer vision tower to float32, from random bf16 weights: wall time "
             "and peak RSS (needs ~45 GB of disk)."),
+    Section("agent_9b", "AutoGLM-Phone-9B's shape end to end",
+            ("benchmarks.agent_9b_shape", "--work", "/tmp/agent9b"),
+            "A random checkpoint of GLM-4.1V-9B's exact config exported to float16, built int8-wo from that export "
+            "(the vision encoder's INT8 linears and bfloat16 attention), served, and one Open-AutoGLM step sent "
+            "through serve (a 1080 x 2400 screenshot, streamed, 32 tokens): each stage's wall time and peak RSS, the "
+            "engine's size, the server's split of the time to first token and the decode rate (needs ~50 GB of disk)."),
     Section("calibrate_9b", "Calibrating the GLM-4-9B shape", ("benchmarks.calibrate_9b_shape",),
             "The same shape exported to float32 (37.6 GB of weights) and calibrated one layer at a time on a "
             "24 GB machine, without the gate (needs ~90 GB of disk)."),

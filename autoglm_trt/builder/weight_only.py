@@ -1,6 +1,8 @@
-"""``int8-wo``: a float32 export -> the same decoder with INT8 weights and float activations.
+"""``int8-wo``: a float export -> the same decoder with INT8 weights and float activations.
 
-Input: a float32 export directory. Output directory (the build's cache)::
+Input: a float32 export directory, or a float16 one (its weights widened to float32 as they are
+read: a bfloat16 checkpoint's export in half the disk of float32's, which a 9B needs on a small
+disk). Output directory (the build's cache)::
 
     model.int8wo.onnx, model.int8wo.onnx.data   every linear (the LM head too) as a
                                                 DequantizeLinear of its INT8 weight (symmetric,
@@ -37,6 +39,7 @@ from ..fileutil import staged_directory, write_json
 from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
 from ..graph.quant import WEIGHT_BLOCK, QuantPlan
+from ..precisions import precision
 
 GRAPH = "model.int8wo.onnx"
 # What this code writes from the same export; a cached result of another version is redone.
@@ -61,8 +64,8 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
     float32 or float16 (TensorRT's W8A16: the weights dequantized to float16). ``int8_channels``:
     one scale per output channel instead of per block of 32 (TensorRT's form)."""
     export = ExportRecord.read(export_dir)
-    if export.dtype != "float32" or export.precision != "fp32":
-        raise AutoGLMError(f"{export_dir} is not a float32 export; int8-wo is made from one "
+    if export.dtype not in ("float32", "float16") or precision(export.precision).quantized:
+        raise AutoGLMError(f"{export_dir} is not a float export; int8-wo is made from a float32 or float16 one "
                            "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
     source = export.identity()
     if _reusable(out_dir, source, int8_embedding, dtype, int8_channels):
@@ -74,10 +77,12 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
 
     linears = sorted(linear_inputs(onnx.load(str(export.graph_file), load_external_data=False)))
     scales = "per output channel" if int8_channels else f"(a float16 value) per {WEIGHT_BLOCK} inputs of each output"
-    log(f"quantizing {len(linears)} linears' weights to INT8 (one scale {scales}) from {export_dir}")
+    widen = export.dtype == "float16"
+    log(f"quantizing {len(linears)} linears' weights to INT8 (one scale {scales}) from {export_dir}"
+        + (" (a float16 export: its weights widened to float32 as they are read)" if widen else ""))
     with staged_directory(out_dir, True) as tmp:
         plan = QuantPlan.weights_only(linears, int8_embedding=int8_embedding, int8_channels=int8_channels)
-        write_int8_graph(tmp, GRAPH, export.spec, ExportedWeights(export_dir), plan, export.max_seq_len, dtype)
+        write_int8_graph(tmp, GRAPH, export.spec, ExportedWeights(export_dir, widen=widen), plan, export.max_seq_len, dtype)
         record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int8-wo", dtype=dtype)
         record["weight_only"] = {"source": source, "version": VERSION, "linears": len(linears),
                                  "int8_embedding": int8_embedding,

@@ -1,9 +1,10 @@
-"""Weights of a float32 export, read back by name: the graph builder's ``WeightSource``.
+"""Weights of an export, read back by name: the graph builder's ``WeightSource``.
 
 Input: an export directory (``model.onnx`` + ``model.onnx.data``). Output: the same fused,
 transposed arrays the exporter wrote (``layers.<i>.qkv.weight`` is ``[hidden, q+2kv]``, Q rows
 already rope-ordered and scaled), so an INT8 graph can be rebuilt from an export without
-the original checkpoint. Tensors are read one at a time with ``pread``.
+the original checkpoint. Tensors are read one at a time with ``pread``; ``widen`` returns a
+float16 export's tensors as float32 (exact), for a float32 graph built from it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ _DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, Tenso
 
 
 class ExportedWeights:
-    def __init__(self, export_dir: Path, onnx_file: str = "model.onnx"):
-        self.dir = Path(export_dir)
+    def __init__(self, export_dir: Path, onnx_file: str = "model.onnx", widen: bool = False):
+        self.dir, self.widen = Path(export_dir), widen
         model = onnx.load(str(self.dir / onnx_file), load_external_data=False)
         self._info: dict[str, tuple[str, int, int, tuple[int, ...], type]] = {}
         for t in model.graph.initializer:
@@ -72,7 +73,8 @@ class ExportedWeights:
                 got += n
         finally:
             os.close(fd)
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+        out: np.ndarray = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        return out.astype(np.float32) if self.widen and dtype is np.float16 else out
 
     # -- WeightSource ------------------------------------------------------------
     def norm(self, i: int | None, role: str) -> np.ndarray:

@@ -162,3 +162,37 @@ def test_int8_dyn_runs_the_same_weights_with_activations_quantized_per_block(tin
     with pytest.raises(AutoGLMError, match="int8-dyn .* ONNX Runtime's engine only"):
         build_engine(BuildRequest(tiny_dir("glm"), wo.parent / "int8-dyn-trt", precision="int8-dyn",
                                   backend="tensorrt"), log=lambda m: None)
+
+
+def test_a_bfloat16_checkpoints_float16_export_makes_the_same_int8_weights_as_its_float32_export(tiny_dir, tmp_path):
+    """A bfloat16 checkpoint's values are float16 values (here: none below float16's normal range), so
+    int8-wo from its float16 export — half the disk of float32's, what a 9B needs on a small disk —
+    writes the weight-only graph of its float32 export byte for byte; other precisions still refuse
+    a float16 export."""
+    import shutil
+
+    import torch
+    import transformers
+    from conftest import run_cli
+
+    from autoglm_trt.builder.weight_only import GRAPH, weight_only_export
+    from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
+
+    ckpt = tmp_path / "bf16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("glm"), dtype=torch.bfloat16)
+    with torch.no_grad():  # lift the magnitudes float16 keeps only as subnormals
+        for p in model.parameters():
+            p.copy_(torch.where(p.abs() < 1e-4, torch.full_like(p, 1e-4) * p.sign().add(0.5).sign(), p))
+    model.save_pretrained(ckpt, safe_serialization=True)
+    shutil.copy(tiny_dir("glm") / "tokenizer.json", ckpt)
+    made = {}
+    for dtype in ("float32", "float16"):
+        export_checkpoint(ExportConfig(ckpt, tmp_path / f"export-{dtype}", dtype=dtype, validate=False),
+                          log=lambda m: None)
+        made[dtype] = weight_only_export(tmp_path / f"export-{dtype}", tmp_path / f"wo-{dtype}", log=lambda m: None)
+    assert (made["float16"] / f"{GRAPH}.data").read_bytes() == (made["float32"] / f"{GRAPH}.data").read_bytes()
+    assert (made["float16"] / GRAPH).read_bytes() == (made["float32"] / GRAPH).read_bytes()
+    assert (tmp_path / "export-float16" / "model.onnx.data").stat().st_size < \
+        0.6 * (tmp_path / "export-float32" / "model.onnx.data").stat().st_size
+    r = run_cli("build", str(tmp_path / "export-float16"), "--precision", "fp32", "-o", str(tmp_path / "e"))
+    assert r.returncode != 0 and "is a float16 export; precision fp32 needs a float32 export" in r.stderr
