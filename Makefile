@@ -45,10 +45,10 @@ test: $(STAMP) $(SMOL)/.prepared .triton/.installed lint typecheck
 	$(BIN)/python -m pytest -q -rs tests
 
 # The main job end to end: install, prepare SmolLM2, build an INT8 engine (TensorRT when present,
-# else ONNX Runtime), generate once. Earlier export/calibration results are reused when unchanged.
+# else ONNX Runtime), ask it one question and compare its answer with the float32 model's. Earlier export/calibration results are reused when unchanged.
 engine: $(STAMP) $(SMOL)/.prepared
 	$(BIN)/autoglm-trt build $(SMOL) --precision int8 -o engines/smollm2-int8 --force
-	$(BIN)/autoglm-trt generate engines/smollm2-int8 "What is the capital of France?" --chat --max-new-tokens 32
+	$(BIN)/python tools/demo_answer.py engines/smollm2-int8
 	@echo "engine ready: engines/smollm2-int8  (autoglm-trt inspect engines/smollm2-int8)"
 
 # The SmolLM2 INT8 engine as an OpenAI-compatible server on http://127.0.0.1:8080 (Ctrl-C stops it)

@@ -42,8 +42,7 @@ IMAGE_TOKEN = 259  # the test checkpoints' <|image|> (tests/tiny_models.py GLM4V
 def checkpoint(out: Path, vision: dict | None = None, text: dict | None = None) -> Path:
     """``out``: a random GLM-4.1V checkpoint of this config (or of ``vision``'s and ``text``'s), made
     unless there."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import make_tiny_checkpoint
+    from tests.tiny_models import make_tiny_checkpoint
 
     if not (out / "config.json").is_file():
         make_tiny_checkpoint("glm4v", out, vision=vision or VISION, preprocessor=PREPROCESSOR, **(text or TEXT))

@@ -39,8 +39,7 @@ def engine(work: Path) -> Path:
 
     ckpt, out = work / "checkpoint", work / "engine-int8-wo"
     if not (ckpt / "config.json").is_file():
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny_models import make_tiny_checkpoint
+        from tests.tiny_models import make_tiny_checkpoint
 
         make_tiny_checkpoint("glm4v", ckpt, vision=VISION, preprocessor=PREPROCESSOR, **TEXT)
     if not is_current(out):

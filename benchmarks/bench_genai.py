@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import site
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ def install() -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(GENAI_DIR),
                         *PACKAGES], check=True)
         (GENAI_DIR / ".installed").write_text(" ".join(PACKAGES) + "\n")
-    sys.path.insert(0, str(GENAI_DIR))
+    site.addsitedir(str(GENAI_DIR))  # the --target install, importable from here on
 
 
 def genai_model(precision: str, threads: int) -> Path:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -81,15 +82,14 @@ def install_llamacpp() -> None:
                         "--target", str(LLAMACPP_DIR), *LLAMACPP],  # wheel would be another build's options
                        check=True, env={"PATH": "/usr/bin:/bin", "CMAKE_ARGS": options})
         marker.write_text(options)
-    sys.path.insert(0, str(LLAMACPP_DIR))
+    site.addsitedir(str(LLAMACPP_DIR))  # the --target install, importable from here on
 
 
 def gguf(ftype: str) -> Path:
     """llama.cpp's ``ftype`` requantization of the shipped GGUF (made once)."""
     import llama_cpp
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from prepare_smollm2 import find_gguf
+    from tools.prepare_smollm2 import find_gguf
 
     out = ROOT / "engines" / ".cache" / f"smollm2-{ftype}.gguf"
     if not out.is_file():

@@ -30,15 +30,27 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "tests" / "gpu" / "test_cuda_runtime.py"
 
 
+# what the package sees of this machine, asked in a child that imports the checkout's package
+PROBE = """import json
+from autoglm_trt.backends.trt.probe import cuda_device, tensorrt_available
+from autoglm_trt.fileutil import cpu_model
+print(json.dumps({"cpu": cpu_model(), "gpu": cuda_device(), "tensorrt": tensorrt_available()[1]}, default=str))"""
+
+
+def checkout_env() -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH (the package need not be installed)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def machine() -> dict:
-    sys.path.insert(0, str(ROOT))
     import numpy
 
-    from autoglm_trt.backends.trt.probe import cuda_device, tensorrt_available
-    from autoglm_trt.fileutil import cpu_model
-
-    info = {"python": platform.python_version(), "numpy": numpy.__version__, "cpu": cpu_model(),
-            "gpu": cuda_device(), "tensorrt": tensorrt_available()[1]}
+    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=checkout_env(), capture_output=True,
+                           text=True, timeout=120)
+    if probe.returncode != 0:
+        sys.exit(f"the package's probe of this machine failed:\n{probe.stderr[-2000:]}")
+    info = {"python": platform.python_version(), "numpy": numpy.__version__,
+            **json.loads(probe.stdout.strip().splitlines()[-1])}
     try:
         from importlib.metadata import version
 
@@ -56,8 +68,7 @@ def machine() -> dict:
 def step(name: str, cmd: list[str], timeout: int) -> dict:
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     try:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        run = subprocess.run(cmd, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=timeout)
         rc, out = run.returncode, run.stdout + run.stderr
     except subprocess.TimeoutExpired as exc:
         rc, out = 124, f"timed out after {timeout} s\n{exc.stdout or ''}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """This tree's runtime against an earlier commit's, on this machine, in alternating processes.
 
-    python tools/compare_commits.py --base d4f7336 [--pairs 4] [--gen 96] [--keep]
+    python -m tools.compare_commits --base d4f7336 [--pairs 4] [--gen 96] [--keep]   # from the repository root
 
 Rates from one process to the next on these shared machines move by 10-20%, and so does the
 same code's rate between two processes, so each side runs in processes of its own, one after
@@ -35,8 +35,7 @@ KEYS = ("int8_b1", "int8_16x", "fp32_b1", "fp32_16x")
 
 
 def measure(gen: int) -> dict:
-    """This process's rates, with the package of the working directory (either side's)."""
-    sys.path.insert(0, os.getcwd())
+    """This process's rates, with the package its PYTHONPATH names (either side's)."""
     import numpy as np
 
     import autoglm_trt
@@ -86,8 +85,9 @@ def base_tree(commit: str) -> Path:
 
 
 def side(cwd: Path, gen: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}  # the side's own package, before the installed one
     run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", "--gen", str(gen)], cwd=cwd,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     if run.returncode != 0:
         sys.exit(f"measuring in {cwd} failed:\n{run.stderr[-2000:]}")
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -111,7 +111,6 @@ def main() -> None:
         ap.error("give --base COMMIT and --pairs >= 1")
     import numpy as np
 
-    sys.path.insert(0, str(ROOT))  # the benchmarks package (run from anywhere)
     from autoglm_trt.fileutil import cpu_model
     from benchmarks.bench_runtime import ensure_engine
 

@@ -1,7 +1,7 @@
 """The CUDA side of the TensorRT runtime on a GPU, checked against numpy.
 
     pytest tests/gpu                                  # the checks as tests (skipped without a GPU)
-    python tests/gpu/test_cuda_runtime.py [--json OUT]  # the same checks as a table, with timings
+    PYTHONPATH=. python tests/gpu/test_cuda_runtime.py [--json OUT]  # the same checks as a table, with timings
     python scripts/gpu_check.py --out DIR             # both, plus compute-sanitizer, on a lent GPU
 
 Needs an NVIDIA GPU and cuda-python (``cuda.bindings`` with NVRTC); TensorRT is not needed.
@@ -33,11 +33,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autoglm_trt.backends.trt import cuda as cu  # noqa: E402
-from autoglm_trt.kvcache.host_pools import KVPools  # noqa: E402
-from autoglm_trt.kvcache.layout import pool_shape  # noqa: E402
-from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs  # noqa: E402
+from autoglm_trt.backends.trt import cuda as cu
+from autoglm_trt.kvcache.host_pools import KVPools
+from autoglm_trt.kvcache.layout import pool_shape
+from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 

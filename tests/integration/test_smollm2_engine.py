@@ -1,6 +1,9 @@
 """SmolLM2-135M engines: greedy output equals transformers, solo and batched; the INT8 gate."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -101,15 +104,52 @@ def test_greedy_equals_transformers_solo_and_concurrent(fp32_engine, reference):
             assert_same_or_near_tie(model, ids, ours, r, eos)
 
 
-def test_int8_engine_meets_the_accuracy_gate(smollm2, tmp_path_factory):
+INT8_CONFIG = "max_batch_size: 8\nmax_seq_len: 512\nmax_input_len: 256\n"
+
+
+@pytest.fixture(scope="module")
+def int8_engine(smollm2, tmp_path_factory):
+    """SmolLM2 int8 with this machine's best native build (its build cache beside it)."""
     out = tmp_path_factory.mktemp("smol-int8") / "int8"
-    manifest = build_engine(BuildRequest(smollm2, out, precision="int8", backend="onnxruntime",
-                                         config=BuildConfig(max_batch_size=8, max_seq_len=512, max_input_len=256),
-                                         cache_dir=out.parent / ".cache"), log=lambda m: None)
-    calib = json.loads((out / "calib.json").read_text())
+    build_engine(BuildRequest(smollm2, out, precision="int8", backend="onnxruntime",
+                              config=BuildConfig(max_batch_size=8, max_seq_len=512, max_input_len=256),
+                              cache_dir=out.parent / ".cache"), log=lambda m: None)
+    return out
+
+
+def test_int8_engine_meets_the_accuracy_gate(smollm2, int8_engine):
+    manifest = json.loads((int8_engine / "manifest.json").read_text())
+    calib = json.loads((int8_engine / "calib.json").read_text())
     assert manifest["precision"] == "int8" and calib["gate"]["result"]["passed"]
-    res = evaluate(out, ROOT / "calibration" / "eval" / "heldout.txt", reference=smollm2, max_chunks=24)
+    res = evaluate(int8_engine, ROOT / "calibration" / "eval" / "heldout.txt", reference=smollm2, max_chunks=24)
     assert res["ppl_ratio"] <= 1.02 and res["top1_agreement"] >= 0.90, res
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the native library is built for Linux only")
+def test_the_demo_answer_is_the_float_models_on_every_native_build_and_the_plain_graph(smollm2, int8_engine):
+    """``make engine``'s question, answered by the int8 engine built with each native library this CPU
+    runs (each build packs its own weights) and by its plain graph (no native library), is the
+    float32 model's answer token for token (``tools/demo_answer.py --check``, what make engine runs)."""
+    from autoglm_trt import native
+
+    config = int8_engine.parent / "config.yaml"
+    config.write_text(INT8_CONFIG)
+    best = native.variant_of(native.library()[0])
+    runs = [(best, {}, int8_engine), ("plain graph", {"AUTOGLM_TRT_NATIVE": "0"}, int8_engine)]
+    for variant in [v for v in native.installed() if v != best and native.library(v)[0] is not None]:
+        env = {**os.environ, "AUTOGLM_TRT_NATIVE_VARIANT": variant}
+        out = int8_engine.parent / variant  # the same build cache: the calibration is reused
+        r = subprocess.run([sys.executable, "-m", "autoglm_trt", "build", str(smollm2), "--precision", "int8", "-o",
+                            str(out), "--config", str(config)], capture_output=True, text=True, cwd=ROOT, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append((variant, {"AUTOGLM_TRT_NATIVE_VARIANT": variant}, out))
+    assert len(runs) >= 3  # x86-64: at least the generic build besides the best
+    for name, env, engine in runs:
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "demo_answer.py"), str(engine), "--check"],
+                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env})
+        assert r.returncode == 0, (name, r.stdout, r.stderr[-2000:])
+        said = "no native library" if name == "plain graph" else f"native library: the {name} build"
+        assert said in r.stdout and "the same answer, token for token" in r.stdout, (name, r.stdout)
 
 
 @pytest.mark.slow
