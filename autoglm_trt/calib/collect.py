@@ -91,9 +91,9 @@ def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarra
     shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
     bound = _BoundOutputs(session, [inputs[n] for n in names] + kv, shapes,
                           [np.dtype(np.float32)] * (len(names) + len(kv)))
-    # (Accumulating batch b - 1 in a worker thread while ONNX Runtime ran batch b was tried: 8.4-8.8 s
-    # against 7.1-7.4 s serial for 32 windows. Both are bound by memory bandwidth, which overlap
-    # does not add.)
+    # (Accumulating batch b - 1 in a worker thread while ONNX Runtime ran batch b was tried and
+    # measured slower than running them in turn: both are bound by memory bandwidth, which overlap
+    # does not add; docs/benchmarks.md, "Calibration cost".)
     for b in range(n_batches):
         a, z = b * batch_size, min((b + 1) * batch_size, len(windows))
         outs = bound.run(prefill_feeds(spec, windows[a:z], "float32", images=None if images is None else images.take(a, z)))
@@ -277,7 +277,7 @@ def kv_observe(hists: dict[str, list[AbsHistogram]], names: list[str], outs: lis
 def kv_head_amax(hists: dict[str, list[AbsHistogram]]) -> dict[str, list[float]]:
     """The clipping threshold of each KV head: the 99.99th percentile of its |values|.
     (Against the plain max on SmolLM2's fp32 engine, held-out text 16 tokens per step through an
-    INT8 pool: top-1 agreement with the checkpoint 0.981 against 0.978, `benchmarks/bench_kv.py`.)"""
+    INT8 pool, it gave the higher top-1 agreement with the checkpoint, `benchmarks/bench_kv.py`.)"""
     return {name: [float(percentile_amax(h, KV_PERCENTILE)) for h in heads] for name, heads in hists.items()}
 
 
@@ -303,7 +303,7 @@ class _BoundOutputs:
     """Runs the session with its outputs bound to buffers we keep between batches.
 
     ONNX Runtime then writes the activations straight into them: no per-batch allocation and
-    copy of every requested tensor (measured on SmolLM2: 12.2 s -> 7.9 s for 6 batches).
+    copy of every requested tensor (measured faster on SmolLM2 than arrays returned per batch).
     Shapes come from the model spec: ``[batch, tokens, channels]``, ``[batch, channels]`` for
     the LM head's input (one logit row per sequence), ``[batch, tokens, kv_heads, head_dim]``
     for the new K/V.

@@ -111,7 +111,7 @@ class NativeStats:
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """``[fn(item) for item in items]`` on the pool. numpy's BLAS runs one thread per task
         meanwhile: its own threads on top of the pool's oversubscribe the cores (the statistics
-        of 32 SmolLM2 windows took 1.28 s so, 0.8 s with one BLAS thread, in
+        of SmolLM2's windows measured faster with one BLAS thread, in
         ``bench_calibration.py --profile``)."""
         from threadpoolctl import threadpool_limits
 

@@ -6,10 +6,11 @@ Q/DQ on or off, so trying a plan is one forward pass, not a graph rebuild.
 * Ranking: end to end, each linear by the mean KL(float || INT8) of the logits on a few
   calibration windows with that linear alone INT8. One linear's rounding stays one linear's
   (none later re-rounds it), so this is steady; on SmolLM2 it puts two down projections (layers
-  28 and 11) first, and the first alone in float takes the gate's expected ppl ratio from 1.018
-  to 1.013. Ranking by kind and then by each linear's own output error puts those two last of the
-  30 downs (16 in float for 1.015); leave-one-out (every linear INT8 but one) ranks worse too:
-  each removal is a small change to a sum re-rounded by every later layer.
+  28 and 11) first, and the first alone in float brings the gate's expected ppl ratio below its
+  target. Ranking by kind and then by each linear's own output error puts those two last of the
+  30 downs and needs many linears in float where this needs one; leave-one-out (every linear INT8
+  but one) ranks worse too: each removal is a small change to a sum re-rounded by every later
+  layer (docs/calibration.md).
 * Search: keep the top k in float with k = 0, 1, 2, 4, ... until the gate (expected perplexity
   ratio and top-1 agreement against the float graph on held-back calibration windows, ``Gate``)
   holds, then bisect between the last failing and the first passing k.
@@ -17,7 +18,7 @@ Q/DQ on or off, so trying a plan is one forward pass, not a graph rebuild.
   set) into a different integer wherever x / s lies near a rounding boundary, and each such
   difference is re-rounded, and so spread, by every later layer: two equivalent roundings give
   two draws of the same quantization noise. The gate therefore judges the expected perplexity
-  ratio (from the KL divergence: 13 times steadier than the measured ratio between draws), and a
+  ratio (from the KL divergence: far steadier than the measured ratio between draws), and a
   plan whose verdict is not clear under one rounding is judged on the mean of two (the
   activation scales as planned, and nudged by ``NUDGE``); the ranking's ties break by name.
 * Bias correction: each linear's mean INT8 output error on the sampled rows, added to its
@@ -46,13 +47,12 @@ NUDGE = 1.0 + 2.0**-18
 RANK_SEQ_LEN = 128
 # (expected ppl ratio, top-1 agreement): a check this far from both targets (or this far past
 # either) is decided by one rounding. Five and four times the largest standard deviation of each
-# between roundings of one plan on SmolLM2's gate (0.0004 and 0.0027 over four roundings each,
-# docs/calibration.md). The INT8 graph's final check is another rounding, held to the targets
-# loosened by as much.
+# between roundings of one plan on SmolLM2's gate (docs/calibration.md). The INT8 graph's final
+# check is another rounding, held to the targets loosened by as much.
 CLEAR = (0.002, 0.01)
 # a kind's bias corrections are kept where they lower the expected ppl ratio by more than this: a
 # gain is the difference of two checks, each with its rounding's noise (on SmolLM2 one kind's
-# measured gain ranged over 0.0002-0.0006 from one calibration to the next)
+# measured gain varied from one calibration to the next by as much as its own size)
 MIN_GAIN = CLEAR[0]
 
 
@@ -115,9 +115,9 @@ class Gate:
     It passes on the *expected* perplexity ratio, ``exp(mean KL(reference || model))`` over the
     windows' next-token distributions: the ratio the model would have, on average, on text the
     reference wrote. The measured ratio (``ppl_ratio``, recorded too) is the same quantity plus
-    each token's chance: an INT8 model's per-token losses move by about 0.2 nats when any
-    rounding upstream changes, so on the gate's 3,000 tokens the measured ratio moves by about
-    0.004 between equivalent roundings, the expected one by 0.0003 (SmolLM2, docs/calibration.md).
+    each token's chance: an INT8 model's per-token losses move when any rounding upstream
+    changes, so on the gate's 3,000 tokens the measured ratio moves between equivalent roundings
+    many times more than the expected one does (SmolLM2, docs/calibration.md).
     """
 
     def __init__(self, windows: np.ndarray, max_ratio: float, min_top1: float,

@@ -49,7 +49,7 @@ def rotate_rows(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndar
     """``x R`` over the last axis (R block-diagonal with blocks H of size b), summed in float64 and
     rounded once to float32, so the statistics do not depend on the BLAS's order of summation
     (OpenBLAS's Haswell and SkylakeX float32 kernels moved an activation range by an ulp, and
-    the INT8 plan with it); about 1.5x the time of one float32 GEMM.
+    the INT8 plan with it); measured slower than one float32 GEMM, though of the same order.
 
     ``out``: a C-contiguous float32 array of x's shape to write into.
     """

@@ -19,9 +19,9 @@ class KVPools:
 
     The pools' memory is written once when they are made, so that the system commits all of it
     then. Left to a step's first write into a fresh block, each page fault zeroed its page inside
-    the step: the first request on a fresh SmolLM2 engine (511 MiB of pools, huge pages) had one
-    decode step of 734 ms. Making them now takes 1.2 s the first time in a process (the kernel
-    assembles huge pages) and 0.06 s when it reuses them."""
+    the step, and the first request on a fresh engine had a decode step many times longer than
+    the others. The cost now comes once, when the pools are made, and is largest the first time
+    in a process (the kernel assembles huge pages)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: np.typing.DTypeLike = np.float32, token_scales: bool = False):

@@ -154,7 +154,7 @@ def _decode_inputs(new_tokens: list[list[int]], states: list[SeqState],
                    block_size: int) -> tuple[dict[str, np.ndarray], SlotMap]:
     """``step_inputs`` of a decode step (one new token per sequence, the last token's logits):
     the same arrays, built from lists in a few numpy calls rather than a dozen per sequence
-    (at batch 1 the general form took about 0.09 ms of a 6 ms step)."""
+    (the general form's calls were a measurable share of a batch-1 step)."""
     batch = len(new_tokens)
     ctx = [s.num_computed_tokens for s in states]
     tables = np.zeros((batch, max(1, blocks_needed(max(ctx), block_size))), np.int64)

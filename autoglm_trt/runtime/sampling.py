@@ -261,10 +261,10 @@ def _weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | N
     probabilities, without sorting the vocabulary: both look only at the tokens within e^4, e^8,
     ... of the most likely (``_near``): the ``top_k`` largest come from a partition of the first
     such set that holds k, the nucleus from sorting the first whose mass reaches ``top_p`` (ties
-    rank the lower id first). A full sort of SmolLM2's 49,152 logits took ~5-7 ms a token,
-    as long as a batch-1 decode step (``benchmarks/bench_sampling.py``). In float32: the log-ratio
-    d of a token to the most likely one is off by ~1e-7 of d, so a token at least e^-20 as
-    likely is drawn with its probability to ~3e-6 of itself."""
+    rank the lower id first). A full sort of SmolLM2's 49,152 logits took about as long as a
+    batch-1 decode step (docs/benchmarks.md, "Sampling without sorting the vocabulary"). In
+    float32: the log-ratio d of a token to the most likely one is off by ~1e-7 of d, so a token
+    at least e^-20 as likely is drawn with its probability to ~3e-6 of itself."""
     x = np.asarray(logits, np.float32)
     top = float(x.max())  # NaN if any is NaN
     if not math.isfinite(top):
@@ -310,7 +310,7 @@ DRAW_BLOCK = 256
 def draw(weights: np.ndarray, u: float) -> int:
     """The index i at which the running sum of ``weights`` (not all zero) first passes
     ``u * sum`` (u in [0, 1)): i with probability weights[i] / sum. Through sums of blocks of
-    ``DRAW_BLOCK``, then within one block (a running sum of 49,152 values alone took ~0.17 ms)."""
+    ``DRAW_BLOCK``, then within one block (a running sum of the whole vocabulary measured slower)."""
     block = DRAW_BLOCK if weights.size > 4 * DRAW_BLOCK else weights.size
     full = weights.size // block * block
     sums = weights[:full].reshape(-1, block).sum(axis=1, dtype=np.float64)

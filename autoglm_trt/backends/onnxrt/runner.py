@@ -5,8 +5,8 @@ bound with I/O binding, so a step passes only the small per-step inputs; a prefi
 K/V are scattered into the pools in place with numpy fancy indexing, all layers at once: the new
 K/V outputs are bound to views of one stacked buffer. Outputs go into buffers we own. A decode
 step's new K/V are stored by the native attention operator, where it runs, at the slots the
-runner feeds (``native.slots``): after the step their cache lines are cold, and the scatter took
-~0.12 ms of a 6-8 ms batch-1 step and ~0.8 ms of a 16-sequence one (ad hoc, SmolLM2 INT8).
+runner feeds (``native.slots``): after the step their cache lines are cold, and the scatter was a
+measurable share of a decode step, at batch 1 and at 16 sequences (SmolLM2 INT8).
 For decode steps the binding (pools and output buffers bound) is kept per batch size, so a
 decode step only rebinds its small inputs (six, and the slots); a prefill step's outputs (new K/V of up to
 max_batch x max_input_len tokens) are bound afresh, to views of buffers kept from one prefill to the
@@ -122,7 +122,7 @@ class OrtRunner:
         s = self.spec
         # a prefill's outputs are views of buffers kept for the next prefill (as large as the
         # largest so far): new arrays of its size (35 MB for 16 x 48 tokens of SmolLM2) came with
-        # fresh pages to zero as ONNX Runtime wrote them, 5% of that prefill (ad hoc)
+        # fresh pages to zero as ONNX Runtime wrote them, a measurable share of that prefill
         shapes = {"logits": ((batch, num_logits, s.vocab_size), np.dtype(np.float32)),
                   "kv": ((2, s.num_layers, batch, tokens, s.num_kv_heads, s.head_dim), self.kv_dtype)}
         if self.token_scales:
@@ -168,7 +168,7 @@ class OrtRunner:
             self.pools.write_stacked(outs["kv"], slots, outs.get("kv_scale"))
         # not a copy: a decode step's buffer is bound again by the next step of its shape (the
         # contract allows it); a new 3 MB array a 16-sequence step came with fresh pages to zero,
-        # ~3% of the fp32 engine's 16-request generate (ad hoc, alternating calls in one process)
+        # a measurable share of the fp32 engine's 16-request generate
         return outs["logits"][:, 0]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -4,10 +4,9 @@ offers them.
 A batch-1 decode step of an INT8 engine reads every packed weight once, front to back, and is
 bound by how fast memory streams. On 4 KiB pages that stream crosses a page boundary every
 4 KiB: a TLB miss each time (and hardware prefetchers generally start over at page boundaries).
-On 2 MiB pages it crosses one every 2 MiB. Measured on this project's 2-core machine (the
-SmolLM2 INT8 engine's 121 ``Int8Linear`` shapes chained in one graph, its weights bound in
-place, 5 interleaved rounds; ad hoc): 26.5 GB/s on 4 KiB pages against 30.1 GB/s on huge
-pages, 1.13x.
+On 2 MiB pages it crosses one every 2 MiB. On this project's 2-core machine the SmolLM2 INT8
+engine's ``Int8Linear`` shapes, chained in one graph with their weights bound in place, streamed
+their weights measurably faster from huge pages than from 4 KiB ones.
 
 ONNX Runtime copies initializers handed to it with ``add_external_initializers`` (and those it
 reads from files) into memory of its own, so the engine's packed weights are not handed over

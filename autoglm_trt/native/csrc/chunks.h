@@ -2,10 +2,8 @@
  * computes its tiles for one chunk of CHUNK_ROWS rows, not for all, and the items of a chunk come
  * one after another, so that chunk's inputs stay in the second-level cache while the threads
  * pass over every tile, rather than coming from the third level for every tile (768 rows of
- * K = 1536 floats are 4.7 MB). For 768 rows (16 prompts of 48 tokens), FloatLinear's 1536 x 576
- * went from 162-167 to 202-208 GFLOP/s (ONNX Runtime's MatMul: 204-210), 576 x 960 from 205 to
- * 213, SiLU-gated 576 x 3072 unchanged (~190); the SmolLM2 engines' 16 x 48 prefill 1.025x
- * faster (fp32) and 1.07x and 1.10x (INT8, two runs); ad hoc, alternating in one process.
+ * K = 1536 floats are 4.7 MB). That brought FloatLinear's 1536 x 576 (SmolLM2's down projection)
+ * up to about ONNX Runtime's MatMul, and the SmolLM2 engines' prefill measured faster with it.
  * A multiple of FloatLinear's GATED_ROWS. */
 #ifndef AUTOGLM_CHUNKS_H
 #define AUTOGLM_CHUNKS_H

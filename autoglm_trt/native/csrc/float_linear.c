@@ -10,10 +10,9 @@
  * stream front to back. With more rows, each block of 256 inputs is read from cache for every
  * group of rows: 32 columns (32 KiB) at once up to PAIRED_ROWS rows, 16 (16 KiB) past them; while
  * the last group passes over a block, the next block is prefetched into the second-level cache
- * (at 16 rows, the SmolLM2 fp32 engine's linears chained in one graph ran 1.09-1.13x faster
- * with it; ad hoc, interleaved in one process), and in a decode batch (up to PAIRED_ROWS rows)
- * the first group asks for it too (a 16-sequence decode step of that engine 1.06x faster, its
- * steps alternating with and without in one process; asking two blocks ahead instead 0.98x).
+ * (measured faster on the SmolLM2 fp32 engine's linears at 16 rows), and in a decode batch (up
+ * to PAIRED_ROWS rows) the first group asks for it too (measured faster on a 16-sequence decode
+ * step of that engine; asking two blocks ahead was not).
  *
  * Inputs:
  *   0 x       float32 [..., K]

@@ -5,8 +5,8 @@
  *
  * ONNX Runtime's MultiHeadAttention (what the float32 encoder runs) computes a screenshot's
  * attention in float32 at about the CPU's float32 peak; bfloat16 products double the work an
- * instruction does (``benchmarks.vision_int8`` measures both, section "The vision encoder's INT8
- * linears"). The rounding is PrefillAttentionBf16's: the queries (scaled by log2(e) / sqrt(D)),
+ * instruction does (``benchmarks.vision_forms`` measures both: docs/benchmarks.md, section "The
+ * vision encoder's fast forms"). The rounding is PrefillAttentionBf16's: the queries (scaled by log2(e) / sqrt(D)),
  * the keys, the values and each step's weights rounded to bfloat16 (to nearest, ties to even),
  * the scores, their maximum, the sums and the output in float32, and the exponential a degree-5
  * polynomial of 2^f. Each row's weights are summed as rounded, so the weights the values get sum

@@ -4,14 +4,13 @@
  * equals: the integer sums are exact and the scaling is the same float product).
  *
  * When one row multiplies the weights (a batch-1 decode step, which an INT8 engine's time is
- * mostly made of), ONNX Runtime's quantization + MatMulIntegerToFloat read them at about half
- * the rate this operator does on this project's machines (16-20 against 31-42 GB/s). The
+ * mostly made of), ONNX Runtime's quantization + MatMulIntegerToFloat were measured reading
+ * them much more slowly than this operator does on this project's machines. The
  * packed layout lets one 64-byte load feed 16 outputs x 4 inputs; each thread takes runs of
  * adjacent tiles (``tile_runs.h``). A batch (a decode step of
  * several sequences, a prefill) goes 8 rows at a time, 8 chains of accumulation over each tile,
- * the last group of rows prefetching the next tile: the SmolLM2 INT8 engine's linears chained in
- * one graph ran 1.64x faster at 8 rows and 1.31x at 16 than with 4 rows at a time and no
- * prefetch (ad hoc, interleaved in one process).
+ * the last group of rows prefetching the next tile: on the SmolLM2 INT8 engine's linears that
+ * measured faster than 16 rows at a time, and than 4 without the prefetch.
  *
  * Inputs:
  *   0 x             float32 [..., K]

@@ -5,7 +5,7 @@
  * The graph's prefill attention (``graph/decoder.py``) computes each layer's scores over the past
  * and the new keys, joins them, adds the mask bias, takes the softmax, splits it and multiplies
  * the two parts by the past and new values: over a 1,000-token prompt each of those passes moves
- * a 36 MB tensor a layer (SmolLM2), and they took about 60 % of the INT8 engine's prefill. Here a
+ * a 36 MB tensor a layer (SmolLM2), and they took most of the INT8 engine's prefill. Here a
  * work item takes up to QROWS query rows (tokens) of one query head and walks the keys KEYS at a
  * time: their scores (the queries times the keys, transposed once per call so that a step's keys
  * lie in one run of memory), the bias added, the rows' running maximum, sum and weighted values

@@ -3,11 +3,10 @@
  * A batch-1 step's work items are runs of adjacent tiles, RUNS_PER_CPU runs per processor, so
  * that each thread reads the weights in long runs front to back, which the processor's
  * prefetchers follow, rather than every other tile as the threads claim them one at a time (a
- * tile of SmolLM2's K = 576 is 9 KiB at INT8). On this project's 2-processor machines (runs of
- * 1/16) the INT8 engine's batch-1 decode step ran 1.09x and 1.13x faster (1.05x with runs of
- * 1/32, 1.08x with 1/12, 1.03x with 1/6; no change at batch 4 and 16, nor for the float linears'
- * tile pairs at batch 1, which are 8 times longer; ad hoc, each the median of 40-60 pairs of
- * steps alternating in one process). Per processor, so that a machine with many keeps them all
+ * tile of SmolLM2's K = 576 is 9 KiB at INT8). It made the INT8 engine's batch-1 decode step
+ * faster on this project's 2-processor machines, more with RUNS_PER_CPU runs than with longer or
+ * shorter ones (it changed nothing at larger batches, nor for the float linears' tile pairs at
+ * batch 1, which are 8 times longer). Per processor, so that a machine with many keeps them all
  * busy (the processors online: in a container allowed fewer of them, runs are shorter than they
  * need be). With more rows, each item is one tile for one chunk of rows (``chunks.h``). */
 #ifndef AUTOGLM_TILE_RUNS_H

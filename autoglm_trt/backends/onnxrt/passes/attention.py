@@ -6,9 +6,9 @@ mask, softmax, weighted sum: about 20 nodes) sits in the else branch of an ``If`
 branch is one ``autoglm.trt.PagedAttention`` node (``csrc/paged_attention.c``) that reads the
 pools in place (``PagedAttentionInt8KV`` for an INT8 KV cache, static or per-token scales). The condition is "one new
 token per sequence": decode steps take the operator; prefill steps keep the graph's nodes,
-whose GEMMs are faster over many new tokens than the operator's dot products (a 1,000-token
-prompt took 1.5x as long through the operator): as one ``PrefillAttention`` node where the
-library has fused multiply-add and the head size is a multiple of 64 (``prefill_attention.py``),
+whose GEMMs are faster over many new tokens than the operator's dot products (measured on a
+1,000-token prompt): as one ``PrefillAttention`` node where the library has fused multiply-add
+and the head size is a multiple of 64 (``prefill_attention.py``),
 else with their scores computed query by query (``prefill_scores.py``, the same bits). The ``step_branch`` pass
 then hoists the 30 ``If`` nodes into one for the whole step.
 Everything else, the INT8 GEMMs included, is untouched, and the portable graph that TensorRT

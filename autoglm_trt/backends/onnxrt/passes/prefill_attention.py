@@ -17,7 +17,8 @@ branch keeps the graph's attention with ``prefill_scores.by_row``.
 the CPU has it, and is PrefillAttention elsewhere. The build gives it to the engines whose
 activations are rounded to 8 bits anyway (``int8``, ``int8-dyn``, ``int4-awq``:
 ``builder.pipeline``), whose answers it does not move beyond their own quantization's noise
-(docs/native.md); ``fp32`` and ``int8-wo``, the engines meant to answer as fp32 does, keep float32.
+(docs/benchmarks.md, "Accuracy of the bfloat16 prefill attention"); ``fp32`` and ``int8-wo``, the
+engines meant to answer as fp32 does, keep float32.
 """
 
 from __future__ import annotations

@@ -9,17 +9,16 @@ keys, transB=1)``, whose output is already [..., query, key], the two join along
 and the transpose goes. Each score is the same sum of the same products in the same order (ONNX
 Runtime's GEMM adds a head's 64 products as one chain of fused multiply-adds from zero, whichever
 operand holds the queries), so scores and logits are the graph's bit for bit: checked on the
-SmolLM2 engines over prompts of 1,000, 300 + 120 and 17 + 5 + 2 tokens, and chunks after a past
-(ad hoc), and by ``tests/native/test_prefill_scores.py`` on the tiny engines. A 1,000-token prefill
-ran 1.22x faster on the SmolLM2 INT8 engine and 1.17x on the fp32 one (ad hoc, the two forms
-interleaved in one process, medians of 6 and 4 rounds); with ``MaskedSoftmax`` (below) too,
-1.38x and 1.19x.
+SmolLM2 engines over prompts of 1,000, 300 + 120 and 17 + 5 + 2 tokens, and chunks after a past,
+and by ``tests/native/test_prefill_scores.py`` on the tiny engines. A 1,000-token prefill measured
+faster this way on the SmolLM2 INT8 and fp32 engines, and faster again with ``MaskedSoftmax``
+(below) too (docs/benchmarks.md, "A prefill's attention, every way", times one layer's forms).
 
 Where the native library's ``MaskedSoftmax`` repeats ONNX Runtime's Softmax bit for bit (an
 AVX-512F build, ``csrc/masked_softmax.c``), the join, the mask ``Add``, the ``Softmax`` and the two
 ``Slice`` nodes that split the probabilities back into past and new become that one node, which
 reads the two score blocks and the mask once and writes the two parts once: the same bits again
-(the same SmolLM2 prefills, ad hoc, and ``tests/test_masked_softmax.py`` against ONNX Runtime's
+(the same SmolLM2 prefills, and ``tests/test_masked_softmax.py`` against ONNX Runtime's
 own nodes).
 
 Only the prefill branch of ``attention.rewrite`` takes this form: its steps have two or more

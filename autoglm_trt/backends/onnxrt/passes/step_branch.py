@@ -3,13 +3,12 @@
 ``attention.rewrite`` gives each layer an ``If`` on ``native.decode``: the native operator for
 decode steps, the prefill attention (``PrefillAttention`` or the graph's nodes) for prefill
 steps. ONNX Runtime runs an ``If`` as a subgraph with an execution frame of its own, and 30 of
-them cost a decode step of the SmolLM2 INT8 engine about 5% of its time (ad hoc, interleaved in
-one process: 6.8 against 6.5 ms at batch 1, 15.2 against 14.3 ms at batch 8). Both branches read
-the same initializers: loading the SmolLM2 engines this way takes 12-15 MB more memory, not a
-second copy of the weights. Every layer takes the same branch within a step, so ``branch_once``
-moves the whole graph below the condition into one ``If``: its then branch is the graph with
-each layer's decode branch in place of that layer's ``If``, its else branch the graph with each
-prefill branch; a branch keeps only the nodes its outputs depend on (decode steps drop the
+them made a decode step of the SmolLM2 INT8 engine measurably slower than one, at batch 1 and 8.
+Both branches read the same initializers: loading the SmolLM2 engines this way takes a little
+more memory, not a second copy of the weights. Every layer takes the same branch within a step,
+so ``branch_once`` moves the whole graph below the condition into one ``If``: its then branch is
+the graph with each layer's decode branch in place of that layer's ``If``, its else branch the
+graph with each prefill branch; a branch keeps only the nodes its outputs depend on (decode steps drop the
 prefill attention's mask). The kernels, and so the outputs, are those of the per-layer form bit
 for bit; a step runs one ``If``.
 
