@@ -13,6 +13,7 @@ list of tokenizer files that travels with a model.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,6 @@ TOKENIZER_FILES = (
 ENGINE_FORMAT = "autoglm-trt/engine/2"  # manifest.json's schema; an engine of another is refused: rebuild it
 GRAPH_DTYPES = ("float32", "float16")
 KV_DTYPES = ("float32", "float16", "int8")
-BACKENDS = ("onnxruntime", "tensorrt")
 MAX_RECORD_BYTES = 64 * 1024 * 1024  # a record is a few kB to a few MB; refuse to parse anything absurd
 
 
@@ -312,8 +312,8 @@ class Manifest:
                               f"{brief(data.get('format'))}, this one reads {ENGINE_FORMAT}); rebuild it with "
                               "`autoglm-trt build`")
         backend = _field(data, "backend", str, path, EngineError)
-        if backend not in BACKENDS:
-            raise EngineError(f"{path}: backend must be one of {', '.join(BACKENDS)}, got {brief(backend)}")
+        if backend not in BACKEND_SECTIONS:
+            raise EngineError(f"{path}: backend must be one of {', '.join(BACKEND_SECTIONS)}, got {brief(backend)}")
         _field(data, "precision", str, path, EngineError)
         files = _field(data, "files", dict, path, EngineError)
         assert isinstance(files, dict)
@@ -333,13 +333,9 @@ class Manifest:
         if KVCache.read(kv, path).dtype != graph_kv and graph_kv is not None:
             raise EngineError(f"{path}: kv_cache.dtype {kv['dtype']} differs from the engine graph's ({graph_kv}, "
                               f"{EXPORT_RECORD}); the engine was edited or is corrupt: rebuild it")
-        if backend == "onnxruntime":
-            _ort_graphs(data, engine_dir, path)
-        if backend == "tensorrt":
-            trt = _field(data, "tensorrt", dict, path, EngineError)
-            assert isinstance(trt, dict)
-            _field(trt, "version", str, path, EngineError)
-            _field(trt, "gpu", dict, path, EngineError)
+        section = _field(data, backend, dict, path, EngineError)  # the backend's own section
+        assert isinstance(section, dict)
+        BACKEND_SECTIONS[backend](section, engine_dir, path)
         return cls(engine_dir, data, _spec(data, path, EngineError))
 
     @property
@@ -392,9 +388,7 @@ def _graph_kv_dtype(engine_dir: Path) -> str | None:
         return None
 
 
-def _ort_graphs(data: dict, engine_dir: Path, path: Path) -> None:
-    graphs = _field(data, "onnxruntime", dict, path, EngineError)
-    assert isinstance(graphs, dict)
+def _ort_graphs(graphs: dict, engine_dir: Path, path: Path) -> None:
     _field(graphs, "passes_version", int, path, EngineError)
     for key in ("passes", "requires"):
         _field(graphs, key, list, path, EngineError)
@@ -413,6 +407,17 @@ def _ort_graphs(data: dict, engine_dir: Path, path: Path) -> None:
                 not isinstance(graphs.get("native_graph"), str):
             raise EngineError(f"{where} must name a KV dtype (float32, float16 or int8) and two booleans, dynamic_int8 "
                               f"and bf16_attention, beside a native graph; got {brief(at_load)}: rebuild the engine")
+
+
+def _trt_section(trt: dict, engine_dir: Path, path: Path) -> None:
+    _field(trt, "version", str, path, EngineError)
+    _field(trt, "gpu", dict, path, EngineError)
+
+
+# each backend's manifest section (named after it), checked by its reader; ``backends.registry``
+# adds a backend registered beside the built-in ones
+BACKEND_SECTIONS: dict[str, Callable[[dict, Path, Path], None]] = {"onnxruntime": _ort_graphs,
+                                                                     "tensorrt": _trt_section}
 
 
 def hash_dir(engine_dir: Path) -> dict[str, str]:

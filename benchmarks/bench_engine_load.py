@@ -49,10 +49,11 @@ def child_load(engine: Path) -> None:
     """One load of ``engine`` (the runner's session and pools), then one prefill's last logits."""
     import numpy as np
 
-    from autoglm_trt.evaluate.perplexity import _engine_runner
+    from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.backend import BACKEND as ort
 
     t = time.perf_counter()
-    runner = _engine_runner(engine, 0)
+    runner = ort.graph_runner(Manifest.read(engine), 0)
     seconds = time.perf_counter() - t
     logits = runner.logits(np.array([PROMPT], np.int64))[0, -1]
     print(json.dumps({"seconds": seconds, "logits": [float(v) for v in logits[:64]],

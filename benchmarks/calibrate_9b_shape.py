@@ -55,12 +55,14 @@ def child_calibrate(export: Path, out: Path) -> None:
 
 def child_int4(export: Path, out: Path, backend: str) -> None:
     from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.backends import registry
     from autoglm_trt.builder.int4_awq import int4_export
     from autoglm_trt.builder.pipeline import BuildRequest, int4_settings
     from autoglm_trt.calib.pipeline import DEFAULT_DATA
 
     # what `build --precision int4-awq --backend BACKEND` would quantize with
-    settings = int4_settings(BuildRequest(export, out, "int4-awq"), backend, ExportRecord.read(export).spec)
+    settings = int4_settings(BuildRequest(export, out, "int4-awq"), registry.backend(backend),
+                             ExportRecord.read(export).spec)
     t = time.perf_counter()
     int4_export(export, out, DEFAULT_DATA, settings, log=_log)
     rec = json.loads((out / "export.json").read_text())["int4"]

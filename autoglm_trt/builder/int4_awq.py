@@ -51,6 +51,7 @@ from ..graph.names import KINDS, kind_of
 from ..graph.quant import QuantPlan
 from ..model.spec import ModelSpec
 from ..model.text import TokenWindows, token_windows
+from ..precisions import precision
 from .int4_gate import GATE_SEQ_LEN, GATE_WINDOWS, gated_plan
 from .int4_rounding import AwqSearch, LayerRounding, scaled
 
@@ -104,7 +105,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     """Write (or reuse) the INT4 model of ``export_dir`` in ``out_dir``; returns ``out_dir``."""
     settings.check()
     export = ExportRecord.read(export_dir)
-    if export.dtype != "float32" or export.precision != "fp32":
+    if export.dtype != "float32" or precision(export.precision).quantized:
         raise AutoGLMError(f"{export_dir} is not a float32 export; int4-awq is made from one "
                            "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
     spec = export.spec

@@ -29,6 +29,9 @@ from ..artifacts import (
     hash_dir,
     tokenizer_files,
 )
+from ..backends.base import Backend, EngineSettings
+from ..backends.registry import AUTO, builds, choose, names
+from ..backends.registry import backend as backend_named
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, library_versions, sha256_files, staged_directory, write_json
 from ..graph.decoder import GRAPH_VERSION
@@ -36,6 +39,7 @@ from ..graph.kv_int8 import int8_kv_graph
 from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec
+from ..precisions import Precision, precision
 from .config import BuildConfig
 from .profiles import profile_shapes
 from .vision import vision_engine
@@ -43,18 +47,7 @@ from .vision import vision_engine
 if TYPE_CHECKING:
     from .int4_awq import Int4Settings
 
-PRECISIONS = ("fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq")
-WEIGHT_ONLY = ("int8-wo", "int8-dyn")  # one model: INT8 weights alone; int8-dyn quantizes activations at run time
 KV_CALIB_WINDOWS = 32  # windows of 128 tokens for the K/V ranges of an fp32/fp16 engine's INT8 KV cache
-BACKENDS = ("auto", "tensorrt", "onnxruntime")
-# inputs per INT4 weight scale: TensorRT takes blocks of 64 or 128 (its documentation's "Quantization
-# Schemes"); ONNX Runtime's MatMulNBits any power of two from 16, and 32 measured best (docs/calibration.md)
-INT4_BLOCK = {"onnxruntime": 32, "tensorrt": 128}
-TRT_INT4_BLOCKS = (64, 128)
-# the float type of a quantized precision's graph for each backend: TensorRT's is float16 (the Q/DQ
-# and GEMMs of W8A8, W4A16 and W8A16, the attention and the KV cache, as fp16's); ONNX Runtime's
-# CPU engine runs float32
-QUANTIZED_DTYPE = {"onnxruntime": "float32", "tensorrt": "float16"}
 
 
 @dataclass
@@ -67,39 +60,24 @@ class BuildRequest:
     config: BuildConfig | None = None
     cache_dir: Path | None = None  # default: <out_dir parent>/.cache
     force: bool = False
-    int4_block: int | None = None  # int4-awq: inputs per weight scale (None: the backend's ``INT4_BLOCK``)
+    int4_block: int | None = None  # int4-awq: inputs per weight scale (None: the backend's ``traits.int4_block``)
     int4_int8: tuple[str, ...] = ()  # int4-awq: kinds of linear kept at INT8
     int4_gate: float | None = None  # int4-awq: the accuracy gate's expected perplexity ratio (None: no gate)
 
 
-def resolve_backend(requested: str, log: Callable[[str], None]) -> str:
-    from ..backends.trt.probe import require_tensorrt, tensorrt_available
-
-    if requested not in BACKENDS:
-        raise AutoGLMError(f"backend '{requested}' is not one of {', '.join(BACKENDS)}")
-    if requested == "tensorrt":
-        require_tensorrt()
-        return "tensorrt"
-    if requested == "onnxruntime":
-        return "onnxruntime"
-    ok, reason = tensorrt_available()
-    log(f"backend auto: {'tensorrt' if ok else 'onnxruntime'} ({reason})")
-    return "tensorrt" if ok else "onnxruntime"
-
-
-def _backend_for(req: BuildRequest, log: Callable[[str], None]) -> str:
-    """The backend that builds ``req``: ONNX Runtime for int8-dyn, which TensorRT cannot run."""
-    if req.precision != "int8-dyn":
-        return resolve_backend(req.backend, log)
-    if req.backend not in BACKENDS:
-        raise AutoGLMError(f"backend '{req.backend}' is not one of {', '.join(BACKENDS)}")
-    if req.backend == "tensorrt":
-        raise AutoGLMError("int8-dyn (activations quantized per block of 32 at run time) runs on ONNX Runtime's "
-                           "engine only; for TensorRT build int8-wo (the same INT8 weights, float activations) "
-                           "or int8, or pass --backend onnxruntime")
-    if req.backend == "auto":
-        log("backend auto: onnxruntime (int8-dyn runs on ONNX Runtime's engine only)")
-    return "onnxruntime"
+def _backend_for(req: BuildRequest, p: Precision, log: Callable[[str], None]) -> Backend:
+    """The backend that builds ``req``: the one asked for (refused where it does not build precision
+    ``p``, before asking whether it runs here), or ``auto``'s choice among those that build it."""
+    if req.backend == AUTO:
+        return choose(AUTO, log, p)
+    chosen = backend_named(req.backend)
+    if not builds(chosen, p):
+        able = [b for b in map(backend_named, names()) if builds(b, p)]
+        raise AutoGLMError(f"{p.name} ({p.help}) runs on {' or '.join(b.label for b in able)}'s engine only; for "
+                           f"{chosen.label} build another precision (int8-wo: the same INT8 weights, float "
+                           f"activations), or pass --backend {' or '.join(b.name for b in able)}")
+    chosen.require()
+    return chosen
 
 
 def _checkpoint_export(source: Path, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
@@ -134,10 +112,11 @@ def _cache_dir(req: BuildRequest) -> Path:
 def _model_dir(req: BuildRequest, cache: Path, log: Callable[[str], None]) -> Path:
     """The float export to build from: the source itself, or the checkpoint's export in the cache."""
     source = Path(req.source)
-    dtype = "float16" if req.precision == "fp16" else "float32"
+    p = precision(req.precision)
+    dtype = p.export_dtype
     if (source / EXPORT_RECORD).is_file():
         have = ExportRecord.read(source).dtype
-        if have != dtype:
+        if have != dtype and not (p.float16_export and have == "float16"):
             raise AutoGLMError(f"{source} is a {have} export; precision {req.precision} needs a {dtype} export "
                                f"(autoglm-trt export CHECKPOINT -o DIR --dtype {dtype}) or the checkpoint itself")
         return source
@@ -146,7 +125,7 @@ def _model_dir(req: BuildRequest, cache: Path, log: Callable[[str], None]) -> Pa
     raise AutoGLMError(f"{source} is neither a Hugging Face checkpoint (config.json) nor an export (export.json)")
 
 
-def _calibrated(req: BuildRequest, backend: str, model_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
+def _calibrated(req: BuildRequest, backend: Backend, model_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
     """The INT8 calibration of ``model_dir`` for ``backend`` in the cache (made or reused)."""
     from ..calib.pipeline import DEFAULT_DATA, CalibConfig, calibrate
 
@@ -154,28 +133,26 @@ def _calibrated(req: BuildRequest, backend: str, model_dir: Path, cache: Path, l
     if data is None:
         data = DEFAULT_DATA
         log(f"no --calib given: calibrating with the default set {data}")
-    dtype = QUANTIZED_DTYPE[backend]
+    dtype = backend.traits.graph_dtype
     calib_dir = cache / ("calib-int8" if dtype == "float32" else f"calib-int8-{dtype}")
     calibrate(CalibConfig(model_dir, data, calib_dir, replace_mismatch=True, graph_dtype=dtype), log=log)
     return calib_dir
 
 
-def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
+def _quantized(req: BuildRequest, backend: Backend, float_dir: Path, cache: Path, log: Callable[[str], None]) -> Path:
     """The model the engine is built from: the float export, its INT8 calibration, its
     weight-only INT8 model or its INT4 model (made or reused in the cache)."""
-    if req.precision == "int8":
+    p, traits = precision(req.precision), backend.traits
+    if p.model == "int8":
         return _calibrated(req, backend, float_dir, cache, log)
-    if req.precision in WEIGHT_ONLY:
+    if p.model == "weight_only":
         from .weight_only import weight_only_export
 
         if req.calib is not None:
             log(f"{req.precision} quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
-        # TensorRT: one scale per output channel (its Dequantize takes no INT8 blocks), the token
-        # embedding float (the INT8 rows' Gather + Cast is untested with TensorRT)
-        trt = backend == "tensorrt"
-        return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=not trt,
-                                  dtype=QUANTIZED_DTYPE[backend], int8_channels=trt)
-    if req.precision == "int4-awq":
+        return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=traits.int8_embedding,
+                                  dtype=traits.graph_dtype, int8_channels=traits.int8_channels)
+    if p.model == "int4":
         from ..calib.pipeline import DEFAULT_DATA
         from .int4_awq import int4_export
 
@@ -186,59 +163,57 @@ def _quantized(req: BuildRequest, backend: str, float_dir: Path, cache: Path, lo
     return float_dir
 
 
-def int4_settings(req: BuildRequest, backend: str, spec: ModelSpec) -> Int4Settings:
-    """How an int4-awq build for ``backend`` quantizes the model of ``spec``. TensorRT's
-    block-quantized INT4 takes no zero points: symmetric there, its 8-bit linears per output channel
-    (no INT8 blocks), its embedding float (the INT8 rows' Gather + Cast is untested with TensorRT)."""
+def int4_settings(req: BuildRequest, backend: Backend, spec: ModelSpec) -> Int4Settings:
+    """How an int4-awq build for ``backend`` quantizes the model of ``spec``, from its traits: INT4
+    with or without zero points, 8-bit linears in blocks or per output channel, the embedding INT8
+    or float, the graph's float type."""
     from .int4_awq import Int4Settings
 
-    trt = backend == "tensorrt"
-    return Int4Settings(block=int4_block(req, backend, spec), symmetric=trt, int8_kinds=req.int4_int8,
-                        int8_embedding=not trt, gate=req.int4_gate, dtype=QUANTIZED_DTYPE[backend],
-                        int8_channels=trt)
+    t = backend.traits
+    return Int4Settings(block=int4_block(req, backend, spec), symmetric=t.symmetric_int4, int8_kinds=req.int4_int8,
+                        int8_embedding=t.int8_embedding, gate=req.int4_gate, dtype=t.graph_dtype,
+                        int8_channels=t.int8_channels)
 
 
-def int4_block(req: BuildRequest, backend: str, spec: ModelSpec | None = None) -> int:
+def int4_block(req: BuildRequest, backend: Backend, spec: ModelSpec | None = None) -> int:
     """The INT4 block size of an int4-awq build: the request's, else the backend's default; refused
-    where TensorRT would not build it. TensorRT's blocks must also divide each linear's input width
-    (``spec``'s, when known): its default is then the largest of ``TRT_INT4_BLOCKS`` that does."""
-    if backend != "tensorrt":
-        return INT4_BLOCK[backend] if req.int4_block is None else req.int4_block
+    where the backend would not build it. A backend with a fixed set of block sizes
+    (``traits.int4_blocks``, TensorRT's) also needs them to divide each linear's input width
+    (``spec``'s, when known): its default is then the largest of them that does."""
+    t = backend.traits
+    if not t.int4_blocks:
+        return t.int4_block if req.int4_block is None else req.int4_block
     widths = [] if spec is None else sorted({spec.hidden_size, spec.q_size, spec.intermediate_size})
-    fits = [b for b in sorted(TRT_INT4_BLOCKS, reverse=True) if all(w % b == 0 for w in widths)]
-    block = req.int4_block if req.int4_block is not None else (fits[0] if fits else INT4_BLOCK[backend])
-    if block not in TRT_INT4_BLOCKS:
-        raise AutoGLMError(f"TensorRT builds INT4 weights in blocks of {' or '.join(map(str, TRT_INT4_BLOCKS))} "
-                           f"inputs, not {block}: pass --int4-block {INT4_BLOCK['tensorrt']} (its default) or "
-                           f"{TRT_INT4_BLOCKS[0]}, or build for ONNX Runtime (--backend onnxruntime), which takes {block}")
+    fits = [b for b in sorted(t.int4_blocks, reverse=True) if all(w % b == 0 for w in widths)]
+    block = req.int4_block if req.int4_block is not None else (fits[0] if fits else t.int4_block)
+    if block not in t.int4_blocks:
+        others = [b.name for b in map(backend_named, names()) if not b.traits.int4_blocks]
+        raise AutoGLMError(f"{backend.label} builds INT4 weights in blocks of {' or '.join(map(str, t.int4_blocks))} "
+                           f"inputs, not {block}: pass --int4-block {t.int4_block} (its default) or "
+                           f"{t.int4_blocks[0]}, or build for another backend (--backend {' or '.join(others)}), "
+                           f"which takes {block}")
     if block not in fits:
         raise AutoGLMError(f"INT4 blocks of {block} do not divide this model's linear input widths "
-                           f"({', '.join(map(str, widths))}), as TensorRT's block quantization needs; "
+                           f"({', '.join(map(str, widths))}), as {backend.label}'s block quantization needs; "
                            + (f"pass --int4-block {fits[0]}" if fits else
-                              "no block size TensorRT takes does: build int8-wo, or int4-awq for ONNX Runtime"))
+                              f"no block size {backend.label} takes does: build int8-wo, or int4-awq for another backend"))
     return block
 
 
-def _write_backend(backend: str, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
+def _write_backend(backend: Backend, graph_file: Path, tmp: Path, cfg: BuildConfig, profiles: dict,
                    req: BuildRequest, kv_amax: dict | None) -> tuple[str, dict]:
-    """Optimize (ONNX Runtime: then its plain and native graphs, ``loader.write_graphs``) or build
-    (TensorRT) the graph into ``tmp``: (engine file, report). For an INT8 KV cache the graph is
-    first rewritten: with the static scales of ``kv_amax``, or per token (``cfg.kv_scales``)."""
+    """The backend's engine file from the graph, in ``tmp``: (engine file, report). For an INT8 KV
+    cache the graph is first rewritten: with the static scales of ``kv_amax``, or per token
+    (``cfg.kv_scales``)."""
     rewritten = None
     if kv_amax is not None or cfg.kv_scales == "token":
         import onnx
 
         rewritten = int8_kv_graph(onnx.load(str(graph_file), load_external_data=False), kv_amax,
-                                  unit_scales=backend == "tensorrt")
-    if backend == "onnxruntime":
-        from ..backends.onnxrt.loader import OPT_GRAPH, optimize
-
-        return OPT_GRAPH, optimize(graph_file, tmp, cfg.threads, rewritten)
-    from ..backends.trt.loader import build_plan
-
-    timing = _timing_cache(cfg, req)
-    return "engine.plan", build_plan(graph_file, tmp, profiles, cfg.workspace_bytes, cfg.builder_optimization_level,
-                                     timing, None if rewritten is None else rewritten.SerializeToString())
+                                  unit_scales=backend.traits.unit_kv_scales)
+    settings = EngineSettings(cfg.threads, profiles, cfg.workspace_bytes, cfg.builder_optimization_level,
+                              _timing_cache(cfg, req))
+    return backend.write_engine(graph_file, tmp, settings, rewritten)
 
 
 def _timing_cache(cfg: BuildConfig, req: BuildRequest) -> Path:
@@ -249,7 +224,7 @@ def _timing_cache(cfg: BuildConfig, req: BuildRequest) -> Path:
 def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]) -> dict:
     """K/V amax per layer and head: from the INT8 calibration, or one statistics pass over the
     calibration text on the float export ``record``."""
-    if req.precision == "int8":
+    if precision(req.precision).calibrated_kv:
         return CalibRecord.read(record.dir).data["kv_amax"]
     from ..calib.collect import kv_statistics
     from ..calib.pipeline import DEFAULT_DATA
@@ -263,25 +238,26 @@ def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]
     return kv_statistics(record.dir, spec, windows, 8, record.dtype)
 
 
-def _refuse_before_work(req: BuildRequest, cfg: BuildConfig, backend: str) -> None:
+def _refuse_before_work(req: BuildRequest, cfg: BuildConfig, backend: Backend) -> None:
     """What the backend cannot build, refused before any export or calibration."""
-    if req.precision == "int4-awq":
+    if precision(req.precision).model == "int4":
         int4_block(req, backend)
-    if cfg.kv_scales == "token" and backend == "tensorrt":
-        raise AutoGLMError("per-token KV scales (kv_scales token) run on the onnxruntime backend; for TensorRT "
-                           "use kv_scales head (static, calibrated), which it builds as explicit quantization")
+    if cfg.kv_scales == "token" and not backend.traits.token_kv_scales:
+        others = [n for n in names() if backend_named(n).traits.token_kv_scales]
+        raise AutoGLMError(f"per-token KV scales (kv_scales token) run on the {' or '.join(others)} backend; for "
+                           f"{backend.label} use kv_scales head (static, calibrated), which it builds as explicit "
+                           "quantization")
 
 
 def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
     """Build the engine directory; returns its manifest."""
-    if req.precision not in PRECISIONS:
-        raise AutoGLMError(f"precision '{req.precision}' is not supported; choose one of {', '.join(PRECISIONS)}")
+    p = precision(req.precision)
     cfg = req.config or BuildConfig()
     cfg.check()
     out_dir = Path(req.out_dir)
     if out_dir.exists() and not req.force:
         raise AutoGLMError(f"engine directory {out_dir} already exists; pass --force to rebuild it")
-    backend = _backend_for(req, log)
+    backend = _backend_for(req, p, log)
     _refuse_before_work(req, cfg, backend)
     t0 = time.perf_counter()
     cache = _cache_dir(req)
@@ -298,26 +274,26 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         raise AutoGLMError(f"max_seq_len {cfg.max_seq_len} exceeds what the export allows "
                            f"({record.max_seq_len}); export with a larger --max-seq-len")
     num_blocks = cfg.num_blocks(record.spec, kv_bytes_per_elem(kv_dtype))
-    if backend == "onnxruntime":
+    if backend.traits.host_memory:
         check_pool_fits(num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), AutoGLMError)
     profiles = profile_shapes(cfg, record.spec, num_blocks)
     # K/V ranges: the calibration's (int8), else measured on the float model
-    kv_source = ExportRecord.read(float_dir) if req.precision in (*WEIGHT_ONLY, "int4-awq") else record
+    kv_source = record if p.calibrated_kv else ExportRecord.read(float_dir)
     kv_amax = _kv_amax(req, kv_source, log) if kv_dtype == "int8" and cfg.kv_scales == "head" else None
 
     with staged_directory(out_dir, req.force) as tmp:
-        log(f"building {backend} engine ({req.precision}) from {record.graph_file}")
+        log(f"building {backend.name} engine ({req.precision}) from {record.graph_file}")
         engine_file, report = _write_backend(backend, record.graph_file, tmp, cfg, profiles, req, kv_amax)
-        vision_engine(backend, model_dir, record, tmp, cfg, req.precision in BF16_ATTENTION, _timing_cache(cfg, req),
+        vision_engine(backend, model_dir, record, tmp, cfg, p.eight_bit_activations, _timing_cache(cfg, req),
                       report, log)
-        graphs = _ort_graphs(tmp, record, kv_dtype, req.precision, log) if backend == "onnxruntime" else None
+        sections = backend.finish(tmp, record, kv_dtype, p.eight_bit_activations, p.dynamic_int8, report, log)
         copy_tokenizer_files(model_dir, tmp)
         write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))
         write_json(tmp / "fusion_report.json", report)
-        if req.precision == "int8":
+        if p.model == "int8":
             shutil.copy2(model_dir / "calib.json", tmp / "calib.json")
             shutil.copy2(model_dir / "calibration.cache", tmp / "calibration.cache")
-        manifest = _manifest(req, backend, engine_file, record, cfg, profiles, report)
+        manifest = {**_manifest(req, backend, engine_file, record, cfg, profiles, report), **sections}
         manifest["kv_cache"] = KVCache(cfg.kv_block_size, num_blocks,
                                        num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), kv_dtype,
                                        f"{POOL_LAYOUT} per layer, K and V" + (
@@ -325,31 +301,11 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
                                            else ""),
                                        None if kv_amax is None else {n: [a / 127.0 for a in v]
                                                                      for n, v in kv_amax.items()}).as_dict()
-        if graphs is not None:
-            manifest["onnxruntime"] = graphs
         manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
         manifest["files"] = hash_dir(tmp)
         write_json(tmp / MANIFEST, manifest)
-    log(f"engine ready: {out_dir} ({backend}, {req.precision}, {time.perf_counter() - t0:.1f} s)")
+    log(f"engine ready: {out_dir} ({backend.name}, {req.precision}, {time.perf_counter() - t0:.1f} s)")
     return manifest
-
-
-# the precisions whose activations are rounded to 8 bits anyway: their prefill's attention runs in
-# bfloat16 where AMX has it (passes/prefill_attention.py, docs/native.md), their vision encoder's
-# linears in INT8 by default
-BF16_ATTENTION = ("int8", "int8-dyn", "int4-awq")
-
-
-def _ort_graphs(tmp: Path, record: ExportRecord, kv_dtype: str, precision: str,
-                log: Callable[[str], None]) -> dict:
-    """The ONNX Runtime engine's plain and native graphs (``loader.write_graphs``), and what they say."""
-    from ..backends.onnxrt.loader import write_graphs
-
-    graphs = write_graphs(tmp, record.spec, kv_dtype, dynamic_int8=precision == "int8-dyn",
-                          bf16_attention=precision in BF16_ATTENTION)
-    done = [f"{p['name']} x{p['applied']}" for p in graphs["passes"] if p["applied"]]
-    log("native graph: " + (", ".join(done) if graphs["native_graph"] else f"none ({graphs['why']})"))
-    return graphs
 
 
 def check_pool_fits(pool_bytes: int, error: type[AutoGLMError]) -> None:
@@ -364,13 +320,13 @@ def kv_bytes_per_elem(dtype: str) -> int:
     return {"float16": 2, "int8": 1}.get(dtype, 4)
 
 
-def _manifest(req: BuildRequest, backend: str, engine_file: str, record: ExportRecord, cfg: BuildConfig,
+def _manifest(req: BuildRequest, backend: Backend, engine_file: str, record: ExportRecord, cfg: BuildConfig,
               profiles: dict, report: dict) -> dict:
     """The manifest's fields but the KV cache, the ONNX Runtime graphs and the file hashes."""
     assert cfg.max_input_len is not None and cfg.max_seq_len is not None, "resolve the config first"
     manifest = {
         "format": ENGINE_FORMAT,
-        "backend": backend,
+        "backend": backend.name,
         "precision": req.precision,
         "engine_file": engine_file,
         "source": {"path": str(Path(req.source).resolve()), "model_dir": str(record.dir.resolve()),
@@ -383,10 +339,4 @@ def _manifest(req: BuildRequest, backend: str, engine_file: str, record: ExportR
         "versions": library_versions("onnx", "onnxruntime", "numpy", "tensorrt"),
         "fusions": report.get("fusions", report.get("fused_count")),
     }
-    if backend == "onnxruntime" and "vision" in report:  # the encoder's graphs, of which the runtime chooses
-        manifest["vision"] = report["vision"]
-    if backend == "tensorrt":
-        from ..backends.trt.probe import cuda_device
-
-        manifest["tensorrt"] = {"version": report["tensorrt_version"], "gpu": cuda_device()}
     return manifest

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..backends.registry import backend
+
 
 def summary(manifest: dict, report: dict | None) -> str:
     """Human-readable summary for ``inspect``."""
@@ -21,12 +23,7 @@ def summary(manifest: dict, report: dict | None) -> str:
         "versions     " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()),
     ]
     if report:
-        if report.get("backend") == "onnxruntime":
-            lines.append(f"fusions      nodes {report['nodes_before']} -> {report['nodes_after']}")
-            for op, f in report["fusions"].items():
-                lines.append(f"             {op} x{f['count']}: {f['what']}")
-        else:
-            lines.append(f"layers       {report.get('layers')} ({report.get('fused_count')} fused)")
+        lines += backend(manifest["backend"]).build_lines(report)
     return "\n".join(lines)
 
 

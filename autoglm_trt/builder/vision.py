@@ -10,21 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..artifacts import ExportRecord
+from ..backends.base import Backend
 from ..errors import AutoGLMError
 from ..model.vision import VisionSpec
 from .config import BuildConfig
 
 
-def vision_engine(backend: str, model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig, eight_bits: bool,
-                  timing: Path, report: dict, log: Callable[[str], None]) -> None:
-    """An image-text model's vision encoder in the build (``report["vision"]``): on TensorRT its
-    engine (``timing``: its timing cache); on ONNX Runtime the export's float32 graph, with INT8
-    linears (``vision_linears``) its INT8 form beside it, and with bfloat16 attention
-    (``vision_attention``) each one's native form; ``auto`` for either is on where the decoder
+def vision_engine(backend: Backend, model_dir: Path, record: ExportRecord, tmp: Path, cfg: BuildConfig,
+                  eight_bits: bool, timing: Path, report: dict, log: Callable[[str], None]) -> None:
+    """An image-text model's vision encoder in the build (``report["vision"]``): its engine where
+    the backend compiles one (TensorRT; ``timing``: its timing cache), else (ONNX Runtime) the
+    export's float32 graph, with INT8 linears (``vision_linears``) its INT8 form beside it, and with
+    bfloat16 attention (``vision_attention``) each one's native form; ``auto`` for either is on where the decoder
     rounds its activations to 8 bits anyway (``eight_bits``)."""
     if record.vision() is None:
         return
-    if backend == "tensorrt":
+    if backend.traits.compiled_vision:
         report["vision"] = _vision_plan(model_dir, record, tmp, cfg, timing, log)
         return
     if cfg.vision_dtype != BuildConfig.vision_dtype:

@@ -36,6 +36,7 @@ from ..graph.exported_weights import ExportedWeights
 from ..graph.names import KINDS
 from ..graph.quant import QuantPlan
 from ..model.text import TokenWindows, token_windows
+from ..precisions import precision
 from .accuracy import GateSettings, search_and_check
 from .cache import ALGORITHMS, trt_version, write_cache
 from .collect import kv_head_amax
@@ -155,7 +156,7 @@ def _check_config(cfg: CalibConfig, export: ExportRecord) -> None:
         raise AutoGLMError(f"method '{cfg.method}' is not supported; choose one of {', '.join(METHODS)}, auto")
     if cfg.graph_dtype not in ("float32", "float16"):
         raise AutoGLMError(f"the INT8 graph is written in float32 or float16 (TensorRT's form), not {cfg.graph_dtype}")
-    if export.dtype != "float32" or export.precision != "fp32":
+    if export.dtype != "float32" or precision(export.precision).quantized:
         raise AutoGLMError(f"{cfg.export_dir} is not a float32 export; calibrate a float32 export "
                            "(autoglm-trt export CHECKPOINT -o DIR)")
 

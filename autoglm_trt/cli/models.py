@@ -6,7 +6,9 @@ from pathlib import Path
 
 import click
 
+from ..backends.registry import AUTO, names
 from ..errors import AutoGLMError
+from ..precisions import NAMES, TABLE
 from . import _log, cli
 
 
@@ -142,17 +144,12 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 
 @cli.command("build")
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-wo", "int8-dyn", "int4-awq"]),
-              default="int8", show_default=True,
-              help="int8: INT8 weights and activations (calibrated); int8-wo: INT8 weights, activations kept in "
-                   "float (16 bits per block of 32 on the CPU; on TensorRT one weight scale per output channel; no "
-                   "calibration; the closest to fp32); int8-dyn: "
-                   "int8-wo's weights, activations quantized per block of 32 at run time (ONNX Runtime only); "
-                   "int4-awq: INT4 weights (AWQ scales), activations quantized per block at run time.")
+@click.option("--precision", type=click.Choice(NAMES), default="int8", show_default=True,
+              help="; ".join(f"{p.name}: {p.help}" for p in TABLE) + ".")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="Calibration text for int8 and int4-awq [default: the set shipped with the package, "
                    "autoglm_trt/calib/data].")
-@click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice([AUTO, *names()]), default=AUTO, show_default=True)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None, help="Build config (YAML).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Engine directory [default: engines/<source name>-<precision>].")
@@ -214,56 +211,18 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
     import json
 
     from ..artifacts import Manifest
+    from ..backends.registry import backend
     from ..builder.report import load_report, summary
 
     manifest = Manifest.read(engine_dir)
     report = load_report(engine_dir)
-    decode = _decode_graph(manifest, report) if manifest.backend == "onnxruntime" else None
+    record, lines = backend(manifest.backend).inspect(manifest, report)
     if as_json:
-        click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report, "decode_graph": decode}, indent=1))
+        click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report, "decode_graph": record}, indent=1))
         return
     click.echo(summary(manifest.data, report))
-    if decode is not None:
-        from ..native import int8_kernel, variant_of
-        from ..native import library as native_library
-
-        library, why = native_library()
-        click.echo("native       " + (f"the {variant_of(library)} build of the native library "
-                                      f"(INT8 kernel {int8_kernel(library)}; {library})" if library is not None
-                                      else f"none: the graph's own nodes run ({why})"))
-        done = [f"{p['name']} x{p['applied']}" for p in decode["passes"] if p["applied"]]
-        click.echo(f"passes       version {decode['passes_version']}: " + (", ".join(done) or "none applied"))
-        ops = sorted(decode["nodes_by_op"].items(), key=lambda kv: -kv[1])
-        click.echo(f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here ({decode['graph']}"
-                   + (f", as {decode['why_plain']}" if decode["why_plain"] else "")
-                   + f"; the optimized graph has {decode['saved_nodes']}): "
-                   + ", ".join(f"{op} x{n}" for op, n in ops[:8]))
-    if manifest.backend == "onnxruntime" and "vision" in manifest.data:
-        from ..backends.onnxrt.vision import vision_graph
-
-        built = manifest.data["vision"]
-        graph, why, _ = vision_graph(manifest)
-        made = {**built.get("graphs", {}), **{f"{k}, native attention": v
-                                               for k, v in built.get("native_graphs", {}).items()}}
-        click.echo(f"vision       {built.get('linears')} linears and {built.get('attention', 'float32')} attention at "
-                   "build (" + ", ".join(f"{k}: {v}" for k, v in made.items()) + f"); here {graph}: {why}")
-
-
-def _decode_graph(manifest, report: dict | None) -> dict:
-    """Node counts of one decode step of an ONNX Runtime engine: of the graph the runner would load
-    here (its native graph, or its plain one and why)."""
-    import onnx
-
-    from ..backends.onnxrt import passes
-    from ..backends.onnxrt.runner import native_graph_here
-
-    graphs = manifest.ort_graphs
-    why = native_graph_here(graphs, passes.Target.here())
-    name = graphs["plain_graph"] if why else graphs["native_graph"]
-    counts = passes.decode_nodes(onnx.load(str(manifest.dir / name), load_external_data=False))
-    return {"graph": name, "why_plain": why, "nodes": sum(counts.values()), "nodes_by_op": counts,
-            "saved_nodes": (report or {}).get("nodes_after"), "passes": graphs["passes"],
-            "passes_version": graphs["passes_version"]}
+    for line in lines:
+        click.echo(line)
 
 
 @cli.command("doctor")
@@ -272,6 +231,7 @@ def doctor_cmd(engine_dir: Path) -> None:
     """Check that ENGINE_DIR is intact and can run on this machine."""
     from ..artifacts import Manifest
     from ..backends import backend_problems, engine_file_problems
+    from ..backends.registry import backend
 
     manifest = Manifest.read(engine_dir)
     checks = [("files and hashes", manifest.verify_files()), ("backend", backend_problems(manifest)),
@@ -286,8 +246,7 @@ def doctor_cmd(engine_dir: Path) -> None:
             click.echo(f"ok       {what}")
     if bad:
         raise AutoGLMError(f"{engine_dir} cannot be used on this machine as it is (see above)")
-    lines = _native_report(manifest) if manifest.backend == "onnxruntime" else []
-    for line in lines + _vision_report(manifest):
+    for line in backend(manifest.backend).findings(manifest) + _vision_report(manifest):
         click.echo("info     " + line)
     click.echo(f"{engine_dir}: {manifest.backend} {manifest.precision} engine is ready to run here")
 
@@ -295,7 +254,7 @@ def doctor_cmd(engine_dir: Path) -> None:
 def _vision_report(manifest) -> list[str]:
     """An image-text engine's vision encoder: what runs it, and the images its defaults take."""
     from ..artifacts import ExportRecord
-    from ..backends.onnxrt.vision import vision_graph
+    from ..backends.registry import backend
     from ..model.image import ImageConfig
     from ..runtime.images import ImageOptions, image_options
     from ..serve.guard import default_max_body_bytes
@@ -307,97 +266,9 @@ def _vision_report(manifest) -> list[str]:
     pixels = ImageConfig.from_dir(manifest.dir, **({} if options.max_pixels is None
                                                    else {"max_pixels": options.max_pixels})).max_pixels
     patches = vision.max_patches(pixels)
-    runs = (f"vision.plan on TensorRT ({manifest.data.get('build_config', {}).get('vision_dtype', 'float32')} "
-            "linears and attention)" if manifest.backend == "tensorrt"
-            else "{} on ONNX Runtime here: {}".format(*vision_graph(manifest)[:2]))
+    runs = backend(manifest.backend).vision_runs(manifest)
     body = default_max_body_bytes(options.max_images or 0, pixels)
     return [f"vision encoder: {runs}; by default images of up to {pixels:,} pixels ({patches:,} patches, "
             f"{patches // vision.merge_size ** 2:,} image tokens), {options.max_images} a prompt, encoded one at a time",
             f"serve takes request bodies of up to {body:,} bytes by default ({options.max_images} PNG images of "
             f"{pixels:,} pixels, uncompressed RGBA, as base64; serve --max-body-bytes to change)"]
-
-
-def _native_report(manifest) -> list[str]:
-    """What an ONNX Runtime engine runs here: the native library's build, the graph, and for
-    attention, the linears and the prefill's softmax, native operators or ONNX Runtime's."""
-    import onnx
-
-    from ..backends.onnxrt import passes
-    from ..backends.onnxrt.passes.common import all_nodes
-    from ..backends.onnxrt.runner import native_graph_here
-    from ..native import block_kernel, float_kernel, int8_amx, int8_kernel, int8_pairs_saturate, variant_of
-
-    graphs, target = manifest.ort_graphs, passes.Target.here()
-    library = target.library
-    why, packed = _packed_at_load(manifest, target, native_graph_here(manifest.ort_graphs, target))
-    name = graphs["plain_graph"] if why else graphs["native_graph"]
-    ops = {n.op_type for n in all_nodes(onnx.load(str(manifest.dir / name), load_external_data=False).graph)}
-    attention = not why and graphs["attention"] == "native"
-    kernel = float_kernel(library) if library is not None else None
-    float_native = any(op.startswith("FloatLinear") for op in ops)
-    return [
-        "native library: " + (f"the {variant_of(library)} build ({library})" if library is not None
-                              else f"none ({target.why})"),
-        f"graph: {name}" + (f" (the plain graph: {why})" if why else " (native operators)"),
-        *packed,
-        "decode attention: " + (f"native PagedAttention operator ({library})" if attention
-                                else f"the graph's own nodes, slower ({why or graphs['attention_why']})"),
-        *([] if manifest.precision != "int8-wo" else [
-            "INT8 weights: " + (f"native Int8WeightLinear operator ({block_kernel(library)} kernel; activations "
-                                "quantized per block of 32 to 16 bits at run time)"
-                                if library is not None and any(op.startswith("Int8WeightLinear") for op in ops)
-                                else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
-        *([] if manifest.precision != "int8-dyn" else [
-            "INT8 weights and activations: " + (
-                f"native Int8BlockLinear operator ({block_kernel(library)} kernel; activations quantized per block "
-                "of 32 at run time)" if library is not None and any(op.startswith("Int8BlockLinear") for op in ops)
-                else "ONNX Runtime's MatMulNBits (activations quantized per block of 32 at run time)")]),
-        *([] if manifest.precision != "int4-awq" else [
-            "INT4 weights: " + (f"native Int4WeightLinear operator ({block_kernel(library)} kernel; activations "
-                                "quantized per block of 32 at run time)" if library is not None and
-                                any(op.startswith("Int4WeightLinear") for op in ops)
-                                else "ONNX Runtime's 4-bit MatMulNBits (activations quantized per block at run time)")
-            + "; the LM head's INT8: " + ("native Int8BlockLinear operator" if any(op.startswith("Int8BlockLinear")
-                                                                             for op in ops) else "MatMulNBits")]),
-        *([] if manifest.precision != "int8" else [
-            "INT8 linears: " + (f"native Int8Linear operator ({int8_kernel(library)} kernel"
-                                + ("; AMX for 16 rows and more)" if int8_amx(library) else ")") if library is not None and
-                                any(op.startswith("Int8Linear") for op in ops) else "ONNX Runtime's MatMulIntegerToFloat"
-                                + ("; this CPU has no VNNI, where its 16-bit pair sums saturate and the answers drift "
-                                   "from the calibrated plan's: install a C compiler and reinstall autoglm-trt for the "
-                                   "native operators" if int8_pairs_saturate() else ""))]),
-        "float linears: " + (f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)" if float_native
-                             else "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)"
-                                                             if kernel == "portable C" else "")),
-        _prefill_line(ops, attention, library),
-    ]
-
-
-def _packed_at_load(manifest, target, why: str) -> tuple[str, list[str]]:
-    """Why the plain graph runs here (``why``, or the reason the passes, run again as loading runs
-    them, do not give the saved native graph), and doctor's line on an engine whose packed weights
-    are made when it loads (a 9B's: seconds, and their memory for that long)."""
-    from ..backends.onnxrt import loader
-
-    if why or manifest.ort_graphs.get("packed_at_load") is None:
-        return why, []
-    try:
-        loader.pack_at_load(manifest.dir, manifest.ort_graphs, manifest.spec, target)
-    except loader.OtherNativeGraph as exc:
-        return str(exc), []
-    return "", ["native weights: packed when the engine loads (the passes give the saved native graph here)"]
-
-
-def _prefill_line(ops: set[str], attention: bool, library) -> str:
-    """doctor's line on what runs a prefill's attention."""
-    from ..native import attention_bf16
-
-    if "PrefillAttentionBf16" in ops:
-        return ("prefill attention: native PrefillAttentionBf16 operator (online softmax; "
-                + ("bfloat16 products on AMX)" if library is not None and attention_bf16(library)
-                   else "float32 here: no AMX-BF16 on this CPU, or AUTOGLM_TRT_AMX=0)"))
-    if "PrefillAttention" in ops:
-        return "prefill attention: native PrefillAttention operator (online softmax, no score tensors)"
-    return "prefill softmax: " + ("native MaskedSoftmax operator (ONNX Runtime's Softmax's bits)" if "MaskedSoftmax" in ops
-                                  else "ONNX Runtime's Softmax" + (" (the library is not built for AVX-512F)"
-                                                                   if attention else ""))

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import EXPORT_RECORD, MANIFEST, Manifest
+from ..backends.registry import backend
 from ..errors import AutoGLMError
 from ..graph.metrics import next_token_scores
 from ..graph.runner import GraphRunner
@@ -32,9 +33,10 @@ def model_logits(path: Path, threads: int | None = None, step_tokens: int | None
     runner = None
     if path.is_file() and path.suffix == ".onnx" and (path.parent / EXPORT_RECORD).is_file():
         runner = GraphRunner(path.parent, onnx_file=path.name, threads=threads)
-    elif (path / MANIFEST).is_file() and Manifest.read(path).backend == "onnxruntime":
-        runner = _engine_runner(path, threads)
-    elif (path / EXPORT_RECORD).is_file():
+    elif (path / MANIFEST).is_file():  # an engine: its graph as its backend runs it in process, if it does
+        manifest = Manifest.read(path)
+        runner = backend(manifest.backend).graph_runner(manifest, threads or 0)
+    if runner is None and (path / EXPORT_RECORD).is_file():
         runner = GraphRunner(path, threads=threads)
     if runner is not None:
         if step_tokens is None:
@@ -44,18 +46,6 @@ def model_logits(path: Path, threads: int | None = None, step_tokens: int | None
         return hf_logits(path)
     raise AutoGLMError(f"{path} is neither a model directory (export.json), an ONNX file in one, nor a Hugging Face "
                        "checkpoint (config.json)")
-
-
-def _engine_runner(engine_dir: Path, threads: int | None) -> GraphRunner:
-    """An ONNX Runtime engine's graph as its runtime runs it: the native graph where this machine
-    can run it (``backends.onnxrt.runner.open_session``), else the plain one."""
-    from ..backends.onnxrt.passes.common import SLOTS
-    from ..backends.onnxrt.runner import open_session
-
-    manifest = Manifest.read(engine_dir)
-    session, _ = open_session(manifest.dir, manifest.ort_graphs, manifest.spec, threads or 0)
-    slots = SLOTS if SLOTS in {i.name for i in session.get_inputs()} else None
-    return GraphRunner(engine_dir, session=session, no_store=slots)
 
 
 def evaluate(model: Path, text: Path, reference: Path | None = None, seq_len: int = 256,

@@ -19,6 +19,7 @@ from ..kvcache.host_pools import KVPools
 from ..kvcache.layout import blocks_needed, scale_of
 from ..kvcache.step_inputs import MRope, PromptImages, SeqState, StepImages, step_inputs
 from ..model.spec import ModelSpec
+from ..precisions import precision
 from . import names
 from .session import make_session, run
 
@@ -89,7 +90,7 @@ class GraphRunner:
             if not path.is_file():
                 raise AutoGLMError(f"{path} is missing")
             # an INT8 Q/DQ graph as the engines compute it (exact integer products), on any CPU
-            session = make_session(path, threads=threads, float_qdq=self.record.precision == "int8")
+            session = make_session(path, threads=threads, float_qdq=precision(self.record.precision).model == "int8")
         self.session = session
         self.token_scales = scale_of(names.past_key(0)) in {i.name for i in session.get_inputs()}
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..artifacts import EngineError, Manifest
 from ..backends import StepRunner, check_engine, open_runner
+from ..backends.registry import backend as backend_named
 from ..errors import RequestError
 from ..fileutil import available_memory_bytes
 from ..graph.session import MAX_THREADS
@@ -428,11 +429,12 @@ def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_byte
     kv = manifest.kv
     per_block = kv.bytes // kv.num_blocks
     blocks = kv.num_blocks
+    in_host_memory = backend_named(manifest.backend).traits.host_memory
     if num_blocks is not None or kv_memory_bytes is not None:
-        if manifest.backend != "onnxruntime":
-            raise EngineError("the KV pool of a TensorRT engine is fixed at build time; rebuild to change it")
+        if not in_host_memory:
+            raise EngineError(f"the KV pool of a {manifest.backend} engine is fixed at build time; rebuild to change it")
         blocks = num_blocks if num_blocks is not None else max(1, int(kv_memory_bytes or 0) // per_block)
-    if manifest.backend == "onnxruntime":
+    if in_host_memory:
         pool = blocks * per_block
         have = available_memory_bytes()
         if have is not None and pool > have:

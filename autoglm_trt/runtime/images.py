@@ -38,6 +38,7 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 from ..artifacts import EngineError, ExportRecord, Manifest
+from ..backends.registry import backend
 from ..errors import RequestError
 from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
@@ -321,8 +322,7 @@ class ImagePipeline:
                  cancel: threading.Event | None) -> tuple[np.ndarray, float]:
         """An image's encoder output, and the seconds spent waiting for the encoder. Images are
         encoded one at a time: an encode already runs on every encoder thread, so several at once
-        would share the cores and all finish late (four agents' screenshots at once on 2 cores: 1.8x
-        the mean time to be encoded, ``docs/runtime.md``). Once it is an image's turn the cache is
+        would share the cores and all finish late (measured: ``docs/runtime.md``). Once it is an image's turn the cache is
         read again, as another request may just have encoded the same screenshot."""
         t0 = time.perf_counter()
         _wait_for(lambda timeout: self._encoding.acquire(timeout=timeout), cancel)
@@ -361,7 +361,7 @@ def image_pipeline(manifest: Manifest, block_size: int, options: ImageOptions) -
                                                        else {"max_pixels": options.max_pixels}))
     except RequestError as exc:
         raise EngineError(str(exc)) from exc
-    if manifest.backend == "tensorrt":
+    if backend(manifest.backend).traits.compiled_vision:
         from ..backends.trt.vision import TrtVisionEncoder
 
         encoder: VisionEncoder | TrtVisionEncoder = TrtVisionEncoder(manifest.dir, vision, config.max_pixels)

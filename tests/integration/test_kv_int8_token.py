@@ -85,11 +85,12 @@ def test_token_scales_need_an_int8_cache_and_onnxruntime(tiny_dir, tmp_path, mon
         BuildConfig(kv_scales="token").check()
     with pytest.raises(BuildConfigError, match="head or token"):
         BuildConfig(kv_cache_dtype="int8", kv_scales="block").check()
+    from autoglm_trt.backends.registry import backend
     from autoglm_trt.builder import pipeline
     from autoglm_trt.builder.pipeline import BuildRequest, build_engine
     from autoglm_trt.errors import AutoGLMError
 
-    monkeypatch.setattr(pipeline, "_backend_for", lambda req, log: "tensorrt")  # as where TensorRT is installed
+    monkeypatch.setattr(pipeline, "_backend_for", lambda req, p, log: backend("tensorrt"))  # as if installed
     with pytest.raises(AutoGLMError, match="onnxruntime backend"):
         build_engine(BuildRequest(tiny_dir("llama"), tmp_path / "e", precision="fp32", backend="tensorrt",
                                   config=BuildConfig(kv_cache_dtype="int8", kv_scales="token")), log=lambda m: None)

@@ -11,6 +11,7 @@ import onnx
 import pytest
 from conftest import ROOT
 
+from autoglm_trt.backends.registry import backend
 from autoglm_trt.errors import AutoGLMError
 
 DATA = ROOT / "autoglm_trt" / "calib" / "data"
@@ -63,7 +64,7 @@ def _tensorrt_model(source, root, precision: str) -> tuple:
     req = BuildRequest(source, root / precision, precision=precision, backend="tensorrt", cache_dir=root / ".cache")
     cache = pipeline._cache_dir(req)
     float_dir = pipeline._model_dir(req, cache, lambda m: None)
-    return float_dir, pipeline._quantized(req, "tensorrt", float_dir, cache, lambda m: None)
+    return float_dir, pipeline._quantized(req, backend("tensorrt"), float_dir, cache, lambda m: None)
 
 
 def _types(model: onnx.ModelProto) -> dict[str, int]:
@@ -219,16 +220,16 @@ def test_tensorrt_takes_int4_blocks_of_64_or_128_that_divide_the_inputs(forms, t
         return BuildRequest(tiny_dir("glm"), tmp_path / "e", precision="int4-awq", int4_block=block,
                             cache_dir=tmp_path / ".cache")
 
-    assert int4_block(req(None), "tensorrt") == 128 and int4_block(req(None), "onnxruntime") == 32
-    assert int4_block(req(64), "tensorrt") == 64 and int4_block(req(16), "onnxruntime") == 16
+    assert int4_block(req(None), backend("tensorrt")) == 128 and int4_block(req(None), backend("onnxruntime")) == 32
+    assert int4_block(req(64), backend("tensorrt")) == 64 and int4_block(req(16), backend("onnxruntime")) == 16
     spec = ExportRecord.read(forms["export"]).spec  # input widths 64, 64, 128
-    assert int4_block(req(None), "tensorrt", spec) == 64
+    assert int4_block(req(None), backend("tensorrt"), spec) == 64
     with pytest.raises(AutoGLMError, match=r"blocks of 128 do not divide .* \(64, 128\).*pass --int4-block 64"):
-        int4_block(req(128), "tensorrt", spec)
+        int4_block(req(128), backend("tensorrt"), spec)
     with pytest.raises(AutoGLMError, match="no block size TensorRT takes does: build int8-wo"):
-        int4_block(req(None), "tensorrt", replace(spec, intermediate_size=96))
-    assert int4_block(req(None), "onnxruntime", replace(spec, intermediate_size=96)) == 32
-    monkeypatch.setattr(pipeline, "_backend_for", lambda req, log: "tensorrt")  # as where TensorRT is installed
+        int4_block(req(None), backend("tensorrt"), replace(spec, intermediate_size=96))
+    assert int4_block(req(None), backend("onnxruntime"), replace(spec, intermediate_size=96)) == 32
+    monkeypatch.setattr(pipeline, "_backend_for", lambda req, p, log: backend("tensorrt"))  # as if installed
     with pytest.raises(AutoGLMError, match="blocks of 64 or 128 inputs, not 32: pass --int4-block 128"):
         build_engine(req(32), log=lambda m: None)
     assert not (tmp_path / ".cache").exists() and not (tmp_path / "e").exists()

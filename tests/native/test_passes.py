@@ -68,8 +68,8 @@ def test_packed_weights_over_the_limit_are_made_when_the_engine_loads(tiny_dir, 
                                                                        monkeypatch):
     import numpy as np
 
-    from autoglm_trt.cli.models import _native_report
-    from autoglm_trt.evaluate.perplexity import _engine_runner
+    from autoglm_trt.backends.onnxrt.backend import BACKEND as ort
+    from autoglm_trt.backends.onnxrt.findings import native_report
 
     saved = Manifest.read(tiny_engine).ort_graphs
     if saved["native_weights"] is None:
@@ -81,12 +81,12 @@ def test_packed_weights_over_the_limit_are_made_when_the_engine_loads(tiny_dir, 
     assert graphs["packed_at_load"] == {"kv_dtype": "float32", "dynamic_int8": False, "bf16_attention": False}
     assert (engine / "model.native.onnx").is_file() and graphs["requires"] == saved["requires"]
     window = np.arange(3, 35, dtype=np.int64)[None]
-    made, kept = _engine_runner(engine, 1), _engine_runner(tiny_engine, 1)
+    made, kept = ort.graph_runner(Manifest.read(engine), 1), ort.graph_runner(Manifest.read(tiny_engine), 1)
     assert np.array_equal(made.logits(window), kept.logits(window))  # the same graph and weights, bit for bit
     runner = open_runner(Manifest.read(engine), num_blocks=32, threads=1)
     assert runner.attention == "native"
     runner.close()
-    report = _native_report(Manifest.read(engine))  # doctor runs the passes again, as loading does
+    report = native_report(Manifest.read(engine))  # doctor runs the passes again, as loading does
     assert "native weights: packed when the engine loads (the passes give the saved native graph here)" in report
     assert "graph: model.native.onnx (native operators)" in report
 
@@ -95,7 +95,7 @@ def test_packed_weights_over_the_limit_are_made_when_the_engine_loads(tiny_dir, 
     runner = open_runner(Manifest.read(engine), num_blocks=32, threads=1)
     assert runner.attention.startswith("graph (the passes made another native graph here than the engine's build")
     runner.close()
-    [line] = [r for r in _native_report(Manifest.read(engine)) if r.startswith("graph: ")]
+    [line] = [r for r in native_report(Manifest.read(engine)) if r.startswith("graph: ")]
     assert line.startswith("graph: model.plain.onnx (the plain graph: the passes made another native graph here")
 
 

@@ -1,7 +1,8 @@
 """The package's layering, checked on the source: nothing imports upward or across stages.
 
     cli ─► serve ─► runtime;  cli ─► builder ─► export, calib (stage entry points)
-           runtime, export, calib, evaluate ─► backends ─► graph ─► artifacts ─► model ─► errors, fileutil, progress
+           runtime, export, calib, evaluate ─► backends ─► graph ─► artifacts ─► model ─► errors, fileutil, progress,
+           precisions
            graph and everything above it ─► kvcache (numpy only);  backends, calib, cli ─► native (stdlib only)
 
 Every import of an ``autoglm_trt`` module (absolute or relative, at any depth in a function)
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "autoglm_trt"
-BASE = {"errors", "fileutil", "progress"}
+BASE = {"errors", "fileutil", "progress", "precisions"}
 LOWER = {
     "kvcache": set(),
     "native": set(),
@@ -27,7 +28,7 @@ LOWER = {
 }
 STAGE = BASE | {"model", "artifacts", "graph", "kvcache"}
 ALLOWED: dict[str, set[str]] = {
-    "errors": set(), "fileutil": {"errors"}, "progress": set(),
+    "errors": set(), "fileutil": {"errors"}, "progress": set(), "precisions": {"errors"},
     **LOWER,
     "export": STAGE,
     "calib": STAGE | {"native"},  # the native library's statistics kernels
