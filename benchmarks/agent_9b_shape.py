@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .bench_agents_serve import PHASES, free_port, phase_totals
+from .bench_agents_serve import PHASES, free_port, phase_totals, wait_healthy
 from .common import machine
 from .export_9b_shape import GLM4V_CONFIG, glm4v_shapes, write_checkpoint
 
@@ -127,15 +127,7 @@ def served(engine: Path, gen_len: int) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "serve", str(engine), "--port", str(port)],
                               stdout=subprocess.DEVNULL)
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if server.poll() is not None:
-                    sys.exit(f"serve exited with {server.returncode}")
-                time.sleep(1)
+        wait_healthy(url, server, 3600)
         load_s = round(time.perf_counter() - t, 1)
         step = agent_step(url, engine.name, gen_len)
         phases = phase_totals(url)

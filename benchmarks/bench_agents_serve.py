@@ -57,6 +57,22 @@ def phase_totals(url: str) -> dict[str, tuple[float, float]]:
     return {p: (v[0], v[1]) for p, v in out.items()}
 
 
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until the server at ``url`` answers /health; exits with its error output if it dies first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            if server.poll() is not None:
+                raise SystemExit(f"serve exited with {server.returncode}: "
+                                 f"{server.stderr.read() if server.stderr else ''}") from None
+            time.sleep(0.2)
+    raise SystemExit(f"serve did not answer {url}/health in {timeout_s:.0f} s")
+
+
 def measured(path: Path, blocking: bool, gen_len: int) -> list[dict]:
     """``bench --url`` rows against a server started for it (and always stopped)."""
     port = free_port()
@@ -65,15 +81,7 @@ def measured(path: Path, blocking: bool, gen_len: int) -> list[dict]:
                                "--max-pixels", "5000000", *(["--no-spinning"] if blocking else [])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if server.poll() is not None:
-                    raise SystemExit(f"serve exited: {server.stderr.read() if server.stderr else ''}") from None
-                time.sleep(0.2)
+        wait_healthy(url, server)
         rows = []
         for concurrency in (1, 4):
             before = phase_totals(url)

@@ -16,7 +16,8 @@ MAX_THREADS = 256
 
 def session_options(threads: int | None = None, optimize: bool = True, external_data_dir: Path | None = None,
                     save_optimized: Path | None = None, custom_ops: Path | None = None,
-                    initializers: dict | None = None, float_qdq: bool = False, spinning: bool = True):
+                    initializers: dict | None = None, float_qdq: bool = False, spinning: bool = True,
+                    prepacking: bool = True):
     """``SessionOptions``: threads (0 or None: ONNX Runtime's default, one per core), all graph
     optimizations or none, where external weights lie (for a model passed as bytes), where
     to save the optimized model (its weights in ``<name>.data``), a custom operator library, and
@@ -28,7 +29,9 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
     ``vpmaddubsw``): the float form equals an exact integer product to float rounding on
     every instruction set. ``spinning``: the intra-op threads spin between operators waiting for
     work (ONNX Runtime's default) or block: spinning threads take cores from the work of other
-    sessions that run at the same time (``runtime.engine``'s ``spinning``)."""
+    sessions that run at the same time (``runtime.engine``'s ``spinning``). ``prepacking`` off: the
+    kernels do not copy their weights into their own layouts, which a session made only to save
+    its optimized graph never runs (a second copy of every weight: a 9B's would not fit)."""
     import onnxruntime as ort
 
     from ..errors import AutoGLMError
@@ -56,6 +59,8 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
     if float_qdq:
         so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if not prepacking:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     return so
 
 
@@ -65,11 +70,11 @@ DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 def make_session(model: Path | bytes, threads: int | None = None, optimize: bool = True,
                  external_data_dir: Path | None = None, save_optimized: Path | None = None, device: str = "cpu",
                  custom_ops: Path | None = None, initializers: dict[str, np.ndarray] | None = None,
-                 float_qdq: bool = False, spinning: bool = True):
+                 float_qdq: bool = False, spinning: bool = True, prepacking: bool = True):
     """An ``InferenceSession`` over a model file or serialized model bytes, on the CPU or (``device``
     "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider.
     ``initializers``: arrays by name, see ``session_options``; the session holds them
-    (``in_place_initializers``) for as long as it lives; ``spinning``: see
+    (``in_place_initializers``) for as long as it lives; ``spinning``, ``prepacking``: see
     ``session_options``."""
     import onnxruntime as ort
 
@@ -83,7 +88,8 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
                            f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}); "
                            "install onnxruntime-gpu for CUDA, or use the CPU")
     values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in (initializers or {}).items()}
-    so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops, values, float_qdq, spinning)
+    so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops, values, float_qdq, spinning,
+                         prepacking)
     source = model if isinstance(model, bytes) else str(model)
     session = ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
     session.in_place_initializers = dict(initializers or {})  # the session reads their memory: they live

@@ -176,3 +176,26 @@ def test_tensorrt_engine_builds_and_matches_onnxruntime(tiny_dir, tmp_path):  # 
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     with Engine.load(tmp_path / "t") as trt_engine, Engine.load(tmp_path / "o") as ort_engine:
         assert trt_engine.generate(["hello"], params)[0].token_ids == ort_engine.generate(["hello"], params)[0].token_ids
+
+
+def test_the_optimizing_session_packs_no_weights_and_saves_the_same_graph(tiny_dir, tmp_path):
+    """``loader.optimize`` only saves ONNX Runtime's optimized graph: its session is made with the
+    kernels' weight prepacking off (a second copy of every weight, which a 9B's build cannot hold
+    beside the first), and saves the graph and weights a session with prepacking saves, byte for byte."""
+    import onnxruntime as ort
+
+    from autoglm_trt.backends.onnxrt import loader
+    from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
+    from autoglm_trt.graph import session
+
+    assert session.session_options(prepacking=False).get_session_config_entry("session.disable_prepacking") == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # a run's sessions pack
+        session.session_options().get_session_config_entry("session.disable_prepacking")
+    export_checkpoint(ExportConfig(tiny_dir("glm"), tmp_path / "export"), log=lambda m: None)
+    (tmp_path / "made").mkdir()
+    (tmp_path / "packed").mkdir()
+    loader.optimize(tmp_path / "export" / "model.onnx", tmp_path / "made")
+    so = session.session_options(save_optimized=tmp_path / "packed" / "model.opt.onnx")
+    ort.InferenceSession(str(tmp_path / "export" / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    for name in ("model.opt.onnx", "model.opt.onnx.data"):
+        assert (tmp_path / "made" / name).read_bytes() == (tmp_path / "packed" / name).read_bytes()

@@ -61,7 +61,7 @@ def optimize(model_path: Path, out_dir: Path, threads: int = 0, rewritten: onnx.
     still beside ``model_path``) into ``out_dir/model.opt.onnx``; return the fusion report."""
     source: Path | bytes = model_path if rewritten is None else rewritten.SerializeToString()
     make_session(source, threads=threads, save_optimized=out_dir / "model.opt.onnx",
-                 external_data_dir=None if rewritten is None else model_path.parent)
+                 external_data_dir=None if rewritten is None else model_path.parent, prepacking=False)
     before = Counter(n.op_type for n in rewritten.graph.node) if rewritten is not None else op_counts(model_path)
     after = op_counts(out_dir / "model.opt.onnx")
     fired = {op: {"count": after[op], "what": what} for op, what in FUSED_OPS.items() if after[op] > before[op]}
