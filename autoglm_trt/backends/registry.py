@@ -51,10 +51,16 @@ def builds(b: Backend, p: Precision) -> bool:
 
 
 def choose(requested: str, log: Callable[[str], None], p: Precision | None = None) -> Backend:
-    """The backend ``requested`` (checked usable here), or for ``auto`` the first of rank order that is
-    usable here and builds ``p``, saying which and why the ones before it were passed over."""
+    """The backend ``requested`` (refused where it does not build ``p``, before asking whether it runs
+    here; then checked usable here), or for ``auto`` the first of rank order that is usable here and
+    builds ``p``, saying which and why the ones before it were passed over."""
     if requested != AUTO:
         chosen = backend(requested)
+        if p is not None and not builds(chosen, p):
+            able = [b for b in _REGISTRY.values() if builds(b, p)]
+            raise AutoGLMError(f"{p.name} ({p.help}) runs on {' or '.join(b.label for b in able)}'s engine only; "
+                               f"for {chosen.label} build another precision (int8-wo: the same INT8 weights, float "
+                               f"activations), or pass --backend {' or '.join(b.name for b in able)}")
         chosen.require()
         return chosen
     passed = []

@@ -30,8 +30,8 @@ from ..artifacts import (
     tokenizer_files,
 )
 from ..backends.base import Backend, EngineSettings
-from ..backends.registry import AUTO, builds, choose, names
 from ..backends.registry import backend as backend_named
+from ..backends.registry import choose, names
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, library_versions, sha256_files, staged_directory, write_json
 from ..graph.decoder import GRAPH_VERSION
@@ -66,18 +66,8 @@ class BuildRequest:
 
 
 def _backend_for(req: BuildRequest, p: Precision, log: Callable[[str], None]) -> Backend:
-    """The backend that builds ``req``: the one asked for (refused where it does not build precision
-    ``p``, before asking whether it runs here), or ``auto``'s choice among those that build it."""
-    if req.backend == AUTO:
-        return choose(AUTO, log, p)
-    chosen = backend_named(req.backend)
-    if not builds(chosen, p):
-        able = [b for b in map(backend_named, names()) if builds(b, p)]
-        raise AutoGLMError(f"{p.name} ({p.help}) runs on {' or '.join(b.label for b in able)}'s engine only; for "
-                           f"{chosen.label} build another precision (int8-wo: the same INT8 weights, float "
-                           f"activations), or pass --backend {' or '.join(b.name for b in able)}")
-    chosen.require()
-    return chosen
+    """The backend that builds ``req`` in precision ``p`` (``registry.choose``)."""
+    return choose(req.backend, log, p)
 
 
 def _checkpoint_export(source: Path, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
