@@ -103,19 +103,19 @@ def agent_step(url: str, model: str, gen_len: int) -> dict:
     req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    stamps, tokens = [], 0
+    stamps, tokens, prompt = [], 0, 0
     with urllib.request.urlopen(req, timeout=3600) as r:
         for line in r:
             if line.startswith(b"data: {"):
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                    tokens, prompt = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
                 if chunk["choices"] and chunk["choices"][0].get("delta", {}).get("content"):
                     stamps.append(time.perf_counter() - t0)
     if not stamps or tokens < 2:
         sys.exit("the server streamed no answer")
     # the first chunk carries the first token; the tokens after it came over the rest of the stream
-    return {"ttft_s": round(stamps[0], 2), "tokens": tokens,
+    return {"prompt_tokens": prompt, "ttft_s": round(stamps[0], 2), "tokens": tokens,
             "decode_tokens_per_s": round((tokens - 1) / (stamps[-1] - stamps[0]), 2)}
 
 

@@ -312,7 +312,7 @@ def kv_bytes_per_elem(dtype: str) -> int:
 
 def _manifest(req: BuildRequest, backend: Backend, engine_file: str, record: ExportRecord, cfg: BuildConfig,
               profiles: dict, report: dict) -> dict:
-    """The manifest's fields but the KV cache, the ONNX Runtime graphs and the file hashes."""
+    """The manifest's fields but the KV cache, the backend's own section and the file hashes."""
     assert cfg.max_input_len is not None and cfg.max_seq_len is not None, "resolve the config first"
     manifest = {
         "format": ENGINE_FORMAT,

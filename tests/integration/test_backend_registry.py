@@ -22,7 +22,9 @@ class FakeBackend(OnnxRuntimeBackend):
     name, label = "fake", "Fake"
     traits = replace(OnnxRuntimeBackend.traits, int4_block=16, int4_blocks=(16,), dynamic_int8=False,
                      token_kv_scales=False, auto_rank=9)
-    runners: list = []
+
+    def __init__(self) -> None:
+        self.runners: list = []
 
     def finish(self, out_dir, record, kv_dtype, eight_bit_activations, dynamic_int8, report, log):
         made = super().finish(out_dir, record, kv_dtype, eight_bit_activations, dynamic_int8, report, log)

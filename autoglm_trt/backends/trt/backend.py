@@ -15,7 +15,8 @@ class TensorRTBackend:
     name, label = "tensorrt", "TensorRT"
     # NvInfer.h (TensorRT 11.1), IDequantizeLayer / IQuantizeLayer: blocks only of INT4, FP4 and FP8,
     # INT4 blocks of 64 or 128 (its "Quantization Schemes"), no zero points; per-channel Q/DQ only on
-    # weights. Its quantized graphs are float16 (W8A8, W4A16, W8A16; attention and KV cache too).
+    # weights. Its quantized graphs are float16 (W8A8, W4A16, W8A16; attention and KV cache too); the
+    # token embedding stays float (the INT8 rows' Gather + Cast is untested with TensorRT).
     traits = BackendTraits(graph_dtype="float16", int4_block=128, int4_blocks=(64, 128), symmetric_int4=True,
                            int8_channels=True, int8_embedding=False, unit_kv_scales=True, token_kv_scales=False,
                            dynamic_int8=False, host_memory=False, compiled_vision=True, auto_rank=0)
