@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import AutoGLMError
 from .fileutil import sha256_file
@@ -255,6 +256,17 @@ class ExportRecord:
         data = graph.with_name(graph.name + ".data")
         return files + ([data] if data.is_file() else [])
 
+    def made_by(self, step: str) -> dict:
+        """What a build step that made this model from another recorded of it (``weight_only``,
+        ``int4``: its source's identity, its version, its settings); empty for an export."""
+        made = self.data.get(step, {})
+        return made if isinstance(made, dict) else {}
+
+    @property
+    def spec_data(self) -> dict:
+        """The model's spec as recorded (``model.spec.spec_from_dict`` reads it)."""
+        return self.data["spec"]
+
     def identity(self) -> str:
         """SHA-256 of ``export.json``, which records the hashes of the files it describes."""
         return sha256_file(self.dir / EXPORT_RECORD)
@@ -286,6 +298,11 @@ class CalibRecord:
     @property
     def model_sha256(self) -> str:
         return str(self.data["model_sha256"])
+
+    @property
+    def kv_amax(self) -> dict[str, list[float]]:
+        """K and V's largest magnitude per layer and KV head, as the calibration measured them."""
+        return self.data["kv_amax"]
 
     @property
     def data_sha256(self) -> str:
@@ -357,6 +374,27 @@ class Manifest:
     @property
     def kv(self) -> KVCache:
         return KVCache.read(self.data["kv_cache"], self.dir / MANIFEST)
+
+    @property
+    def build_config(self) -> dict:
+        """The build config the engine was made with (``builder.config.BuildConfig``'s fields)."""
+        config = self.data.get("build_config", {})
+        return config if isinstance(config, dict) else {}
+
+    @property
+    def vision_forms(self) -> Any:
+        """An ONNX Runtime image-text engine's vision encoder graphs as its build recorded them (an
+        object; ``backends.onnxrt.vision`` refuses anything else), empty for another engine."""
+        return self.data.get("vision", {})
+
+    def section(self, backend: str) -> dict:
+        """The backend's own section of the manifest (checked as the manifest was read)."""
+        return self.data[backend]
+
+    @property
+    def files(self) -> dict[str, str]:
+        """The engine's files but the manifest, and their SHA-256."""
+        return self.data["files"]
 
     @property
     def ort_graphs(self) -> dict:

@@ -129,7 +129,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     made = {"source": export.identity(), "version": VERSION, "settings": _identity(settings),
             "data_sha256": windows.sha256, "images_sha256": [image_digest(i) for i in images],
             "gram_data_sha256": more.sha256 if more else None, "gate_data_sha256": held.sha256 if held else None}
-    if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).data.get("int4", {}), made):
+    if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).made_by("int4"), made):
         log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
         return out_dir
     t0 = time.perf_counter()

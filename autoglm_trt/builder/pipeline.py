@@ -215,7 +215,7 @@ def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]
     """K/V amax per layer and head: from the INT8 calibration, or one statistics pass over the
     calibration text on the float export ``record``."""
     if precision(req.precision).calibrated_kv:
-        return CalibRecord.read(record.dir).data["kv_amax"]
+        return CalibRecord.read(record.dir).kv_amax
     from ..calib.collect import kv_statistics
     from ..calib.pipeline import DEFAULT_DATA
     from ..model.text import token_windows
@@ -321,7 +321,7 @@ def _manifest(req: BuildRequest, backend: Backend, engine_file: str, record: Exp
         "engine_file": engine_file,
         "source": {"path": str(Path(req.source).resolve()), "model_dir": str(record.dir.resolve()),
                    "checkpoint_sha256": record.source_sha256},
-        "spec": record.data["spec"],
+        "spec": record.spec_data,
         "limits": asdict(Limits(cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len)),
         "build_config": asdict(cfg),
         "profiles": {k: {n: [list(s) for s in v] for n, v in p.items() if not n.startswith("past_")}

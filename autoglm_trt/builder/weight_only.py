@@ -50,7 +50,7 @@ def _reusable(out_dir: Path, source: str, int8_embedding: bool, dtype: str, int8
     if not (out_dir / EXPORT_RECORD).is_file():
         return False
     record = ExportRecord.read(out_dir)
-    made = record.data.get("weight_only", {})
+    made = record.made_by("weight_only")
     return (made.get("source") == source and made.get("version") == VERSION
             and made.get("int8_embedding") == int8_embedding and record.dtype == dtype
             and made.get("int8_channels", False) == int8_channels)

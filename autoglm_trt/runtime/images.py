@@ -119,7 +119,7 @@ class ImageOptions:
 
 def image_options(manifest: Manifest, options: ImageOptions) -> ImageOptions:
     """``options`` with what it leaves unset taken from the engine's build config."""
-    built = manifest.data.get("build_config", {})
+    built = manifest.build_config
     return dataclasses.replace(options, max_pixels=options.max_pixels or built.get("max_pixels"),
                                max_images=built.get("max_images", MAX_IMAGES) if options.max_images is None
                                else options.max_images)

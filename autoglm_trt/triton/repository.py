@@ -91,7 +91,7 @@ def copy_engine(manifest: Manifest, dest: Path) -> None:
     itself, never a symbolic link (whose target may be anything outside it); the copies' hashes
     checked against the manifest."""
     dest.mkdir()
-    for name in (MANIFEST, *manifest.data["files"]):
+    for name in (MANIFEST, *manifest.files):
         src = manifest.dir / name
         if Path(name).name != name or src.is_symlink() or not src.is_file():
             raise AutoGLMError(f"engine file {name} is a symbolic link, a directory or not directly in "

@@ -19,7 +19,7 @@ BOTH = {"linears": "int8", "attention": "bfloat16",
 class _Manifest:
     def __init__(self, tmp_path, vision):
         self.dir = tmp_path
-        self.data = {"vision": vision} if vision is not None else {}
+        self.vision_forms = vision if vision is not None else {}
 
 
 @pytest.fixture

@@ -40,8 +40,8 @@ def inspect_lines(manifest: Manifest, decode: dict) -> list[str]:
              f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here ({decode['graph']}"
              + (f", as {decode['why_plain']}" if decode["why_plain"] else "")
              + f"; the optimized graph has {decode['saved_nodes']}): " + ", ".join(f"{op} x{n}" for op, n in ops[:8])]
-    if "vision" in manifest.data:
-        built = manifest.data["vision"]
+    built = manifest.vision_forms
+    if built:
         graph, why, _ = vision_graph(manifest)
         made = {**built.get("graphs", {}), **{f"{k}, native attention": v
                                                for k, v in built.get("native_graphs", {}).items()}}

@@ -22,7 +22,7 @@ def vision_graph(manifest: Manifest) -> tuple[str, str, Path | None]:
     sums bytes exactly (VNNI, or not x86: ``graph.vision_int8``), else float32; its attention the
     native bfloat16 one where the build made it (``vision_attention``) and the native library runs
     it here (AVX512-BF16), else ONNX Runtime's float32 MultiHeadAttention."""
-    built = manifest.data.get("vision", {})
+    built = manifest.vision_forms
     graphs = built.get("graphs", {}) if isinstance(built, dict) else None
     natives = built.get("native_graphs", {}) if isinstance(built, dict) else None
     if not isinstance(graphs, dict) or not isinstance(natives, dict):

@@ -53,7 +53,7 @@ class TensorRTBackend:
         from .probe import cuda_device
 
         problems = []
-        built = manifest.data[self.name]
+        built = manifest.section(self.name)
         if trt.__version__ != built["version"]:
             problems.append(f"engine built with TensorRT {built['version']}, this machine has {trt.__version__}; "
                             "rebuild the engine here (plans are not portable across TensorRT versions)")
@@ -87,7 +87,7 @@ class TensorRTBackend:
         return []
 
     def vision_runs(self, manifest: Manifest) -> str:
-        dtype = manifest.data.get("build_config", {}).get("vision_dtype", "float32")
+        dtype = manifest.build_config.get("vision_dtype", "float32")
         return f"vision.plan on TensorRT ({dtype} linears and attention)"
 
 
