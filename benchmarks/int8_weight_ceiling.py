@@ -7,7 +7,7 @@ counted against the float32 model's own answers.
     python -m benchmarks.int8_weight_ceiling [--variants NAME,...] [--gptq-windows 64]
 
 Variants: ``int8-wo`` (int8-wo's weights: symmetric blocks of 32 inputs, each block's scale the
-clip of least squared error, ``graph.quant.quantize_weight_blocks``; the LM head too), ``blocks
+clip of least squared error, ``quant.int8.quantize_weight_blocks``; the LM head too), ``blocks
 of 16``, ``gptq`` (GPTQ's error feedback, Frantar et al. 2022, over each linear's inputs on
 ``--gptq-windows`` windows of 256 calibration tokens; blocks of 32 with max-abs scales; the LM
 head float), INT8 on one part of the model only (the LM head, attention, the MLPs, the first five
@@ -60,7 +60,7 @@ def blocks(w, block: int):
     """``w`` [out, in] (torch) rounded as int8-wo rounds it, dequantized."""
     import torch
 
-    from autoglm_trt.graph.quant import quantize_weight_blocks
+    from autoglm_trt.quant.int8 import quantize_weight_blocks
 
     q, scale = quantize_weight_blocks(np.ascontiguousarray(w.detach().numpy().T), block)
     return torch.from_numpy((q.astype(np.float32) * np.repeat(scale, block, axis=0)[: q.shape[0]]).T.copy())

@@ -188,7 +188,7 @@ def run_rewritten(model, library: Path, feeds: dict, op: str) -> list:
 
 def block_linear_reference(x, qw, limit: int = 127):
     """``csrc/block_linear.c``'s arithmetic in numpy, float32 step by step: ``x [rows, K]`` times
-    the blocked weights ``qw`` (``graph.int4.Int4Blocks``: ``q [K, N]``, zero points ``zero [KB,
+    the blocked weights ``qw`` (``quant.int4.Int4Blocks``: ``q [K, N]``, zero points ``zero [KB,
     N]`` or None for 8 bits, scales ``scale [KB, N]``), the activations quantized per block of 32
     to integers within ``limit`` (127, or 32767 as ``Int8WeightLinear`` does)."""
     import numpy as np

@@ -20,7 +20,7 @@ One batch of calibration windows runs through the float graph for each linear's 
 follows them, the image's encoder output in its tokens' place (``calib.image_windows``, as the
 INT8 calibration does), so the scales see image tokens' activations too. ``calib.awq`` picks
 each linear's scales on them. More text windows follow in batches of the same size, and every
-row's X^T X is summed per linear: GPTQ (``graph.gptq``) rounds each weight on its linear's Gram
+row's X^T X is summed per linear: GPTQ (``quant.gptq``) rounds each weight on its linear's Gram
 matrix as the AWQ-scaled graph feeds it. A float32 export over ``GRAPH_BYTES`` runs through
 the pass group of layers by group of layers, and each group is searched and rounded as soon as
 its windows are through (``int4_rounding.LayerRounding``), so one group's Gram matrices are held
@@ -48,10 +48,10 @@ from ..errors import AutoGLMError
 from ..fileutil import remove_stale_siblings, scratch_prefix, staged_directory, write_json
 from ..graph.decoder import write_int8_graph
 from ..graph.names import KINDS, kind_of
-from ..graph.quant import QuantPlan
 from ..model.spec import ModelSpec
 from ..model.text import TokenWindows, token_windows
 from ..precisions import precision
+from ..quant.plan import QuantPlan
 from .int4_gate import GATE_SEQ_LEN, GATE_WINDOWS, gated_plan
 from .int4_rounding import AwqSearch, LayerRounding, scaled
 

@@ -28,10 +28,10 @@ from ..calib.sensitivity import Gate, SensitivitySearch
 from ..calib.smooth import SmoothedWeights
 from ..errors import AutoGLMError
 from ..graph.decoder import write_int8_graph
-from ..graph.quant import QuantPlan
 from ..graph.runner import GraphRunner
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
+from ..quant.plan import QuantPlan
 
 GATE_WINDOWS = 12  # calibration windows of GATE_SEQ_LEN tokens, as the INT8 calibration's gate
 GATE_SEQ_LEN = 256

@@ -23,9 +23,9 @@ import numpy as np
 from ..calib.collect import ActivationStats
 from ..calib.smooth import SmoothedWeights
 from ..graph.exported_weights import ExportedWeights
-from ..graph.gptq import gptq_int4_blocks
-from ..graph.int4 import Int4Blocks, pack_nibbles, quantize_int4_blocks
 from ..model.spec import ModelSpec
+from ..quant.gptq import gptq_int4_blocks
+from ..quant.int4 import Int4Blocks, pack_nibbles, quantize_int4_blocks
 
 
 class AwqSearch:

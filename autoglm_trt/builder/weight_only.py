@@ -7,7 +7,7 @@ disk). Output directory (the build's cache)::
     model.int8wo.onnx, model.int8wo.onnx.data   every linear (the LM head too) as a
                                                 DequantizeLinear of its INT8 weight (symmetric,
                                                 one scale per 32 inputs of each output, a
-                                                float16 value (``graph.int4.half_scales``); opset
+                                                float16 value (``quant.int4.half_scales``); opset
                                                 21) into a float MatMul; the token embedding
                                                 INT8 the same way (rows gathered, then scaled),
                                                 unless ``int8_embedding`` is off (TensorRT).
@@ -38,8 +38,8 @@ from ..errors import AutoGLMError
 from ..fileutil import staged_directory, write_json
 from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
-from ..graph.quant import WEIGHT_BLOCK, QuantPlan
 from ..precisions import precision
+from ..quant.plan import WEIGHT_BLOCK, QuantPlan
 
 GRAPH = "model.int8wo.onnx"
 # What this code writes from the same export; a cached result of another version is redone.

@@ -19,11 +19,11 @@ import numpy as np
 
 from ..errors import AutoGLMError
 from ..graph.decoder import write_int8_graph
-from ..graph.quant import QuantPlan
 from ..graph.runner import GraphRunner
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
+from ..quant.plan import QuantPlan
 from .sensitivity import CLEAR, Gate, SensitivitySearch, describe
 
 FINAL_GATE_ATTEMPTS = 4

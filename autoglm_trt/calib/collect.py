@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..graph.gptq import LARGE
-from ..graph.hadamard import rotate_rows
 from ..graph.names import input_channels
 from ..graph.runner import WindowImages, prefill_feeds
 from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..progress import Progress
+from ..quant.gptq import LARGE
+from ..quant.hadamard import rotate_rows
 from .histogram import AbsHistogram, percentile_amax
 from .native_stats import HistogramJob, native_stats
 from .smooth import abs_max

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..graph.hadamard import rotate_rows
+from ..quant.hadamard import rotate_rows
 from .histogram import AbsHistogram
 
 _F32 = np.dtype(np.float32)

@@ -34,9 +34,9 @@ from ..fileutil import available_memory_bytes, staged_directory, write_json
 from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
 from ..graph.names import KINDS
-from ..graph.quant import QuantPlan
 from ..model.text import TokenWindows, token_windows
 from ..precisions import precision
+from ..quant.plan import QuantPlan
 from .accuracy import GateSettings, search_and_check
 from .cache import ALGORITHMS, trt_version, write_cache
 from .collect import kv_head_amax

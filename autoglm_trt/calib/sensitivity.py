@@ -34,10 +34,10 @@ import numpy as np
 
 from ..graph.metrics import log_softmax, next_token_scores
 from ..graph.names import kind_of
-from ..graph.quant import act_scale, quantize_weight_per_channel
 from ..graph.runner import prefill_feeds
 from ..model.spec import ModelSpec
 from ..progress import Progress
+from ..quant.int8 import act_scale, quantize_weight_per_channel
 
 RANK_WINDOWS = 2
 # the search's second rounding: every activation scale this much larger moves each quotient x / s

@@ -18,10 +18,10 @@ import onnx
 
 from ..errors import AutoGLMError
 from ..graph.exported_weights import ExportedWeights
-from ..graph.hadamard import block_size
 from ..graph.names import KINDS, input_channels, kind_of
 from ..graph.runner import WindowImages
 from ..model.spec import ModelSpec
+from ..quant.hadamard import block_size
 from .collect import ActivationStats, Smoothing, calibration_session, collect, linear_inputs
 from .layerwise import gather_layerwise
 from .smooth import SmoothedWeights, smoothing_scales, weight_row_max

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph.decoder import LM_HEAD_STREAM_BYTES
-from ..graph.hadamard import rotate_weight, rotate_weight_rows
 from ..graph.names import kind_of, layer_of
-from ..graph.quant import ROW_CHUNK
+from ..graph.qdq import ROW_CHUNK
+from ..quant.hadamard import rotate_weight, rotate_weight_rows
 from .histogram import METHODS, percentile_amax
 from .sensitivity import mean_output_error, output_error, output_error_norms
 from .smooth import SmoothedWeights

@@ -54,9 +54,11 @@ from onnx import TensorProto
 from ..model.rope import cos_sin_tables, full_width_tables, rotate_half_matrix
 from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
+from ..quant.int8 import embedding_rows
+from ..quant.plan import WEIGHT_BLOCK, QuantPlan
 from . import names
 from .builder import GraphBuilder, row_chunks
-from .quant import WEIGHT_BLOCK, QuantPlan, add_bias, embedding_rows, quantized_matmul, quantized_rows_matmul
+from .qdq import add_bias, quantized_matmul, quantized_rows_matmul
 
 OPSET = 17
 WEIGHT_ONLY_OPSET = 21  # DequantizeLinear in blocks

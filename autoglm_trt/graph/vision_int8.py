@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-from .hadamard import block_size, hadamard, rotate_rows, rotate_weight
-from .quant import quantize_weight_per_channel
+from ..quant.hadamard import block_size, hadamard, rotate_rows, rotate_weight
+from ..quant.int8 import quantize_weight_per_channel
 from .vision import MICROSOFT
 
 INT8_VISION_GRAPH = "vision.int8.onnx"

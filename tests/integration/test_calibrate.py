@@ -258,12 +258,12 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     from autoglm_trt.graph.builder import GraphBuilder
     from autoglm_trt.graph.decoder import OPSET, DecoderGraph, GraphOptions
     from autoglm_trt.graph.exported_weights import ExportedWeights
-    from autoglm_trt.graph.hadamard import block_size
     from autoglm_trt.graph.names import all_linears, input_channels
-    from autoglm_trt.graph.quant import QuantPlan
     from autoglm_trt.graph.runner import prefill_feeds
     from autoglm_trt.graph.session import make_session
     from autoglm_trt.model.spec import spec_from_dict
+    from autoglm_trt.quant.hadamard import block_size
+    from autoglm_trt.quant.plan import QuantPlan
 
     export = tmp_path / "export"
     export_checkpoint(ExportConfig(tiny_dir(family), export), log=lambda m: None)

@@ -29,8 +29,9 @@ def test_the_dequantize_linear_onnx_runtime_runs_is_the_numpy_one(tmp_path, symm
     from onnx import TensorProto
 
     from autoglm_trt.graph.builder import GraphBuilder
-    from autoglm_trt.graph.int4 import int4_weight_dq, quantize_int4_blocks
+    from autoglm_trt.graph.qdq import int4_weight_dq
     from autoglm_trt.graph.session import make_session
+    from autoglm_trt.quant.int4 import quantize_int4_blocks
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((80, 48)).astype(np.float32)
@@ -108,10 +109,10 @@ def test_awq_scales_leave_the_float_model_unchanged(int4_engines):
     from autoglm_trt.calib.smooth import SmoothedWeights
     from autoglm_trt.calib.statistics import gather, quantizable_inputs
     from autoglm_trt.graph.decoder import write_int8_graph
-    from autoglm_trt.graph.quant import QuantPlan
     from autoglm_trt.graph.runner import GraphRunner
     from autoglm_trt.graph.session import make_session
     from autoglm_trt.model.text import token_windows
+    from autoglm_trt.quant.plan import QuantPlan
 
     _, int4 = int4_engines
     export = next((int4.parent / ".cache").glob("*/export-float32"))
@@ -241,7 +242,7 @@ def test_the_int4_engines_embedding_is_int8_rows_the_lm_head_quantization(tiny_d
     from safetensors.numpy import load_file
 
     from autoglm_trt.artifacts import Manifest
-    from autoglm_trt.graph.quant import embedding_rows
+    from autoglm_trt.quant.int8 import embedding_rows
 
     fp32, int4 = int4_engines
     source = json.loads((int4 / "export.json").read_text())

@@ -10,9 +10,9 @@ import pytest
 from conftest import build_tiny_engine
 
 from autoglm_trt.builder.config import BuildConfig, BuildConfigError
-from autoglm_trt.graph.kv_int8 import quantize_rows
 from autoglm_trt.graph.runner import GraphRunner
 from autoglm_trt.kvcache.host_pools import KVPools
+from autoglm_trt.quant.kv import quantize_rows
 from autoglm_trt.runtime import Engine, SamplingParams
 
 

@@ -132,7 +132,7 @@ def test_lm_head_error_in_column_chunks_equals_the_whole(monkeypatch, block):
 
     from autoglm_trt.calib import thresholds
     from autoglm_trt.calib.sensitivity import output_error
-    from autoglm_trt.graph.hadamard import rotate_weight
+    from autoglm_trt.quant.hadamard import rotate_weight
 
     monkeypatch.setattr(thresholds, "ROW_CHUNK", 40)
     rng = np.random.default_rng(0)

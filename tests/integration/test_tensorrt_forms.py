@@ -239,7 +239,7 @@ def test_the_accuracy_gates_switchable_graph_stays_float32(forms, tmp_path):
     from autoglm_trt.artifacts import ExportRecord
     from autoglm_trt.graph.decoder import write_int8_graph
     from autoglm_trt.graph.exported_weights import ExportedWeights
-    from autoglm_trt.graph.quant import QuantPlan
+    from autoglm_trt.quant.plan import QuantPlan
 
     spec, weights = ExportRecord.read(forms["export"]).spec, ExportedWeights(forms["export"])
     with pytest.raises(ValueError, match="switchable graph .* float32"):
@@ -250,7 +250,7 @@ def test_the_accuracy_gates_switchable_graph_stays_float32(forms, tmp_path):
 def test_float16_scales_stay_positive_and_finite():
     """TensorRT takes strictly positive scales: a float32 scale under float16's smallest subnormal
     (or over its largest value) is stored as that bound, not as 0 (or inf); others round to nearest."""
-    from autoglm_trt.graph.quant import _stored
+    from autoglm_trt.graph.qdq import _stored
 
     scales = np.array([1e-9, 2.0 ** -24, 1e-3, 1.0, 7e4], np.float32)
     got = _stored(scales, np.dtype(np.float16))

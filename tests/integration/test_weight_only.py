@@ -10,12 +10,13 @@ import onnx
 import pytest
 from conftest import build_tiny_engine
 
-from autoglm_trt.graph.quant import WEIGHT_BLOCK, quantize_weight_blocks
+from autoglm_trt.quant.int8 import quantize_weight_blocks
+from autoglm_trt.quant.plan import WEIGHT_BLOCK
 
 
 def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
-    from autoglm_trt.graph.int4 import half_scales
-    from autoglm_trt.graph.quant import CLIPS
+    from autoglm_trt.quant.int4 import half_scales
+    from autoglm_trt.quant.int8 import CLIPS
 
     rng = np.random.default_rng(3)
     w = np.zeros((70, 3), np.float32)  # three blocks: 32, 32 and 6 inputs
@@ -45,7 +46,7 @@ def test_blocks_take_the_scale_of_least_error_per_32_inputs_of_each_column():
 def test_tensorrts_channels_take_a_float16_scale_of_their_largest_weight():
     """``int8_channels`` (TensorRT's form): one scale per output, max |w| / 127 rounded to a float16
     value before the weights are rounded with it, so the float16 graph's scale is the one used."""
-    from autoglm_trt.graph.quant import quantize_weight_per_channel
+    from autoglm_trt.quant.int8 import quantize_weight_per_channel
 
     w = np.array([[0.5, 0.0, -3.0], [-1.0, 0.0, 1e-3], [0.25, 0.0, 2.0]], np.float32)
     q, scale = quantize_weight_per_channel(w, half_values=True)

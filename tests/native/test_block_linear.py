@@ -15,7 +15,7 @@ from conftest import block_linear_reference as reference
 from conftest import run_rewritten
 
 from autoglm_trt.backends.onnxrt.passes import nbits
-from autoglm_trt.graph.int4 import Int4Blocks, quantize_int4_blocks
+from autoglm_trt.quant.int4 import Int4Blocks, quantize_int4_blocks
 
 F32 = np.float32
 
@@ -27,7 +27,7 @@ def _optimized(k: int, n: int, op: str, tmp: Path, skip_norm: bool = False) -> t
     from onnx import TensorProto
 
     from autoglm_trt.graph.builder import GraphBuilder
-    from autoglm_trt.graph.int4 import int4_weight_dq
+    from autoglm_trt.graph.qdq import int4_weight_dq
     from autoglm_trt.graph.session import make_session
 
     qw = quantize_int4_blocks((np.random.default_rng(k * n).standard_normal((k, n)) * 0.05).astype(F32), 32, False)
@@ -177,8 +177,9 @@ def test_int8_block_linear_computes_the_reference_bit_for_bit(kernel_library, k,
     int4-awq engine's LM head (576 x 49152 on SmolLM2) among the shapes."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.quant import WEIGHT_BLOCK, quantize_weight_blocks
     from autoglm_trt.graph.session import make_session
+    from autoglm_trt.quant.int8 import quantize_weight_blocks
+    from autoglm_trt.quant.plan import WEIGHT_BLOCK
 
     if rows == 300 and n > 10000:
         rows = 3  # enough for the row groups; 300 rows of the head is slow on the portable build

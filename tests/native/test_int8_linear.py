@@ -34,8 +34,8 @@ def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w:
     with alpha 1, Mul) -> silu_ref, and x -> Int8LinearSiluMul -> silu."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.hadamard import hadamard
     from autoglm_trt.graph.session import make_session
+    from autoglm_trt.quant.hadamard import hadamard
 
     packed, sums = pack_weights(w)
     inits = [numpy_helper.from_array(np.array(hadamard(b)), "h"), numpy_helper.from_array(np.float32(scale), "s"),
@@ -147,7 +147,7 @@ def skip_norm_inits(rng: np.random.Generator, k: int, n: int, zero: int, b: int 
     ``ws``: Int8Linear's inputs 1-6) and an RMSNorm epsilon (``eps``)."""
     from onnx import numpy_helper
 
-    from autoglm_trt.graph.hadamard import hadamard
+    from autoglm_trt.quant.hadamard import hadamard
 
     packed, sums = pack_weights(rng.integers(-128, 128, (k, n)).astype(np.int8))
     return [numpy_helper.from_array(np.array(hadamard(b)), "h"), numpy_helper.from_array(np.float32(0.03), "s"),

@@ -12,8 +12,9 @@ import pytest
 from conftest import block_linear_reference, run_rewritten
 
 from autoglm_trt.backends.onnxrt.passes import nbits
-from autoglm_trt.graph.int4 import Int4Blocks
-from autoglm_trt.graph.quant import WEIGHT_BLOCK, quantize_weight_blocks
+from autoglm_trt.quant.int4 import Int4Blocks
+from autoglm_trt.quant.int8 import quantize_weight_blocks
+from autoglm_trt.quant.plan import WEIGHT_BLOCK
 
 
 def _optimized(k: int, n: int, op: str, tmp: Path, skip_norm: bool = False):

@@ -13,7 +13,7 @@ from autoglm_trt.calib import collect
 from autoglm_trt.calib.collect import RAW_ROW_STRIDE, Accumulator, ActivationStats
 from autoglm_trt.calib.histogram import AbsHistogram
 from autoglm_trt.calib.native_stats import HistogramJob, NativeStats
-from autoglm_trt.graph.hadamard import rotate_rows
+from autoglm_trt.quant.hadamard import rotate_rows
 
 
 @pytest.fixture(scope="module")

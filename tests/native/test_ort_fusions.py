@@ -39,10 +39,10 @@ def test_residual_add_and_rms_norm_become_one_node_with_the_same_outputs(tiny_en
 
 def _rotate_quantize_graph(n: int, b: int, scale: float, zero: int) -> onnx.ModelProto:
     """x -> Reshape to blocks of b -> MatMul by hadamard_<b> -> QuantizeLinear (uint8) -> Reshape back,
-    named as the engine graph names them (graph/quant.py, after ONNX Runtime's s8 -> u8 rewrite)."""
+    named as the engine graph names them (graph/qdq.py, after ONNX Runtime's s8 -> u8 rewrite)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.hadamard import hadamard
+    from autoglm_trt.quant.hadamard import hadamard
 
     nodes = [helper.make_node("Reshape", ["x", f"blocks_{b}_3"], ["blocks"], name="lin.rot_blocks"),
              helper.make_node("MatMul", ["blocks", f"hadamard_{b}"], ["rot"], name="lin.rot"),

@@ -1,10 +1,10 @@
-"""GPTQ's INT4 rounding (graph/gptq.py) and the Gram matrices the statistics pass sums for it."""
+"""GPTQ's INT4 rounding (quant/gptq.py) and the Gram matrices the statistics pass sums for it."""
 
 import numpy as np
 import pytest
 
-from autoglm_trt.graph.gptq import gptq_int4_blocks, inverse_factor
-from autoglm_trt.graph.int4 import block_params, quantize_int4_blocks, round_to_grid
+from autoglm_trt.quant.gptq import gptq_int4_blocks, inverse_factor
+from autoglm_trt.quant.int4 import block_params, quantize_int4_blocks, round_to_grid
 
 
 def textbook(w, gram, block, symmetric):
@@ -116,7 +116,7 @@ def test_rounded_weights_saved_for_the_graph_writer_read_back_exactly(tmp_path, 
 def test_the_blocked_lower_inverse_inverts_a_cholesky_factor():
     """``lower_inverse`` (the path of Gram matrices over ``LARGE`` inputs) against numpy's inverse,
     over blocks that do not divide the size."""
-    from autoglm_trt.graph.gptq import lower_inverse
+    from autoglm_trt.quant.gptq import lower_inverse
 
     x = correlated(np.random.default_rng(4), 400, 300).astype(np.float64)
     lower = np.linalg.cholesky(x.T @ x + 3 * np.eye(300))
@@ -130,7 +130,7 @@ def test_a_large_gram_matrix_is_factored_in_place_by_blocks(monkeypatch):
     """Over ``LARGE`` inputs, U comes from the blocked in-place factor and inverse: the same as
     numpy's (to float64 rounding), dead inputs found, and a matrix left indefinite is read again
     from its source and damped more."""
-    from autoglm_trt.graph import gptq
+    from autoglm_trt.quant import gptq
 
     rng = np.random.default_rng(6)
     x = correlated(rng, 500, 300)
@@ -158,7 +158,7 @@ def test_a_large_gram_matrix_is_factored_in_place_by_blocks(monkeypatch):
 def test_the_in_place_helpers_of_the_large_path(n):
     """``reverse_in_place`` reverses both axes (odd and even sizes); ``lower_inverse`` in place
     gives what it gives in a new matrix, in the factor's own memory."""
-    from autoglm_trt.graph.gptq import lower_inverse, reverse_in_place
+    from autoglm_trt.quant.gptq import lower_inverse, reverse_in_place
 
     a = np.arange(n * n, dtype=np.float64).reshape(n, n)
     want = a[::-1, ::-1].copy()
@@ -179,7 +179,7 @@ def test_the_large_path_holds_one_matrix_of_the_gram_matrix_size(monkeypatch):
     rows of 2,600.)"""
     import tracemalloc
 
-    from autoglm_trt.graph import gptq
+    from autoglm_trt.quant import gptq
 
     n = 2600
     x = correlated(np.random.default_rng(7), 3000, n)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from autoglm_trt.graph.hadamard import block_size, hadamard, rotate_rows, rotate_weight, sylvester
+from autoglm_trt.quant.hadamard import block_size, hadamard, rotate_rows, rotate_weight, sylvester
 
 
 def test_sylvester_small_cases_exactly():
@@ -46,21 +46,22 @@ def test_lm_head_quantized_in_row_chunks_equals_the_whole_matrix(tmp_path, monke
     import onnx
     from onnx import numpy_helper
 
-    from autoglm_trt.graph import quant
+    from autoglm_trt.graph import qdq
     from autoglm_trt.graph.builder import GraphBuilder
+    from autoglm_trt.quant.plan import QuantPlan
 
-    monkeypatch.setattr(quant, "ROW_CHUNK", 70)  # several chunks, the last one short
+    monkeypatch.setattr(qdq, "ROW_CHUNK", 70)  # several chunks, the last one short
     rng = np.random.default_rng(3)
     w_rows = rng.standard_normal((300, 64)).astype(np.float32)  # [out, in], as an LM head is stored
-    plan = quant.QuantPlan({"lm_head": 4.0}, rotate={"lm_head": block} if block else {})
+    plan = QuantPlan({"lm_head": 4.0}, rotate={"lm_head": block} if block else {})
     arrays = {}
     for way in ("whole", "rows"):
         g = GraphBuilder(tmp_path / f"{way}.data")
         g.input("x", onnx.TensorProto.FLOAT, ["n", 64])
         if way == "whole":
-            out = quant.quantized_matmul(g, "x", w_rows.T, "lm_head", plan, rank=2)
+            out = qdq.quantized_matmul(g, "x", w_rows.T, "lm_head", plan, rank=2)
         else:
-            out = quant.quantized_rows_matmul(g, "x", lambda a, b: w_rows[a:b], 300, 64, "lm_head", plan)
+            out = qdq.quantized_rows_matmul(g, "x", lambda a, b: w_rows[a:b], 300, 64, "lm_head", plan)
         g.output(out, onnx.TensorProto.FLOAT, ["n", 300])
         model = g.model("t", 17)
         arrays[way] = {t.name: numpy_helper.to_array(t, base_dir=str(tmp_path)) for t in model.graph.initializer}

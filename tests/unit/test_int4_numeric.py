@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from autoglm_trt.calib.awq import awq_scale
-from autoglm_trt.graph.gptq import gptq_int4_blocks
-from autoglm_trt.graph.int4 import half_scales, pack_nibbles, quantize_int4_blocks
-from autoglm_trt.graph.quant import quantize_weight_blocks
+from autoglm_trt.quant.gptq import gptq_int4_blocks
+from autoglm_trt.quant.int4 import half_scales, pack_nibbles, quantize_int4_blocks
+from autoglm_trt.quant.int8 import quantize_weight_blocks
 
 
 def test_a_block_on_the_asymmetric_grid_is_exact():

@@ -3,7 +3,7 @@
     cli ─► serve ─► runtime;  cli ─► builder ─► export, calib (stage entry points)
            runtime, export, calib, evaluate ─► backends ─► graph ─► artifacts ─► model ─► errors, fileutil, progress,
            precisions
-           graph and everything above it ─► kvcache (numpy only);  backends, calib, cli ─► native (stdlib only)
+           graph and everything above it ─► kvcache, quant (numpy only);  backends, calib, cli ─► native (stdlib only)
 
 Every import of an ``autoglm_trt`` module (absolute or relative, at any depth in a function)
 is resolved to its top-level part and must be in the importer's allowed set below.
@@ -21,12 +21,13 @@ BASE = {"errors", "fileutil", "progress", "precisions"}
 LOWER = {
     "kvcache": set(),
     "native": set(),
+    "quant": set(),
     "model": BASE,
     "artifacts": BASE | {"model"},
-    "graph": BASE | {"model", "artifacts", "kvcache"},
-    "backends": BASE | {"model", "artifacts", "graph", "kvcache", "native"},
+    "graph": BASE | {"model", "artifacts", "kvcache", "quant"},
+    "backends": BASE | {"model", "artifacts", "graph", "kvcache", "native", "quant"},
 }
-STAGE = BASE | {"model", "artifacts", "graph", "kvcache"}
+STAGE = BASE | {"model", "artifacts", "graph", "kvcache", "quant"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "fileutil": {"errors"}, "progress": set(), "precisions": {"errors"},
     **LOWER,

@@ -63,7 +63,7 @@ def test_a_down_projections_input_is_rotated_and_its_weight_with_it():
     """A Hadamard rotation of the input (blocks of 32 here: 96 = 3 x 32) and the weight rotated to
     match leave the float product as it was; the per-token INT8 product of the rotated pair errs
     less where one input of the row is an outlier."""
-    from autoglm_trt.graph.hadamard import hadamard, rotate_weight
+    from autoglm_trt.quant.hadamard import hadamard, rotate_weight
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((96, 40), np.float32)

@@ -1,7 +1,7 @@
 """Each INT8 linear's online rotation and activation quantization as one native operator.
 
 The graph rotates the input of each INT8 linear by a block Hadamard matrix and quantizes it
-(``graph/quant.py``): Reshape to blocks of b, MatMul by ``hadamard_<b>``, QuantizeLinear to uint8,
+(``graph/qdq.py``): Reshape to blocks of b, MatMul by ``hadamard_<b>``, QuantizeLinear to uint8,
 Reshape back. ``hadamard_quantize`` replaces the four with ``autoglm.trt.HadamardQuantize``
 (``native/csrc/hadamard_quantize.c``: a fast Walsh-Hadamard transform), which ``linears.py`` then
 takes whole into ``Int8Linear`` where it can.

@@ -1,6 +1,6 @@
 """Read the weights of ONNX Runtime's ``MatMulNBits`` nodes that the native weight-only linears
 replace (``linears.py``): what its optimizer makes of a DequantizeLinear in blocks of 32 + MatMul
-(``graph/quant.py``'s INT8, ``graph/int4.py``'s INT4).
+(``graph/qdq.py``'s INT8 and INT4).
 
 - ``int8_blocks``: an 8-bit node, zero points 128 -> ``Int8WeightLinear``'s int8 weights and
   scales; ``int8_block_tiles`` lays them out for ``Int8BlockLinear``.
@@ -9,7 +9,7 @@ replace (``linears.py``): what its optimizer makes of a DequantizeLinear in bloc
   and zero points (``csrc/block_linear.c``).
 
 The operators hold each scale as float16 (and 4-bit zero points two to a byte): a node whose
-float32 scales are not all float16 values (``graph.int4.half_scales`` makes this toolkit's so)
+float32 scales are not all float16 values (``quant.int4.half_scales`` makes this toolkit's so)
 is left to ONNX Runtime, as is one of another block size or bit width, columns not a multiple of
 16, or a ``g_idx``; either function then gives None. A bias (input 5) is left to the caller,
 which adds it after. ``int4_parts`` and ``int8_parts`` check a node the same way and return

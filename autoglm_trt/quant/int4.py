@@ -1,10 +1,11 @@
-"""INT4 weights in blocks along the input: quantization, ONNX's packing, the DequantizeLinear.
+"""INT4 weights in blocks along the input: quantization and ONNX's packing (the graph's
+DequantizeLinear of them is ``graph.qdq.int4_weight_dq``).
 
 A ``[in, out]`` weight gets one scale (and, asymmetric, one 4-bit zero point) per ``block``
 inputs of each output; ``w ≈ (q - zero) * scale``. Symmetric: q in [-7, 7] as ``int4``, no zero
 point (TensorRT's block-quantized INT4 takes no other). Asymmetric: q in [0, 15] as ``uint4``
 with a zero point per block. Each block's range is clipped by the factor of ``CLIPS`` with the
-least squared error. Every block scale (these and ``graph/quant.py``'s 8-bit ones) is a float16
+least squared error. Every block scale (these and ``quant/int8.py``'s 8-bit ones) is a float16
 value held in float32 (``half_scales``): the native operators read them as float16 and compute
 what the graph does. ONNX stores 4-bit tensors two to a byte, the first element in the low
 nibble; ONNX Runtime turns the DequantizeLinear + MatMul into its 4-bit ``MatMulNBits``.
@@ -15,9 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto
-
-from .builder import GraphBuilder
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 CHUNK = 1 << 18  # weights of a ``block_params`` chunk (1 MiB of float32)
@@ -91,18 +89,6 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
     if flat.size % 2:
         flat = np.append(flat, np.uint8(0))
     return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
-
-
-def int4_weight_dq(g: GraphBuilder, name: str, qw: Int4Blocks, scale_dtype: np.dtype | type = np.float32) -> str:
-    """DequantizeLinear (opset 21, axis 0, ``block_size``) of ``qw`` to ``[in, out]`` of the scales'
-    type, ``scale_dtype`` (float32 or float16, which holds every ``half_scales`` value exactly)."""
-    kind = TensorProto.INT4 if qw.zero is None else TensorProto.UINT4
-    inputs = [g.packed_weight(f"{name}.weight_i4", qw.q.shape, kind, pack_nibbles(qw.q)),
-              g.weight(f"{name}.weight_scale", qw.scale.astype(scale_dtype))]
-    if qw.zero is not None:
-        inputs.append(g.packed_weight(f"{name}.weight_zero", qw.zero.shape, kind, pack_nibbles(qw.zero)))
-    return g.op("DequantizeLinear", inputs, f"{name}.weight_dq", axis=0, block_size=qw.block)
-
 
 
 def block_params(grouped: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:

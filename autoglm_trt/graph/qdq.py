@@ -1,4 +1,4 @@
-"""INT8 in the graph: the quantization plan and TensorRT's explicit Q/DQ placement.
+"""Quantized linears in the graph: TensorRT's explicit Q/DQ placement of a plan (``quant.plan``).
 
 Input: a plan (activation amax per linear, optional Hadamard rotation per linear). Output, for
 each planned linear: a QuantizeLinear/DequantizeLinear pair on the activation input of the
@@ -16,88 +16,19 @@ turns into its 8-bit ``MatMulNBits``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
+from ..quant.gptq import gptq_int4_blocks
+from ..quant.hadamard import hadamard, rotate_weight, rotate_weight_rows
+from ..quant.int4 import Int4Blocks, half_scales, pack_nibbles, quantize_int4_blocks
+from ..quant.int8 import act_scale, quantize_weight_blocks, quantize_weight_per_channel
+from ..quant.plan import WEIGHT_BLOCK, QuantPlan
 from . import names
 from .builder import GraphBuilder
-from .gptq import gptq_int4_blocks
-from .hadamard import hadamard, rotate_weight, rotate_weight_rows
-from .int4 import Int4Blocks, half_scales, int4_weight_dq, quantize_int4_blocks
 
-WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.md: why not one per channel)
-# clips of a block's absolute max tried for its scale (least squared error wins): SmolLM2 int8-wo
-# answers more chat prompts as fp32 does with the clip than with the max alone (docs/native.md)
-CLIPS = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.91, 0.90)
 ROW_CHUNK = 8192  # rows of an [out, in] weight quantized at a time by ``quantized_rows_matmul``
-
-
-@dataclass(frozen=True)
-class QuantPlan:
-    """INT8 plan: activation amax (absolute max after calibration) per linear, by name.
-
-    With ``switchable`` (calibration's sensitivity search only), each planned linear computes
-    both paths and a graph input ``quant_mask`` (float [len(switch_order)], 1 = INT8) picks
-    one per linear, so many plans can be tried with one session; a scalar input ``scale_nudge``
-    multiplies every activation scale (1: the plan's own).
-    """
-
-    act_amax: dict[str, float]
-    switchable: bool = False
-    # linear name -> Hadamard block size: its input is rotated in the graph and its weight
-    # offline (see ``hadamard``); the amax is then that of the rotated input
-    rotate: dict[str, int] = field(default_factory=dict)
-
-    # the DequantizeLinear on the weights alone, the activations float; ``act_amax`` then only
-    # names the linears (its values are unused)
-    weight_only: bool = False
-    # linear name -> [out] float32 added to its output: the mean INT8 output error on calibration
-    # rows (``calib.thresholds.bias_corrections``); in a switchable graph each is scaled by its
-    # linear's ``quant_mask`` and ``bias_mask`` entries
-    bias_correction: dict[str, np.ndarray] = field(default_factory=dict)
-    # a weight-only plan's linears but the LM head: 8 (blocks of ``WEIGHT_BLOCK``) or 4 bits
-    # (``int4``: blocks of ``weight_block``, symmetric or with zero points); the head stays 8-bit
-    weight_bits: int = 8
-    weight_block: int = WEIGHT_BLOCK
-    weight_symmetric: bool = True
-    int8_linears: tuple[str, ...] = ()  # a 4-bit plan's linears kept at 8 bits, as the head
-    # a weight-only plan's 8-bit weights with one scale per output channel instead of per block:
-    # TensorRT's form, whose Dequantize takes blocks of INT4, FP4 and FP8 only (NvInfer.h)
-    int8_channels: bool = False
-    # a 4-bit plan's linear name -> the Gram matrix X^T X of its inputs as the graph feeds them
-    # (after AWQ's scaling): its weights rounded by GPTQ (``gptq``) instead of to nearest
-    gram: dict[str, np.ndarray] = field(default_factory=dict)
-    # a 4-bit plan's linear name -> its weights already rounded (GPTQ layer by layer, or GPTQ's
-    # roundings as a switchable graph was written, for the final graph), read when written
-    rounded: dict[str, Callable[[], Int4Blocks]] = field(default_factory=dict)
-    # a weight-only plan's token embedding as INT8 rows in blocks of ``WEIGHT_BLOCK`` (the LM head's
-    # quantization; ``embedding_rows``), gathered and scaled in the graph; else float
-    int8_embedding: bool = False
-
-    @classmethod
-    def weights_only(cls, linears: list[str], bits: int = 8, block: int = WEIGHT_BLOCK,
-                     symmetric: bool = True, int8_linears: tuple[str, ...] = (),
-                     gram: dict[str, np.ndarray] | None = None, int8_embedding: bool = False,
-                     rounded: dict[str, Callable[[], Int4Blocks]] | None = None,
-                     int8_channels: bool = False) -> QuantPlan:
-        return cls(dict.fromkeys(linears, 0.0), weight_only=True, weight_bits=bits, weight_block=block,
-                   weight_symmetric=symmetric, int8_linears=int8_linears, gram=gram or {},
-                   int8_embedding=int8_embedding, rounded=rounded or {}, int8_channels=int8_channels)
-
-    @property
-    def switch_order(self) -> list[str]:
-        return sorted(self.act_amax)
-
-    def without(self, keep_float: list[str]) -> QuantPlan:
-        """The same plan with the named linears left in float."""
-        return replace(self, act_amax={n: a for n, a in self.act_amax.items() if n not in keep_float},
-                       bias_correction={n: c for n, c in self.bias_correction.items() if n not in keep_float})
-
-    def corrected(self, linears: list[str]) -> QuantPlan:
-        """The same plan with the bias corrections of the named linears only."""
-        return replace(self, bias_correction={n: c for n, c in self.bias_correction.items() if n in linears})
 
 
 def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: QuantPlan, rank: int = 3,
@@ -223,14 +154,6 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
     return g.op("MatMul", [xdq, wdq], name)
 
 
-def embedding_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Embedding rows ``[n, hidden]`` as a weight-only LM head quantizes them (one scale per
-    ``WEIGHT_BLOCK`` of a row's values, ``quantize_weight_blocks``): (int8 ``[n, hidden]``, float32
-    scales ``[n, hidden / WEIGHT_BLOCK, 1]``). A tied model's embedding and head get the same values."""
-    q, scale = quantize_weight_blocks(np.asarray(rows, np.float32).T, WEIGHT_BLOCK)
-    return np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T)[:, :, None]
-
-
 def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: QuantPlan) -> tuple[str, str]:
     """Q/DQ of the activation x (per tensor) and DQ of the INT8 weight ``wq`` (per output channel),
     in the type of ``ws``."""
@@ -261,44 +184,12 @@ def rotate_input(g: GraphBuilder, x: str, b: int, name: str, rank: int = 3) -> s
     return g.op("Reshape", [rotated, g.ints([*keep, -1], names.unblocks_shape(rank))], f"{name}.rotated")
 
 
-def act_scale(amax: float) -> float:
-    """Symmetric INT8 scale of an activation whose calibrated absolute max is ``amax``."""
-    return max(float(amax), 1e-8) / 127.0
-
-
-def quantize_weight_per_channel(w: np.ndarray, half_values: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-output-channel INT8 of a ``[in, out]`` matrix: (int8 weights, float32 scales).
-    ``half_values`` (a weight-only plan's ``int8_channels``): each scale rounded to a float16 value
-    first (``int4.half_scales``), so that a float16 graph stores the scales the weights were rounded with."""
-    amax = np.max(np.abs(w), axis=0).astype(np.float32)
-    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-    if half_values:
-        scale = half_scales(scale)
-    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def quantize_weight_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric INT8 of a ``[in, out]`` matrix with one scale per ``block`` inputs of each output
-    (the last block may be shorter): (int8 weights ``[in, out]``, float32 scales ``[blocks, out]``).
-    Each block's scale is ``c * amax / 127`` rounded to a float16 value (``int4.half_scales``), with
-    the clip ``c`` of ``CLIPS`` that gives the least squared error over the block (ties: the larger ``c``)."""
-    n_in, n_out = w.shape
-    blocks = -(-n_in // block)
-    padded = np.zeros((blocks * block, n_out), np.float32)
-    padded[:n_in] = w
-    grouped = padded.reshape(blocks, block, n_out)
-    amax = np.max(np.abs(grouped), axis=1)
-    best_scale = best_err = None
-    for clip in CLIPS:
-        scale = half_scales(np.where(amax > 0, np.float32(clip) * amax / np.float32(127.0), np.float32(1.0)))
-        q = np.clip(np.rint(grouped / scale[:, None]), -127, 127)
-        err = np.sum(np.square(q * scale[:, None] - grouped, dtype=np.float32), axis=1)
-        if best_scale is None:
-            best_scale, best_err = scale, err
-        else:
-            better = err < best_err
-            best_scale, best_err = np.where(better, scale, best_scale), np.where(better, err, best_err)
-    assert best_scale is not None
-    q = np.clip(np.rint(grouped / best_scale[:, None]), -127, 127).astype(np.int8).reshape(-1, n_out)[:n_in]
-    return q, best_scale.astype(np.float32)
+def int4_weight_dq(g: GraphBuilder, name: str, qw: Int4Blocks, scale_dtype: np.dtype | type = np.float32) -> str:
+    """DequantizeLinear (opset 21, axis 0, ``block_size``) of ``qw`` to ``[in, out]`` of the scales'
+    type, ``scale_dtype`` (float32 or float16, which holds every ``half_scales`` value exactly)."""
+    kind = TensorProto.INT4 if qw.zero is None else TensorProto.UINT4
+    inputs = [g.packed_weight(f"{name}.weight_i4", qw.q.shape, kind, pack_nibbles(qw.q)),
+              g.weight(f"{name}.weight_scale", qw.scale.astype(scale_dtype))]
+    if qw.zero is not None:
+        inputs.append(g.packed_weight(f"{name}.weight_zero", qw.zero.shape, kind, pack_nibbles(qw.zero)))
+    return g.op("DequantizeLinear", inputs, f"{name}.weight_dq", axis=0, block_size=qw.block)
