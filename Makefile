@@ -1,4 +1,4 @@
-# autoglm-trt: `make engine` (install, prepare SmolLM2, build an engine, generate) and `make test`.
+# autoglm-trt: `make engine` (install, prepare SmolLM2, build an engine, ask it the demo question) and `make test`.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -45,7 +45,8 @@ test: $(STAMP) $(SMOL)/.prepared .triton/.installed lint typecheck
 	$(BIN)/python -m pytest -q -rs tests
 
 # The main job end to end: install, prepare SmolLM2, build an INT8 engine (TensorRT when present,
-# else ONNX Runtime), ask it one question and compare its answer with the float32 model's. Earlier export/calibration results are reused when unchanged.
+# else ONNX Runtime), ask it one question and say whether it answers as the float32 model does.
+# Earlier export/calibration results are reused when unchanged.
 engine: $(STAMP) $(SMOL)/.prepared
 	$(BIN)/autoglm-trt build $(SMOL) --precision int8 -o engines/smollm2-int8 --force
 	$(BIN)/python tools/demo_answer.py engines/smollm2-int8
