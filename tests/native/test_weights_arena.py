@@ -81,3 +81,18 @@ def test_the_engine_session_reads_the_packed_weights_in_place(tiny_int8_engine, 
     assert not np.array_equal(changed[1], first[1])
     for runner in runners:
         runner.close()
+
+
+def test_the_bytes_between_arrays_are_zero_whatever_the_buffer_held():
+    """A saved arena is the same file every build: the padding after each array (to the next cache
+    line) is zeroed, not left as whatever the fresh buffer held."""
+    arrays = [((3, 5), np.dtype(np.int8)), ((7,), np.dtype(np.int32)), ((2, 2), np.dtype(np.uint8))]
+    offsets, size = weights_arena.layout(arrays)
+    buf = np.full(size, 0xA5, np.uint8)
+    for view in weights_arena.views(buf, arrays):
+        view.view(np.uint8)[...] = 1
+    used = np.zeros(size, bool)
+    for offset, (shape, dtype) in zip(offsets, arrays):
+        used[offset:offset + int(np.prod(shape)) * dtype.itemsize] = True
+    end = offsets[-1] + 4
+    assert (buf[:end][used[:end]] == 1).all() and not buf[:end][~used[:end]].any()

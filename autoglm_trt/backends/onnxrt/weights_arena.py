@@ -61,11 +61,13 @@ def allocate(nbytes: int) -> np.ndarray:
 
 
 def views(buf: np.ndarray, arrays: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
-    """Arrays of these shapes and dtypes over ``buf`` at ``layout``'s offsets."""
+    """Arrays of these shapes and dtypes over ``buf`` at ``layout``'s offsets; the bytes between
+    them zeroed, so that a saved arena (``model.native.bin``) is the same file every build."""
     offsets, _ = layout(arrays)
     out = []
     for offset, (shape, dtype) in zip(offsets, arrays):
         n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buf[offset + n:offset - (-n // ALIGN) * ALIGN] = 0
         out.append(buf[offset:offset + n].view(dtype).reshape(shape))
     return out
 
