@@ -355,7 +355,10 @@ class Engine:
             ends = ends | set(p.stop_token_ids)
         used = adjust(logits, p, seq.counts, ends) if p.adjusts_logits else logits
         if seq.guided is not None:  # made with the request (or copied with its fork), never on this thread
-            used = seq.guided.masked(used, in_place=p.adjusts_logits)  # adjust() made a copy already
+            masked = seq.guided.masked(used, in_place=p.adjusts_logits)  # adjust() made a copy already
+            if p.min_tokens and not np.isfinite(masked).any():  # the grammar allows only its end: it wins
+                masked = seq.guided.masked(adjust(logits, p, seq.counts, set()), in_place=True)
+            used = masked
         token = sample(used, p, seq.rng)
         reason = None
         if token in ends:

@@ -89,7 +89,7 @@ class SamplingParams:
         repetition_penalty: transformers' (in [0.01, 100]; 1: none): the logit l of a token of the
             prompt or the output becomes l / r if positive, l * r otherwise.
         min_tokens: the end-of-sequence and ``stop_token_ids`` tokens are masked until this many
-            tokens are generated.
+            tokens are generated (but where a guide allows nothing but the end: its grammar wins).
         logit_bias: token id -> a value in [-100, 100] added to its logit.
         stop_token_ids: further tokens that end generation like end-of-sequence (not in the output).
         guide: hold the output to a JSON schema, regex, choice list or Lark grammar (``guided.Guide``);

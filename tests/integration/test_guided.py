@@ -214,3 +214,18 @@ def test_a_choice_of_thousands_of_options_generates(glm4v_engine):
         [res] = engine.generate([[{"role": "user", "content": "Pick."}]], SamplingParams(
             max_new_tokens=16, temperature=1.0, seed=4, n=4, guide=Guide.choice(options)))
     assert len(options) > 2_000 and all(c.text in options and c.finish_reason == "stop" for c in res.choices)
+
+
+@pytest.mark.parametrize("regex", ["^$", "(|)"])
+def test_min_tokens_yields_to_a_grammar_that_allows_only_its_end(glm4v_engine, regex):
+    """``min_tokens`` masks the end tokens; a regex that matches only the empty string allows nothing
+    else, so every logit would be -inf. The grammar wins: the answer is empty and ends with "stop"
+    (the server's fuzzing found this as a 500, "logits that are not finite")."""
+    with Engine.load(glm4v_engine) as engine:
+        params = SamplingParams(max_new_tokens=1, min_tokens=1, seed=0, guide=Guide.regex(regex))
+        [res] = engine.generate(["0"], params)
+        assert res.finish_reason == "stop" and res.token_ids == [] and res.text == ""
+        # the mask still holds where the grammar allows more than its end
+        [held] = engine.generate(["0"], SamplingParams(max_new_tokens=3, min_tokens=3, seed=0,
+                                                       guide=Guide.regex("a*")))
+        assert held.token_ids and held.text == "a" * len(held.text) and len(held.token_ids) == 3
