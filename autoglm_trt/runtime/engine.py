@@ -432,10 +432,11 @@ def _open_parts(path: Path, verify: bool, num_blocks: int | None, kv_memory_byte
     kv = manifest.kv
     per_block = kv.bytes // kv.num_blocks
     blocks = kv.num_blocks
-    in_host_memory = backend_named(manifest.backend).traits.host_memory
+    runs = backend_named(manifest.backend)
+    in_host_memory = runs.traits.host_memory
     if num_blocks is not None or kv_memory_bytes is not None:
         if not in_host_memory:
-            raise EngineError(f"the KV pool of a {manifest.backend} engine is fixed at build time; rebuild to change it")
+            raise EngineError(f"the KV pool of a {runs.label} engine is fixed at build time; rebuild to change it")
         blocks = num_blocks if num_blocks is not None else max(1, int(kv_memory_bytes or 0) // per_block)
     if in_host_memory:
         pool = blocks * per_block
