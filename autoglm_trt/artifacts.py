@@ -426,14 +426,6 @@ def _ort_graphs(graphs: dict, engine_dir: Path, path: Path) -> None:
         name = graphs.get(key)
         if name is not None:
             inside(engine_dir, name, f"{path} onnxruntime.{key}", EngineError)
-    at_load = graphs.get("packed_at_load")
-    if at_load is not None:  # loader.write_graphs: how the native graph's packed weights are made again
-        where = f"{path} onnxruntime.packed_at_load"
-        if not isinstance(at_load, dict) or at_load.get("kv_dtype") not in ("float32", "float16", "int8") or \
-                any(not isinstance(at_load.get(k), bool) for k in ("dynamic_int8", "bf16_attention")) or \
-                not isinstance(graphs.get("native_graph"), str):
-            raise EngineError(f"{where} must name a KV dtype (float32, float16 or int8) and two booleans, dynamic_int8 "
-                              f"and bf16_attention, beside a native graph; got {brief(at_load)}: rebuild the engine")
 
 
 def _trt_section(trt: dict, engine_dir: Path, path: Path) -> None:

@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
 """AutoGLM-Phone-9B's shape end to end: a random GLM-4.1V-9B checkpoint exported, built, served, one agent step.
 
-    python -m benchmarks.agent_9b_shape [--work /tmp/agent9b] [--precision int8-wo] [--vision fast|float]
-                                        [--gen-len 32] [--keep]
+    python -m benchmarks.agent_9b_shape [--work /tmp/agent9b] [--precision int8-wo,int4-awq]
+                                        [--vision fast|float] [--gen-len 32] [--keep]
 
 Writes a checkpoint of GLM-4.1V-9B's exact config (``export_9b_shape``: random bfloat16 weights, 40
 decoder layers of width 4096, the 24-layer vision tower of width 1536) with GLM-4.1V's special token
 ids, a byte-level tokenizer over its vocabulary, GLM-4.1V-9B's preprocessor limits and a chat
 template of GLM-4.1V's form; exports it to float16 (the checkpoint is then deleted: the disk holds
-the export and the engine, not all three), builds the engine from that export (``--vision fast``: the
-encoder's INT8 linears and bfloat16 attention, ``float``: float32), serves it with ``autoglm-trt
-serve``, and sends one Open-AutoGLM step: a system prompt, a 1080 x 2400 screenshot as a PNG data:
+the export and the engine, not all three), builds an engine of each ``--precision`` from that export
+in turn (``int4-awq`` with ``--int4-rounding nearest``: AWQ's search and GPTQ would take hours here;
+``--vision fast``: the encoder's INT8 linears and bfloat16 attention, ``float``: float32), serves it
+with ``autoglm-trt serve``, and sends one Open-AutoGLM step: a system prompt, a 1080 x 2400 screenshot as a PNG data:
 URL and the task, streamed, with the client's sampling (temperature 0, top_p 0.85,
 frequency_penalty 0.2), ``--gen-len`` tokens. Prints each stage's wall time and peak RSS (the
 children's own, from ``wait4``; the server's ``VmHWM``), the engine's size on disk (decoder,
-vision encoder), the server's split of the time to first token
-(``autoglm_request_phase_seconds``) and the decode rate. Needs ~45 GB of free disk; tens of minutes.
+vision encoder, and of the decoder the native operators' packed weights, ``model.native.bin``, which
+the plain graph's copy of the same weights stands beside), the server's split of the time to first token
+(``autoglm_request_phase_seconds``) and the decode rate; each engine is deleted before the next is
+built. Needs ~60 GB of free disk; about 25 minutes per precision on 2 cores.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ PREPROCESSOR = {"image_processor_type": "Glm4vImageProcessor", "patch_size": 14,
                 "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
 FAST = "vision_linears: int8\nvision_attention: bfloat16\n"
 FLOAT = "vision_linears: float32\nvision_attention: float32\n"
+# the precisions built, and the build's extra arguments for each
+PRECISIONS = {"int8-wo": [], "int8-dyn": [], "int4-awq": ["--int4-rounding", "nearest"]}
 
 
 def tokenizer_files(ckpt: Path) -> None:
@@ -86,7 +91,8 @@ def gb(paths) -> float:
 def sizes(engine: Path) -> dict:
     files = [p for p in engine.iterdir() if p.is_file()]
     vision = [p for p in files if p.name.startswith("vision")]
-    return {"engine_gb": gb(files), "vision_gb": gb(vision), "decoder_and_rest_gb": gb(set(files) - set(vision))}
+    return {"engine_gb": gb(files), "vision_gb": gb(vision), "decoder_and_rest_gb": gb(set(files) - set(vision)),
+            "of_which_packed_gb": gb([engine / "model.native.bin"])}
 
 
 def agent_step(url: str, model: str, gen_len: int) -> dict:
@@ -143,15 +149,17 @@ def served(engine: Path, gen_len: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/agent9b"))
-    ap.add_argument("--precision", choices=("int8-wo", "int8-dyn"), default="int8-wo")
+    ap.add_argument("--precision", default="int8-wo",
+                    help="comma-separated of int8-wo, int8-dyn and int4-awq (built with --int4-rounding nearest)")
     ap.add_argument("--vision", choices=("fast", "float"), default="fast")
     ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--keep", action="store_true", help="keep the export and the engine afterwards")
+    ap.add_argument("--keep", action="store_true", help="keep the export and the engines afterwards")
     args = ap.parse_args()
+    wanted = [p for p in args.precision.split(",") if p]
+    if not wanted or set(wanted) - set(PRECISIONS):
+        sys.exit(f"--precision takes a comma-separated list of {', '.join(PRECISIONS)}, got {args.precision!r}")
     print(machine(), flush=True)
-    ckpt, export, engine = args.work / "checkpoint", args.work / "export", args.work / f"engine-{args.precision}"
-    out: dict = {"model": "GLM-4.1V-9B shape (random bf16 weights)", "precision": args.precision,
-                 "vision": args.vision}
+    ckpt, export = args.work / "checkpoint", args.work / "export"
     made = args.work / "export-stage.json"  # the export's figures, for a run that resumes after it
     if not (export / "export.json").is_file() or not made.is_file():
         print(f"writing the checkpoint to {ckpt}", flush=True)
@@ -165,16 +173,23 @@ def main() -> None:
         made.write_text(json.dumps(stage))
     else:
         print(f"resuming after the export in {export}, made earlier", flush=True)
-    out.update(json.loads(made.read_text()))
-    out["export_gb"] = gb(export.iterdir())
+    stage = {**json.loads(made.read_text()), "export_gb": gb(export.iterdir())}
     config = args.work / "build.yaml"
     config.write_text(FAST if args.vision == "fast" else FLOAT)
-    out["build"] = child(["build", str(export), "--precision", args.precision, "-o", str(engine), "--force",
-                          "--config", str(config)])
-    shutil.rmtree(args.work / ".cache", ignore_errors=True)
-    out.update(sizes(engine))
-    out["serve"] = served(engine, args.gen_len)
-    print(json.dumps(out, indent=1))
+    for name in wanted:
+        engine = args.work / f"engine-{name}"
+        out: dict = {"model": "GLM-4.1V-9B shape (random bf16 weights)", "precision": name,
+                     "vision": args.vision, **stage}
+        if PRECISIONS[name]:
+            out["int4_rounding"] = "to nearest (no calibration)"
+        out["build"] = child(["build", str(export), "--precision", name, "-o", str(engine), "--force",
+                              "--config", str(config), *PRECISIONS[name]])
+        shutil.rmtree(args.work / ".cache", ignore_errors=True)
+        out.update(sizes(engine))
+        out["serve"] = served(engine, args.gen_len)
+        print(json.dumps(out, indent=1), flush=True)
+        if not args.keep:
+            shutil.rmtree(engine)
     if not args.keep:
         shutil.rmtree(args.work)
 

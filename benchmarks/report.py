@@ -131,11 +131,12 @@ SECTIONS = (
             "The decoder to float16 and the 24-layer vision tower to float32, from random bf16 weights: wall time "
             "and peak RSS (needs ~45 GB of disk)."),
     Section("agent_9b", "AutoGLM-Phone-9B's shape end to end",
-            ("benchmarks.agent_9b_shape", "--work", "/tmp/agent9b"),
-            "A random checkpoint of GLM-4.1V-9B's exact config exported to float16, built int8-wo from that export "
-            "(the vision encoder's INT8 linears and bfloat16 attention), served, and one Open-AutoGLM step sent "
-            "through serve (a 1080 x 2400 screenshot, streamed, 32 tokens): each stage's wall time and peak RSS, the "
-            "engine's size, the server's split of the time to first token and the decode rate (needs ~50 GB of disk)."),
+            ("benchmarks.agent_9b_shape", "--work", "/tmp/agent9b", "--precision", "int8-wo,int4-awq"),
+            "A random checkpoint of GLM-4.1V-9B's exact config exported to float16, built int8-wo and int4-awq "
+            "(rounded to nearest: no calibration) from that export (the vision encoder's INT8 linears and bfloat16 "
+            "attention), each served, and one Open-AutoGLM step sent through serve (a 1080 x 2400 screenshot, "
+            "streamed, 32 tokens): each stage's wall time and peak RSS, the engine's size, the server's split of the "
+            "time to first token and the decode rate (needs ~60 GB of disk)."),
     Section("calibrate_9b", "Calibrating the GLM-4-9B shape", ("benchmarks.calibrate_9b_shape",),
             "The same shape exported to float32 (37.6 GB of weights) and calibrated one layer at a time on a "
             "24 GB machine, without the gate (needs ~90 GB of disk)."),
@@ -153,10 +154,9 @@ SECTIONS = (
             "does not run here): the graph's size per layer and outside the layers, and the 40-layer graph's against "
             "fp16's (needs ~12 GB of disk)."),
     Section("engine_load", "Loading a 9B-wide engine", ("benchmarks.bench_engine_load",),
-            "The GLM-4-9B shape cut to 2 of its 40 layers, built as an int8-wo engine twice: with the native "
-            "operators' packed weights saved in model.native.bin, and with them made when the engine loads (what a "
-            "build does when they pass 1 GiB, as every 9B's do): each engine's size on disk and time to load, and "
-            "whether the two compute the same logits (needs ~20 GB of disk)."),
+            "The GLM-4-9B shape cut to 2 of its 40 layers, built as an int8-wo engine: its size on disk (the native "
+            "operators' packed weights in model.native.bin apart), its time to load (the packed weights read, no "
+            "pass run), and what running the build's passes again would add to each load (needs ~10 GB of disk)."),
     Section("accuracy", "Calibration and accuracy", ("benchmarks.accuracy_table",)),
     Section("accuracy_kinds", "Accuracy by kind of text", ("benchmarks.accuracy_kinds",)),
     Section("runtime_accuracy", "Accuracy as requests see it", ("benchmarks.runtime_accuracy",)),

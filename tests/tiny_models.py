@@ -94,3 +94,20 @@ def byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def bfloat16_copy(src: Path, out_dir: Path) -> Path:
+    """The text checkpoint ``src`` saved in bfloat16, its magnitudes that float16 keeps only as
+    subnormals lifted to 1e-4 (so each value is a float16 normal too), with its tokenizer."""
+    import shutil
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.where(p.abs() < 1e-4, torch.full_like(p, 1e-4) * p.sign().add(0.5).sign(), p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    shutil.copy(Path(src) / "tokenizer.json", out_dir)
+    return out_dir

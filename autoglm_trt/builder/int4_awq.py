@@ -86,6 +86,12 @@ class Int4Settings:
     # instead of per block of 32: TensorRT's form (``QuantPlan.int8_channels``)
     int8_channels: bool = False
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the build runs the float graph on calibration text: for AWQ's search, GPTQ's Gram
+        matrices or the gate (else each weight is rounded to nearest, from the weights alone)."""
+        return self.awq or self.gptq or self.gate is not None
+
     def check(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
             raise AutoGLMError(f"the INT4 block size must be a power of two of at least 16, got {self.block}")
@@ -105,9 +111,15 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     """Write (or reuse) the INT4 model of ``export_dir`` in ``out_dir``; returns ``out_dir``."""
     settings.check()
     export = ExportRecord.read(export_dir)
-    if export.dtype != "float32" or precision(export.precision).quantized:
-        raise AutoGLMError(f"{export_dir} is not a float32 export; int4-awq is made from one "
+    if precision(export.precision).quantized or export.dtype not in ("float32", "float16"):
+        raise AutoGLMError(f"{export_dir} is not a float export; int4-awq is made from a float32 one "
                            "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
+    if not settings.calibrated:
+        return _nearest(export, export_dir, out_dir, settings, log)
+    if export.dtype != "float32":
+        raise AutoGLMError(f"{export_dir} is a {export.dtype} export; int4-awq's calibration runs the float32 graph "
+                           "(autoglm-trt export CHECKPOINT -o DIR --dtype float32), or build with --int4-rounding "
+                           "nearest, which reads a float16 export's weights alone")
     spec = export.spec
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(data, export_dir, settings.windows, settings.seq_len, separator)
@@ -157,6 +169,46 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
                               "gate": gate}
             copy_tokenizer_files(export_dir, tmp)
             write_json(tmp / EXPORT_RECORD, record)
+    return out_dir
+
+
+def _nearest(export: ExportRecord, export_dir: Path, out_dir: Path, settings: Int4Settings,
+             log: Callable[[str], None]) -> Path:
+    """The INT4 model without calibration (``settings.calibrated`` False): each weight rounded to
+    nearest in its block, no AWQ scales, the float graph never run; a float16 export's weights
+    widened to float32 as they are read (exact), as int8-wo reads them."""
+    from ..calib.statistics import quantizable_inputs
+    from ..graph.exported_weights import ExportedWeights
+
+    spec = export.spec
+    inputs = quantizable_inputs(export_dir, False, [])
+    int8_linears = tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds))
+    made = {"source": export.identity(), "version": VERSION, "settings": _identity(settings), "data_sha256": None,
+            "images_sha256": [], "gram_data_sha256": None, "gate_data_sha256": None}
+    if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).made_by("int4"), made):
+        log(f"reusing the INT4 model in {out_dir} (its export and settings match)")
+        return out_dir
+    t0 = time.perf_counter()
+    widen = export.dtype == "float16"
+    log(f"rounding {len(inputs)} linears' weights to INT4 to nearest (no calibration)"
+        + (" from a float16 export, widened to float32 as they are read" if widen else ""))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in remove_stale_siblings(out_dir):
+        log(f"removed {stale}, left by a run that was killed")
+    plan = QuantPlan.weights_only(sorted([*inputs, "lm_head"]), bits=4, block=settings.block,
+                                  symmetric=settings.symmetric, int8_linears=int8_linears, gram={},
+                                  int8_embedding=settings.int8_embedding, int8_channels=settings.int8_channels)
+    weights = SmoothedWeights(ExportedWeights(export_dir, widen=widen), spec, {})
+    with staged_directory(out_dir, True) as tmp:
+        write_int8_graph(tmp, GRAPH, spec, weights, plan, export.max_seq_len, settings.dtype)
+        log(f"INT4 graph written in {time.perf_counter() - t0:.1f} s")
+        record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq", dtype=settings.dtype)
+        record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
+                          "weights": _weights_text(settings, 0), "int8_linears": list(int8_linears),
+                          "rounding": "to nearest (--int4-rounding nearest: no calibration, no AWQ scales)",
+                          "awq": {}, "gate": None}
+        copy_tokenizer_files(export_dir, tmp)
+        write_json(tmp / EXPORT_RECORD, record)
     return out_dir
 
 

@@ -63,6 +63,9 @@ class BuildRequest:
     int4_block: int | None = None  # int4-awq: inputs per weight scale (None: the backend's ``traits.int4_block``)
     int4_int8: tuple[str, ...] = ()  # int4-awq: kinds of linear kept at INT8
     int4_gate: float | None = None  # int4-awq: the accuracy gate's expected perplexity ratio (None: no gate)
+    # int4-awq: "awq" (AWQ's scales, GPTQ's rounding: calibrated) or "nearest" (no calibration; a float16
+    # export will do)
+    int4_rounding: str = "awq"
 
 
 def _backend_for(req: BuildRequest, p: Precision, log: Callable[[str], None]) -> Backend:
@@ -106,7 +109,8 @@ def _model_dir(req: BuildRequest, cache: Path, log: Callable[[str], None]) -> Pa
     dtype = p.export_dtype
     if (source / EXPORT_RECORD).is_file():
         have = ExportRecord.read(source).dtype
-        if have != dtype and not (p.float16_export and have == "float16"):
+        float16 = p.float16_export or (p.model == "int4" and req.int4_rounding == "nearest")
+        if have != dtype and not (float16 and have == "float16"):
             raise AutoGLMError(f"{source} is a {have} export; precision {req.precision} needs a {dtype} export "
                                f"(autoglm-trt export CHECKPOINT -o DIR --dtype {dtype}) or the checkpoint itself")
         return source
@@ -146,9 +150,11 @@ def _quantized(req: BuildRequest, backend: Backend, float_dir: Path, cache: Path
         from ..calib.pipeline import DEFAULT_DATA
         from .int4_awq import int4_export
 
-        if req.calib is None:
-            log(f"no --calib given: AWQ searches its scales on the default set {DEFAULT_DATA}")
         settings = int4_settings(req, backend, ExportRecord.read(float_dir).spec)
+        if not settings.calibrated and req.calib is not None:
+            log("--int4-rounding nearest rounds the weights alone: --calib is not read")
+        elif req.calib is None and settings.calibrated:
+            log(f"no --calib given: AWQ searches its scales on the default set {DEFAULT_DATA}")
         return int4_export(float_dir, cache / "int4-awq", req.calib or DEFAULT_DATA, settings, log=log)
     return float_dir
 
@@ -160,9 +166,15 @@ def int4_settings(req: BuildRequest, backend: Backend, spec: ModelSpec) -> Int4S
     from .int4_awq import Int4Settings
 
     t = backend.traits
+    if req.int4_rounding not in ("awq", "nearest"):
+        raise AutoGLMError(f"--int4-rounding is awq or nearest, not {req.int4_rounding!r}")
+    nearest = req.int4_rounding == "nearest"
+    if nearest and req.int4_gate is not None:
+        raise AutoGLMError("the INT4 gate measures the model on calibration text, which --int4-rounding nearest "
+                           "does not read: build with --int4-rounding awq for the gate, or without --int4-gate")
     return Int4Settings(block=int4_block(req, backend, spec), symmetric=t.symmetric_int4, int8_kinds=req.int4_int8,
                         int8_embedding=t.int8_embedding, gate=req.int4_gate, dtype=t.graph_dtype,
-                        int8_channels=t.int8_channels)
+                        int8_channels=t.int8_channels, awq=not nearest, gptq=not nearest)
 
 
 def int4_block(req: BuildRequest, backend: Backend, spec: ModelSpec | None = None) -> int:

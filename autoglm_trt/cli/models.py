@@ -182,12 +182,15 @@ def eval_cmd(model: Path, text: Path, reference: Path | None, seq_len: int, max_
 @click.option("--int4-gate", type=float, default=None, metavar="RATIO",
               help="int4-awq: keep the fewest most sensitive linears at INT8 for the expected perplexity ratio "
                    "against float on calibration text to be at most RATIO, e.g. 1.04 [default: no gate].")
+@click.option("--int4-rounding", type=click.Choice(["awq", "nearest"]), default="awq", show_default=True,
+              help="int4-awq: awq: AWQ's scales and GPTQ's rounding on calibration text (hours for a 9B on a few "
+                   "cores); nearest: each weight rounded to nearest in its block, no calibration, from a float32 "
+                   "or float16 export (minutes; less accurate).")
 @click.option("--print-config", is_flag=True, help="Print the effective build config and exit.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, config_file: Path | None,
-              out_dir: Path | None, int4_block: int | None, int4_int8: str, int4_gate: float | None, print_config: bool,
-              force: bool,
-              **overrides) -> None:
+              out_dir: Path | None, int4_block: int | None, int4_int8: str, int4_gate: float | None,
+              int4_rounding: str, print_config: bool, force: bool, **overrides) -> None:
     """Build an engine from a Hugging Face checkpoint or an export directory SOURCE."""
     from ..builder.config import dump_config, load_config
     from ..builder.pipeline import BuildRequest, build_engine
@@ -199,7 +202,8 @@ def build_cmd(source: Path, precision: str, calib: Path | None, backend: str, co
     out = out_dir or Path("engines") / f"{source.name}-{precision}"
     build_engine(BuildRequest(source=source, out_dir=out, precision=precision, calib=calib, backend=backend,
                               config=cfg, force=force, int4_block=int4_block,
-                              int4_int8=tuple(k for k in int4_int8.split(",") if k), int4_gate=int4_gate), log=_log)
+                              int4_int8=tuple(k for k in int4_int8.split(",") if k), int4_gate=int4_gate,
+                              int4_rounding=int4_rounding), log=_log)
     click.echo(f"engine: {out}")
 
 

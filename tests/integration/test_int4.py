@@ -304,3 +304,56 @@ def test_the_gate_keeps_the_most_sensitive_linears_at_int8(int4_engines, tmp_pat
     monkeypatch.setattr(int4_awq, "GRAPH_BYTES", 1)
     with pytest.raises(AutoGLMError, match="build without --int4-gate"):
         int4_awq.int4_export(export, tmp_path / "layers", DATA, int4_awq.Int4Settings(gate=1.04), log=print)
+
+
+def test_int4_to_nearest_needs_no_calibration_and_takes_a_float16_export(tiny_dir, tmp_path):
+    """``--int4-rounding nearest``: each weight rounded to nearest in its block (the numpy
+    quantization's bytes), no calibration text read, the float graph never run; from a bfloat16
+    checkpoint's float16 export the same graph as from its float32 export, byte for byte, and an
+    engine that answers. The calibrated rounding, and the gate, still refuse a float16 export."""
+    from tiny_models import bfloat16_copy
+
+    from autoglm_trt.builder.config import BuildConfig
+    from autoglm_trt.builder.int4_awq import GRAPH, Int4Settings, int4_export
+    from autoglm_trt.builder.pipeline import BuildRequest, build_engine
+    from autoglm_trt.calib.thresholds import linear_matrix
+    from autoglm_trt.errors import AutoGLMError
+    from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
+    from autoglm_trt.graph.exported_weights import ExportedWeights
+    from autoglm_trt.quant.int4 import pack_nibbles, quantize_int4_blocks
+    from autoglm_trt.runtime import Engine, SamplingParams
+
+    ckpt = bfloat16_copy(tiny_dir("glm"), tmp_path / "bf16")
+    nearest, made = Int4Settings(awq=False, gptq=False), {}
+    for dtype in ("float32", "float16"):
+        export = tmp_path / f"export-{dtype}"
+        export_checkpoint(ExportConfig(ckpt, export, dtype=dtype, validate=False), log=lambda m: None)
+        made[dtype] = int4_export(export, tmp_path / f"int4-{dtype}", tmp_path / "no-such-data", nearest,
+                                  log=lambda m: None)
+    assert (made["float16"] / f"{GRAPH}.data").read_bytes() == (made["float32"] / f"{GRAPH}.data").read_bytes()
+    assert (made["float16"] / GRAPH).read_bytes() == (made["float32"] / GRAPH).read_bytes()
+    record = json.loads((made["float16"] / "export.json").read_text())["int4"]
+    assert record["rounding"].startswith("to nearest") and record["data_sha256"] is None
+    model = onnx.load(str(made["float32"] / GRAPH))
+    inits = {t.name: t.raw_data if t.data_type == onnx.TensorProto.UINT4 else onnx.numpy_helper.to_array(t)
+             for t in model.graph.initializer}
+    want = quantize_int4_blocks(linear_matrix(ExportedWeights(tmp_path / "export-float32"), "layers.1.down", {}), 32,
+                                False)
+    [name] = [n for n in inits if "layers.1" in n and "down" in n and n.endswith(".weight_i4")]
+    assert inits[name] == pack_nibbles(want.q).tobytes()
+    assert inits[name.replace("weight_i4", "weight_zero")] == pack_nibbles(want.zero).tobytes()
+    np.testing.assert_array_equal(inits[name.replace("weight_i4", "weight_scale")], want.scale)
+
+    out = tmp_path / "engine"
+    build_engine(BuildRequest(tmp_path / "export-float16", out, precision="int4-awq", backend="onnxruntime",
+                              int4_rounding="nearest", cache_dir=tmp_path / "cache",
+                              config=BuildConfig(max_seq_len=96, max_input_len=48, kv_num_blocks=64, kv_block_size=8)),
+                 log=lambda m: None)
+    with Engine.load(out) as engine:
+        [answer] = engine.generate(["hello there"], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(answer.token_ids) == 4
+    with pytest.raises(AutoGLMError, match="is a float16 export; int4-awq's calibration runs the float32 graph"):
+        int4_export(tmp_path / "export-float16", tmp_path / "awq", DATA, Int4Settings(), log=lambda m: None)
+    refused = run_cli("build", str(tmp_path / "export-float16"), "--precision", "int4-awq", "--int4-rounding",
+                      "nearest", "--int4-gate", "1.04", "-o", str(tmp_path / "gated"))
+    assert refused.returncode == 1 and "which --int4-rounding nearest does not read" in refused.stderr

@@ -170,22 +170,13 @@ def test_a_bfloat16_checkpoints_float16_export_makes_the_same_int8_weights_as_it
     int8-wo from its float16 export — half the disk of float32's, what a 9B needs on a small disk —
     writes the weight-only graph of its float32 export byte for byte; other precisions still refuse
     a float16 export."""
-    import shutil
-
-    import torch
-    import transformers
     from conftest import run_cli
+    from tiny_models import bfloat16_copy
 
     from autoglm_trt.builder.weight_only import GRAPH, weight_only_export
     from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
 
-    ckpt = tmp_path / "bf16"
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("glm"), dtype=torch.bfloat16)
-    with torch.no_grad():  # lift the magnitudes float16 keeps only as subnormals
-        for p in model.parameters():
-            p.copy_(torch.where(p.abs() < 1e-4, torch.full_like(p, 1e-4) * p.sign().add(0.5).sign(), p))
-    model.save_pretrained(ckpt, safe_serialization=True)
-    shutil.copy(tiny_dir("glm") / "tokenizer.json", ckpt)
+    ckpt = bfloat16_copy(tiny_dir("glm"), tmp_path / "bf16")
     made = {}
     for dtype in ("float32", "float16"):
         export_checkpoint(ExportConfig(ckpt, tmp_path / f"export-{dtype}", dtype=dtype, validate=False),

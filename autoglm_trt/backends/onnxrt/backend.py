@@ -74,7 +74,7 @@ class OnnxRuntimeBackend:
         from .passes.common import SLOTS
         from .runner import open_session
 
-        session, _ = open_session(manifest.dir, manifest.ort_graphs, manifest.spec, threads)
+        session, _ = open_session(manifest.dir, manifest.ort_graphs, threads)
         slots = SLOTS if SLOTS in {i.name for i in session.get_inputs()} else None
         return GraphRunner(manifest.dir, session=session, no_store=slots)
 

@@ -61,7 +61,7 @@ def native_report(manifest: Manifest) -> list[str]:
 
     graphs, target = manifest.ort_graphs, passes.Target.here()
     library = target.library
-    why, packed = _packed_at_load(manifest, target, native_graph_here(manifest.ort_graphs, target))
+    why = native_graph_here(graphs, target)
     name = graphs["plain_graph"] if why else graphs["native_graph"]
     ops = {n.op_type for n in all_nodes(onnx.load(str(manifest.dir / name), load_external_data=False).graph)}
     attention = not why and graphs["attention"] == "native"
@@ -71,7 +71,6 @@ def native_report(manifest: Manifest) -> list[str]:
         "native library: " + (f"the {variant_of(library)} build ({library})" if library is not None
                               else f"none ({target.why})"),
         f"graph: {name}" + (f" (the plain graph: {why})" if why else " (native operators)"),
-        *packed,
         "decode attention: " + (f"native PagedAttention operator ({library})" if attention
                                 else f"the graph's own nodes, slower ({why or graphs['attention_why']})"),
         *_quantized_lines(precision(manifest.precision), ops, library),
@@ -112,21 +111,6 @@ def _quantized_lines(p: Precision, ops: set[str], library) -> list[str]:
                                     + ("; AMX for 16 rows and more)" if int8_amx(library) else ")")
                                     if native("Int8Linear") else "ONNX Runtime's MatMulIntegerToFloat" + saturates)]
     return []
-
-
-def _packed_at_load(manifest: Manifest, target, why: str) -> tuple[str, list[str]]:
-    """Why the plain graph runs here (``why``, or the reason the passes, run again as loading runs
-    them, do not give the saved native graph), and doctor's line on an engine whose packed weights
-    are made when it loads (a 9B's: seconds, and their memory for that long)."""
-    from . import loader
-
-    if why or manifest.ort_graphs.get("packed_at_load") is None:
-        return why, []
-    try:
-        loader.pack_at_load(manifest.dir, manifest.ort_graphs, manifest.spec, target)
-    except loader.OtherNativeGraph as exc:
-        return str(exc), []
-    return "", ["native weights: packed when the engine loads (the passes give the saved native graph here)"]
 
 
 def _prefill_line(ops: set[str], attention: bool, library) -> str:

@@ -7,13 +7,9 @@ where this machine's native library loads, ``model.native.onnx`` with the native
 (``passes/``) and its packed weights in ``model.native.bin`` (both graphs read the other weights
 from ``model.opt.onnx.data``); a fusion report (operator counts before and after, the fusions
 ONNX Runtime made); and the manifest's record of the graphs (``write_graphs``). ``read_packed`` is
-the runner's side: the packed weights read back into one huge-page buffer.
-
-Packed weights over ``PACK_AT_LOAD_BYTES`` (a 9B's) get no file: the engine would hold every
-weight twice, the packed copy beside ``model.opt.onnx.data``'s. The manifest then says how the
-native graph was made (``packed_at_load``), and loading runs the same passes on the saved
-``model.opt.onnx`` again (``pack_at_load``), as ONNX Runtime's own kernels and llama.cpp's
-repacking lay weights out when a model is loaded.
+the runner's side: the packed weights read back into one huge-page buffer. Loading runs no pass,
+at any size: a 9B's packed weights are saved like a 135M's, beside the original weights that the
+plain graph reads (docs/native.md says what that costs on disk).
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ from . import passes, weights_arena
 
 OPT_GRAPH, PLAIN_GRAPH = "model.opt.onnx", "model.plain.onnx"
 NATIVE_GRAPH, NATIVE_WEIGHTS = "model.native.onnx", "model.native.bin"
-# packed weights over this are made when the engine is loaded, not saved (SmolLM2's fp32: 0.54 GB)
-PACK_AT_LOAD_BYTES = 1024**3
 
 # Operators that only appear when an ONNX Runtime fusion fired, and what that fusion is.
 FUSED_OPS = {
@@ -82,8 +76,7 @@ def write_graphs(out_dir: Path, spec: ModelSpec, kv_dtype: str, target: passes.T
     """After ``optimize``: the plain graph, and the native graph and its packed weights where
     ``target`` (this machine's library by default) has one; the manifest's record of them.
     ``dynamic_int8`` (``int8-dyn``): blocked INT8 weights run with activations quantized per block;
-    ``bf16_attention``: a prefill's attention in bfloat16 where AMX has it. Packed weights over
-    ``PACK_AT_LOAD_BYTES`` are not saved: the record says how to make them again."""
+    ``bf16_attention``: a prefill's attention in bfloat16 where AMX has it."""
     target = target or passes.Target.here()
     plain = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target, only=passes.PLAIN)
     native = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target, dynamic_int8=dynamic_int8,
@@ -96,42 +89,18 @@ def write_graphs(out_dir: Path, spec: ModelSpec, kv_dtype: str, target: passes.T
     if not native.native:
         record["why"] = target.why or "no pass found anything to rewrite"
         return record
-    at_load = sum(a.nbytes for a in native.packed.values()) > PACK_AT_LOAD_BYTES
-    save_native(native, out_dir, weights=not at_load)
-    record.update(native_graph=NATIVE_GRAPH, native_weights=NATIVE_WEIGHTS if native.packed and not at_load else None,
+    save_native(native, out_dir)
+    record.update(native_graph=NATIVE_GRAPH, native_weights=NATIVE_WEIGHTS if native.packed else None,
                   requires=native.requires())
-    if at_load:
-        record["packed_at_load"] = {"kv_dtype": np.dtype(kv_dtype).name, "dynamic_int8": dynamic_int8,
-                                    "bf16_attention": bf16_attention}
     return record
 
 
-class OtherNativeGraph(Exception):
-    """The passes run when an engine is loaded made another graph than its build saved."""
-
-
-def pack_at_load(engine_dir: Path, graphs: dict, spec: ModelSpec, target: passes.Target) -> passes.Rewritten:
-    """The native graph of an engine that saved no packed weights (``graphs["packed_at_load"]``): the
-    build's passes run again on its ``model.opt.onnx``, their weights packed into one huge-page
-    buffer. ``OtherNativeGraph`` where the graph they make is not the one the build saved (another
-    machine's library, another rewrite): the runner then takes the plain graph and says why."""
-    opts = graphs["packed_at_load"]
-    rewritten = passes.rewrite(engine_dir / OPT_GRAPH, spec, opts["kv_dtype"], target,
-                               dynamic_int8=opts["dynamic_int8"], bf16_attention=opts["bf16_attention"])
-    saved = (engine_dir / graphs["native_graph"]).read_bytes()
-    if rewritten.model.SerializeToString() != saved:
-        raise OtherNativeGraph("the passes made another native graph here than the engine's build saved; rebuild "
-                               "the engine on this machine for the native operators")
-    return rewritten
-
-
-def save_native(rewritten: passes.Rewritten, out_dir: Path, weights: bool = True) -> None:
-    """``model.native.onnx`` and (``weights``) its packed weights: the arrays of one buffer
-    (``weights_arena``) written as ``model.native.bin``, each initializer naming its offset and
-    length there. Without them the graph is saved as the passes left it."""
+def save_native(rewritten: passes.Rewritten, out_dir: Path) -> None:
+    """``model.native.onnx`` and its packed weights: the arrays of one buffer (``weights_arena``)
+    written as ``model.native.bin``, each initializer naming its offset and length there."""
     import os
 
-    arrays = rewritten.packed if weights else {}
+    arrays = rewritten.packed
     graph = rewritten.model.graph
     if arrays:
         first = next(iter(arrays.values()))

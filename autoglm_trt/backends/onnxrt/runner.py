@@ -17,9 +17,8 @@ passes of ``passes/`` (native operators for attention, rope, the linears and wha
 one branch per step), and the plain graph. ``open_session`` takes the native one where this
 machine's native library loads and has what that graph requires (and the graph was made by
 this version's passes), else the plain one; ``attention`` says which attention decode steps run
-and why. Nothing is rewritten when an engine is loaded, but where the build saved no packed
-weights (over ``loader.PACK_AT_LOAD_BYTES``): the same passes then run again and must give the
-saved native graph (``loader.pack_at_load``).
+and why. Nothing is rewritten when an engine is loaded: its packed weights are read from
+``model.native.bin`` (``loader.read_packed``).
 """
 
 from __future__ import annotations
@@ -43,6 +42,9 @@ def native_graph_here(graphs: dict, target: passes.Target) -> str:
     """Why this machine cannot run an engine's saved native graph ("" when it can)."""
     if graphs["native_graph"] is None:
         return graphs["why"] or "the engine has no native graph"
+    if graphs.get("packed_at_load") is not None:  # what an older build wrote for packed weights over 1 GiB
+        return ("the engine saved no packed weights for its native graph (an older autoglm-trt left them to be made "
+                "at load); rebuild the engine for the native operators")
     if graphs["passes_version"] != passes.PASSES_VERSION:
         return (f"the engine's native graph was made by passes version {graphs['passes_version']}, this autoglm-trt "
                 f"has version {passes.PASSES_VERSION}; rebuild the engine for the native operators")
@@ -54,11 +56,10 @@ def native_graph_here(graphs: dict, target: passes.Target) -> str:
     return ""
 
 
-def open_session(engine_dir: Path, graphs: dict, spec: ModelSpec, threads: int,
-                 rewritten: passes.Rewritten | None = None, spinning: bool = True) -> tuple[Any, str]:
+def open_session(engine_dir: Path, graphs: dict, threads: int, rewritten: passes.Rewritten | None = None,
+                 spinning: bool = True) -> tuple[Any, str]:
     """A session over the engine's native graph where it can run here (``native_graph_here``), else
     over its plain graph; and which attention decode steps run: "native" or "graph (<why>)".
-    ``spec``: the engine's model, for passes run again at load (``loader.pack_at_load``).
     ``rewritten``: run that graph instead of the saved native one (tests comparing sets of passes).
     ``spinning``: whether its threads spin waiting for work (``graph.session.session_options``)."""
     target = passes.Target.here()
@@ -68,20 +69,16 @@ def open_session(engine_dir: Path, graphs: dict, spec: ModelSpec, threads: int,
         why = native_graph_here(graphs, target)
     if not why:
         try:
-            made = rewritten
-            if made is None and graphs.get("packed_at_load") is not None:
-                made = loader.pack_at_load(engine_dir, graphs, spec, target)
-            if made is not None:
-                session = make_session(made.model.SerializeToString(), threads=threads, external_data_dir=engine_dir,
-                                       custom_ops=target.library, initializers=made.packed, spinning=spinning)
-                return session, made.attention
+            if rewritten is not None:
+                session = make_session(rewritten.model.SerializeToString(), threads=threads,
+                                       external_data_dir=engine_dir, custom_ops=target.library,
+                                       initializers=rewritten.packed, spinning=spinning)
+                return session, rewritten.attention
             model = onnx.load(str(engine_dir / graphs["native_graph"]), load_external_data=False)
             packed = loader.read_packed(model, engine_dir)
             session = make_session(engine_dir / graphs["native_graph"], threads=threads, custom_ops=target.library,
                                    initializers=packed, spinning=spinning)
             return session, graphs["attention"]
-        except loader.OtherNativeGraph as exc:
-            why = str(exc)
         except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
             why = f"the native library {target.library} did not load: {exc}"
     return make_session(engine_dir / graphs["plain_graph"], threads=threads, spinning=spinning), f"graph ({why})"
@@ -95,7 +92,7 @@ class OrtRunner:
         import onnxruntime as ort
 
         self._ort = ort
-        self.session, self.attention = open_session(Path(engine_dir), graphs, spec, threads, rewritten, spinning)
+        self.session, self.attention = open_session(Path(engine_dir), graphs, threads, rewritten, spinning)
         self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         inputs = {i.name for i in self.session.get_inputs()}
