@@ -258,7 +258,11 @@ class ExportRecord:
 
     def made_by(self, step: str) -> dict:
         """What the build step ``step`` (weight_only, int4) that made this model recorded; else {}."""
-        return self.data.get(step) or {}
+        made = self.data.get(step) or {}
+        if not isinstance(made, dict):
+            raise ArtifactError(f"{self.dir / EXPORT_RECORD}: {step} must be an object, got {brief(made)}; "
+                                "delete the directory and build again")
+        return made
 
     @property
     def spec_data(self) -> dict:  # the model's spec as recorded (``model.spec.spec_from_dict``)
@@ -373,7 +377,11 @@ class Manifest:
 
     @property
     def build_config(self) -> dict:  # ``builder.config.BuildConfig``'s fields as the build had them
-        return self.data.get("build_config") or {}
+        config = self.data.get("build_config") or {}
+        if not isinstance(config, dict):
+            raise EngineError(f"{self.dir / MANIFEST}: build_config must be an object, got {brief(config)}; "
+                              "rebuild the engine")
+        return config
 
     @property
     def vision_forms(self) -> Any:  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)

@@ -29,8 +29,8 @@ from .common import ROOT
 
 def child_forward(export: Path, samples: int, seq_len: int, batch: int) -> dict:
     from autoglm_trt.artifacts import ExportRecord
-    from autoglm_trt.graph.runner import prefill_feeds
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.offline import prefill_feeds
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.model.text import token_windows
 
     spec = ExportRecord.read(export).spec
@@ -70,7 +70,8 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
     session = collect.calibration_session(export, list(inputs.values()))
     prof = cProfile.Profile()
     stride = CalibConfig.__dataclass_fields__["hist_row_stride"].default  # as calibrate() runs it
-    prof.runcall(collect.collect, session, spec, inputs, windows, batch, None, False, rotate, stride)
+    plan = collect.CalibPlan(inputs, rotate, row_stride=stride, batch_size=batch)
+    prof.runcall(collect.collect, session, spec, windows, plan, None, False)
     stats = pstats.Stats(prof)
     total = max(v[3] for v in stats.stats.values())  # type: ignore[attr-defined]
     parts = {"onnxruntime_run": ("", "run_with_iobinding"), "first_batch": ("collect.py", "_first_batch"),

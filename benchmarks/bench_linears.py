@@ -40,7 +40,7 @@ BLOCK = 64  # Int8Linear's Hadamard block
 def _session(nodes, inits, k: int, library):
     from onnx import TensorProto, helper
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)

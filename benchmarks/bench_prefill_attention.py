@@ -61,8 +61,8 @@ def sessions(library, threads: int, softmax: bool, bf16: bool) -> dict:
     from onnx import TensorProto, helper
 
     from autoglm_trt.backends.onnxrt.passes import prefill_attention, prefill_scores
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph import names
-    from autoglm_trt.graph.session import make_session
 
     out = names.in_layer(0, "context")
     nodes = attention_nodes()

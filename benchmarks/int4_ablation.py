@@ -78,13 +78,13 @@ def embedding_on_int8_grid(checkpoint: Path) -> dict:
 
 
 def main() -> None:
+    from autoglm_trt.backends.onnxrt.offline import GraphRunner
     from autoglm_trt.builder.int4_awq import Int4Settings, int4_export
     from autoglm_trt.calib.pipeline import DEFAULT_DATA
     from autoglm_trt.evaluate import score
     from autoglm_trt.evaluate.perplexity import model_logits
     from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
     from autoglm_trt.fileutil import library_versions
-    from autoglm_trt.graph.runner import GraphRunner
     from autoglm_trt.model.text import text_chunks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

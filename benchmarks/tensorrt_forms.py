@@ -53,9 +53,9 @@ def plans(export: Path, work: Path) -> dict[str, dict[str, Path]]:
 def scores(model_dir: Path | None, checkpoint: Path, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each next token's negative log-likelihood and the predicted token ``[windows, 255]``: of the
     model directory's graph run unoptimized, or (None) of the checkpoint in transformers."""
+    from autoglm_trt.backends.onnxrt.offline import GraphRunner
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph.metrics import next_token_scores
-    from autoglm_trt.graph.runner import GraphRunner
-    from autoglm_trt.graph.session import make_session
     from autoglm_trt.model.reference import hf_logits
 
     if model_dir is None:

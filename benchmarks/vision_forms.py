@@ -62,7 +62,7 @@ def measure(name: str, work: Path, vision_config: dict, text_config: dict, round
     import transformers
 
     from autoglm_trt.artifacts import ExportRecord
-    from autoglm_trt.graph.vision_runner import VisionEncoder
+    from autoglm_trt.backends.onnxrt.vision_encoder import VisionEncoder
     from autoglm_trt.model.image import ImageConfig, preprocess
     from autoglm_trt.model.screens import ui_screenshot
     from autoglm_trt.native import image_attention_bf16

@@ -29,8 +29,8 @@ def main() -> None:
     import onnx
 
     from autoglm_trt.artifacts import ExportRecord
-    from autoglm_trt.graph.session import make_session
-    from autoglm_trt.graph.vision_runner import VisionEncoder
+    from autoglm_trt.backends.onnxrt.session import make_session
+    from autoglm_trt.backends.onnxrt.vision_encoder import VisionEncoder
     from autoglm_trt.graph.vision_trt import half_rounded, tensorrt_vision_graph
     from autoglm_trt.model.image import ImageConfig, preprocess
     from autoglm_trt.model.screens import ui_screenshot

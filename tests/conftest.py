@@ -174,7 +174,7 @@ def run_rewritten(model, library: Path, feeds: dict, op: str) -> list:
     ``MatMulNBits``."""
     from autoglm_trt.backends.onnxrt.passes import linear_epilogues
     from autoglm_trt.backends.onnxrt.passes import linears as linear_op
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     fused = type(model).FromString(model.SerializeToString())
     arrays = linear_op.rewrite(fused, Path("."), fma=True)

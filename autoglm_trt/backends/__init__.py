@@ -43,7 +43,7 @@ def check_engine(engine_dir, verify_hashes: bool = True) -> Manifest:
 
 def open_runner(manifest: Manifest, num_blocks: int, threads: int = 0, spinning: bool = True) -> StepRunner:
     """The runner of an engine's backend with a pool of ``num_blocks`` KV blocks; ``threads`` and
-    ``spinning`` are ONNX Runtime's (``graph.session.session_options``)."""
+    ``spinning`` are ONNX Runtime's (``backends.onnxrt.session.session_options``)."""
     from .registry import backend
 
     return backend(manifest.backend).open_runner(manifest, num_blocks, threads, spinning)

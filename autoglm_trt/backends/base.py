@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import onnx
 
     from ..artifacts import ExportRecord, Manifest
-    from ..graph.runner import GraphRunner
+    from .onnxrt.offline import GraphRunner
 
 
 class StepRunner(Protocol):

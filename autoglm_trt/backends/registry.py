@@ -37,6 +37,12 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def having(test: Callable[[Backend], bool]) -> list[Backend]:
+    """The registered backends ``test`` holds for (a trait, a precision they build), in registration
+    order: what an error offers as the other choice."""
+    return [b for b in _REGISTRY.values() if test(b)]
+
+
 def backend(name: str) -> Backend:
     """The backend called ``name``, or an error that names the choices."""
     try:
@@ -57,7 +63,7 @@ def choose(requested: str, log: Callable[[str], None], p: Precision | None = Non
     if requested != AUTO:
         chosen = backend(requested)
         if p is not None and not builds(chosen, p):
-            able = [b for b in _REGISTRY.values() if builds(b, p)]
+            able = having(lambda b: builds(b, p))
             raise AutoGLMError(f"{p.name} ({p.help}) runs on {' or '.join(b.label for b in able)}'s engine only; "
                                f"for {chosen.label} build another precision (int8-wo: the same INT8 weights, float "
                                f"activations), or pass --backend {' or '.join(b.name for b in able)}")

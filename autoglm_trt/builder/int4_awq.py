@@ -43,10 +43,12 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import EXPORT_RECORD, ExportRecord, copy_tokenizer_files
+from ..calib.collect import CalibPlan
 from ..calib.smooth import SmoothedWeights
 from ..errors import AutoGLMError
 from ..fileutil import remove_stale_siblings, scratch_prefix, staged_directory, write_json
 from ..graph.decoder import write_int8_graph
+from ..graph.exported_weights import OpenedExport
 from ..graph.names import KINDS, kind_of
 from ..model.spec import ModelSpec
 from ..model.text import TokenWindows, token_windows
@@ -115,11 +117,12 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
         raise AutoGLMError(f"{export_dir} is not a float export; int4-awq is made from a float32 one "
                            "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
     if not settings.calibrated:
-        return _nearest(export, export_dir, out_dir, settings, log)
+        return _nearest(OpenedExport.of(export, widen=True), out_dir, settings, log)
     if export.dtype != "float32":
         raise AutoGLMError(f"{export_dir} is a {export.dtype} export; int4-awq's calibration runs the float32 graph "
                            "(autoglm-trt export CHECKPOINT -o DIR --dtype float32), or build with --int4-rounding "
                            "nearest, which reads a float16 export's weights alone")
+    opened = OpenedExport.of(export)
     spec = export.spec
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(data, export_dir, settings.windows, settings.seq_len, separator)
@@ -129,7 +132,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     images = calibration_images(data) if spec.vision else []
     inputs = quantizable_inputs(export_dir, False, [])
     int8_linears = tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds))
-    layers = layer_groups(export_dir, spec)
+    layers = layer_groups(opened)
     if settings.gate is not None and layers is not None:
         raise AutoGLMError(f"the INT4 gate runs the whole float graph and a switchable INT4 graph at once; {export_dir} "
                            f"holds over {GRAPH_BYTES / 1024**3:.0f} GiB of float32 weights, which the INT4 build "
@@ -145,7 +148,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
         log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
         return out_dir
     t0 = time.perf_counter()
-    rows, shown = (windows.windows, None) if not images else with_image_windows(export_dir, windows.windows, images)
+    rows, shown = (windows.windows, None) if not images else with_image_windows(opened, windows.windows, images)
     first = len(rows)  # the first batch: AWQ's rows are taken from it
     if more is not None:
         rows, shown = then_text(rows, shown, more.windows)
@@ -153,8 +156,9 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     for stale in remove_stale_siblings(out_dir):
         log(f"removed {stale}, left by a run that was killed")
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=scratch_prefix(out_dir)) as scratch:
-        weights, plan, report = _round(export_dir, spec, inputs, (rows, shown, first), gptq, int8_linears, settings,
-                                       Path(scratch) if layers else None, threads, log)
+        stats_plan = CalibPlan(inputs, gram=gptq, batch_size=first, threads=threads, max_graph_bytes=GRAPH_BYTES)
+        weights, plan, report = _round(opened, stats_plan, (rows, shown), int8_linears, settings,
+                                       Path(scratch) if layers else None, log)
         log(f"linear inputs of {len(rows)} windows ({len(images)} with an image) gathered and rounded in "
             f"{time.perf_counter() - t0:.1f} s; INT4 rounding: {rounding}")
         with staged_directory(out_dir, True) as tmp:
@@ -172,16 +176,14 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     return out_dir
 
 
-def _nearest(export: ExportRecord, export_dir: Path, out_dir: Path, settings: Int4Settings,
-             log: Callable[[str], None]) -> Path:
+def _nearest(opened: OpenedExport, out_dir: Path, settings: Int4Settings, log: Callable[[str], None]) -> Path:
     """The INT4 model without calibration (``settings.calibrated`` False): each weight rounded to
     nearest in its block, no AWQ scales, the float graph never run; a float16 export's weights
     widened to float32 as they are read (exact), as int8-wo reads them."""
     from ..calib.statistics import quantizable_inputs
-    from ..graph.exported_weights import ExportedWeights
 
-    spec = export.spec
-    inputs = quantizable_inputs(export_dir, False, [])
+    export, spec = opened.record, opened.spec
+    inputs = quantizable_inputs(opened.dir, False, [])
     int8_linears = tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds))
     made = {"source": export.identity(), "version": VERSION, "settings": _identity(settings), "data_sha256": None,
             "images_sha256": [], "gram_data_sha256": None, "gate_data_sha256": None}
@@ -189,16 +191,15 @@ def _nearest(export: ExportRecord, export_dir: Path, out_dir: Path, settings: In
         log(f"reusing the INT4 model in {out_dir} (its export and settings match)")
         return out_dir
     t0 = time.perf_counter()
-    widen = export.dtype == "float16"
     log(f"rounding {len(inputs)} linears' weights to INT4 to nearest (no calibration)"
-        + (" from a float16 export, widened to float32 as they are read" if widen else ""))
+        + (" from a float16 export, widened to float32 as they are read" if export.dtype == "float16" else ""))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in remove_stale_siblings(out_dir):
         log(f"removed {stale}, left by a run that was killed")
     plan = QuantPlan.weights_only(sorted([*inputs, "lm_head"]), bits=4, block=settings.block,
                                   symmetric=settings.symmetric, int8_linears=int8_linears, gram={},
                                   int8_embedding=settings.int8_embedding, int8_channels=settings.int8_channels)
-    weights = SmoothedWeights(ExportedWeights(export_dir, widen=widen), spec, {})
+    weights = SmoothedWeights(opened.weights, spec, {})
     with staged_directory(out_dir, True) as tmp:
         write_int8_graph(tmp, GRAPH, spec, weights, plan, export.max_seq_len, settings.dtype)
         log(f"INT4 graph written in {time.perf_counter() - t0:.1f} s")
@@ -207,7 +208,7 @@ def _nearest(export: ExportRecord, export_dir: Path, out_dir: Path, settings: In
                           "weights": _weights_text(settings, 0), "int8_linears": list(int8_linears),
                           "rounding": "to nearest (--int4-rounding nearest: no calibration, no AWQ scales)",
                           "awq": {}, "gate": None}
-        copy_tokenizer_files(export_dir, tmp)
+        copy_tokenizer_files(opened.dir, tmp)
         write_json(tmp / EXPORT_RECORD, record)
     return out_dir
 
@@ -236,22 +237,22 @@ def _write(scratch: Path, out: Path, export_dir: Path, weights: SmoothedWeights,
     return plan, gate
 
 
-def _round(export_dir: Path, spec: ModelSpec, inputs: dict[str, str], batches: tuple, gptq: tuple[str, ...],
-           int8_linears: tuple[str, ...], settings: Int4Settings, scratch: Path | None, threads: int | None,
+def _round(opened: OpenedExport, stats_plan: CalibPlan, batches: tuple, int8_linears: tuple[str, ...],
+           settings: Int4Settings, scratch: Path | None,
            log: Callable[[str], None]) -> tuple[SmoothedWeights, QuantPlan, dict]:
-    """The statistics pass (``batches``: the windows, their images, the first batch's size) with AWQ's
-    search and GPTQ's rounding: on each group of layers as the pass finishes it when ``scratch``
-    (a folder for the rounded weights) is given, else after the whole model's pass. Returns the
-    AWQ-scaled weights, the plan that writes the graph and AWQ's report."""
+    """The statistics pass (``batches``: the windows and their images; the plan's batch is the
+    first one, from which AWQ takes its rows) with AWQ's search and GPTQ's rounding of the plan's
+    ``gram`` linears: on each group of layers as the pass finishes it when ``scratch`` (a folder for
+    the rounded weights) is given, else after the whole model's pass. Returns the AWQ-scaled
+    weights, the plan that writes the graph and AWQ's report."""
     from ..calib.statistics import gather
 
-    rows, shown, first = batches
+    rows, shown = batches
+    spec, inputs = opened.spec, stats_plan.inputs
     decoder = [n for n in inputs if n != "lm_head"]
     awq = AwqSearch(spec, settings.block, settings.symmetric, len(decoder), log) if settings.awq else None
-    rounder = LayerRounding(export_dir, spec, awq, settings.block, settings.symmetric, scratch) \
-        if scratch is not None else None
-    st = gather(export_dir, spec, rows, inputs, {}, None, first, threads, GRAPH_BYTES, images=shown, gram=gptq,
-                on_group=rounder)
+    rounder = LayerRounding(opened, awq, settings.block, settings.symmetric, scratch) if scratch is not None else None
+    st = gather(opened, rows, stats_plan, shown, on_group=rounder)
     if awq is not None:  # the whole model's pass (the layer by layer one searched each group as it went)
         awq.add(st.stats.sample, st.weights, [n for n in decoder if n in st.stats.sample])
     scales = awq.scales if awq is not None else {}
@@ -274,14 +275,13 @@ def _weights_text(settings: Int4Settings, gated: int) -> str:
             + ("; token embedding int8 per 32" if settings.int8_embedding else ""))
 
 
-def layer_groups(export_dir: Path, spec: ModelSpec) -> list[list[int]] | None:
+def layer_groups(opened: OpenedExport) -> list[list[int]] | None:
     """The groups of layers the statistics pass takes at a time (``calib.layerwise``), or None
     where it runs the whole float graph at once."""
     from ..calib.layerwise import layer_groups as groups
-    from ..graph.exported_weights import ExportedWeights
 
-    weights = ExportedWeights(export_dir)
-    return groups(weights, spec.num_layers, GRAPH_BYTES) if weights.total_bytes() > GRAPH_BYTES else None
+    weights = opened.weights
+    return groups(weights, opened.spec.num_layers, GRAPH_BYTES) if weights.total_bytes() > GRAPH_BYTES else None
 
 
 def gptq_linears(spec: ModelSpec, names: list[str], settings: Int4Settings,

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.onnxrt.offline import GraphRunner
+from ..backends.onnxrt.session import make_session
 from ..calib.accuracy import final_check
 from ..calib.sensitivity import Gate, SensitivitySearch
 from ..calib.smooth import SmoothedWeights
 from ..errors import AutoGLMError
 from ..graph.decoder import write_int8_graph
-from ..graph.runner import GraphRunner
-from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..quant.plan import QuantPlan
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..calib.collect import ActivationStats
 from ..calib.smooth import SmoothedWeights
-from ..graph.exported_weights import ExportedWeights
+from ..graph.exported_weights import OpenedExport
 from ..model.spec import ModelSpec
 from ..quant.gptq import gptq_int4_blocks
 from ..quant.int4 import Int4Blocks, pack_nibbles, quantize_int4_blocks
@@ -72,9 +72,8 @@ class LayerRounding:
     any), then each of its linears with a Gram matrix rounded by GPTQ on it (as the AWQ-scaled
     graph feeds the linear) and saved in ``folder``; the group's rows and Gram matrices dropped."""
 
-    def __init__(self, export_dir: Path, spec: ModelSpec, awq: AwqSearch | None, block: int, symmetric: bool,
-                 folder: Path):
-        self.base, self.spec, self.awq = ExportedWeights(export_dir), spec, awq
+    def __init__(self, opened: OpenedExport, awq: AwqSearch | None, block: int, symmetric: bool, folder: Path):
+        self.base, self.spec, self.awq = opened.weights, opened.spec, awq
         self.block, self.symmetric, self.folder = block, symmetric, folder
         self.files: dict[str, Path] = {}
         self.seconds = 0.0

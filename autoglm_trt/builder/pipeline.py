@@ -30,8 +30,7 @@ from ..artifacts import (
     tokenizer_files,
 )
 from ..backends.base import Backend, EngineSettings
-from ..backends.registry import backend as backend_named
-from ..backends.registry import choose, names
+from ..backends.registry import choose, having
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, library_versions, sha256_files, staged_directory, write_json
 from ..graph.decoder import GRAPH_VERSION
@@ -189,7 +188,7 @@ def int4_block(req: BuildRequest, backend: Backend, spec: ModelSpec | None = Non
     fits = [b for b in sorted(t.int4_blocks, reverse=True) if all(w % b == 0 for w in widths)]
     block = req.int4_block if req.int4_block is not None else (fits[0] if fits else t.int4_block)
     if block not in t.int4_blocks:
-        others = [b.name for b in map(backend_named, names()) if not b.traits.int4_blocks]
+        others = [b.name for b in having(lambda b: not b.traits.int4_blocks)]
         raise AutoGLMError(f"{backend.label} builds INT4 weights in blocks of {' or '.join(map(str, t.int4_blocks))} "
                            f"inputs, not {block}: pass --int4-block {t.int4_block} (its default) or "
                            f"{t.int4_blocks[0]}, or build for another backend (--backend {' or '.join(others)}), "
@@ -245,7 +244,7 @@ def _refuse_before_work(req: BuildRequest, cfg: BuildConfig, backend: Backend) -
     if precision(req.precision).model == "int4":
         int4_block(req, backend)
     if cfg.kv_scales == "token" and not backend.traits.token_kv_scales:
-        others = [n for n in names() if backend_named(n).traits.token_kv_scales]
+        others = [b.name for b in having(lambda b: b.traits.token_kv_scales)]
         raise AutoGLMError(f"per-token KV scales (kv_scales token) run on the {' or '.join(others)} backend; for "
                            f"{backend.label} use kv_scales head (static, calibrated), which it builds as explicit "
                            "quantization")

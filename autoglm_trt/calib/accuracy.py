@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.onnxrt.offline import GraphRunner
+from ..backends.onnxrt.session import make_session
 from ..errors import AutoGLMError
 from ..graph.decoder import write_int8_graph
-from ..graph.runner import GraphRunner
-from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..model.weights import WeightSource
 from ..quant.plan import QuantPlan

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ..backends.onnxrt.offline import BoundSession, WindowImages, prefill_feeds
+from ..backends.onnxrt.session import make_session
 from ..graph.names import input_channels
-from ..graph.runner import WindowImages, prefill_feeds
-from ..graph.session import make_session
 from ..model.spec import ModelSpec
 from ..progress import Progress
 from ..quant.gptq import LARGE
@@ -66,6 +66,26 @@ class ActivationStats:
     tokens: int = 0
 
 
+@dataclass(frozen=True)
+class CalibPlan:
+    """What one statistics pass gathers and how it runs, made once by its caller (``calibrate``,
+    the INT4 build) and passed down whole: the linears and their input tensors in the float graph,
+    the Hadamard block of each rotated one, SmoothQuant's alpha (None: off), the linears whose
+    input Gram matrices to sum (GPTQ's), one token row in ``row_stride`` histogrammed; windows per
+    batch, ONNX Runtime's threads and device, and the float32 weights over which the graph runs
+    group of layers by group of layers (None: never)."""
+
+    inputs: dict[str, str]
+    rotate: dict[str, int] = field(default_factory=dict)
+    alpha: float | None = None
+    gram: tuple[str, ...] = ()
+    row_stride: int = 1
+    batch_size: int = 8
+    threads: int | None = None
+    device: str = "cpu"
+    max_graph_bytes: int | None = None
+
+
 def calibration_session(export_dir: Path, outputs: list[str], threads: int | None = None, device: str = "cpu"):
     """A session over the export with ``outputs`` added as graph outputs (weights read in place)."""
     model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
@@ -74,29 +94,26 @@ def calibration_session(export_dir: Path, outputs: list[str], threads: int | Non
     return make_session(model.SerializeToString(), threads=threads, external_data_dir=Path(export_dir), device=device)
 
 
-def collect(session, spec: ModelSpec, inputs: dict[str, str], windows: np.ndarray, batch_size: int,
-            smoothing: Smoothing | None = None, show_progress: bool = True,
-            rotate: dict[str, int] | None = None, row_stride: int = 1,
-            images: WindowImages | None = None, gram: tuple[str, ...] = ()) -> ActivationStats:
-    """Run all windows through the graph and accumulate the statistics (see ``Accumulator``);
-    ``images``: the windows' images (a vision family's image windows); ``gram``: the linears
-    whose inputs' Gram matrices to sum."""
-    names = list(inputs)
+def collect(session, spec: ModelSpec, windows: np.ndarray, plan: CalibPlan, smoothing: Smoothing | None = None,
+            show_progress: bool = True, images: WindowImages | None = None) -> ActivationStats:
+    """Run all windows through the graph and accumulate the statistics of ``plan``'s linears (see
+    ``Accumulator``); ``images``: the windows' images (a vision family's image windows)."""
+    names, batch_size = list(plan.inputs), plan.batch_size
     stats = ActivationStats()
     kv = kv_outputs(spec)
-    acc = Accumulator(stats, spec, names, smoothing, rotate or {}, row_stride, gram)
+    acc = Accumulator(stats, spec, names, smoothing, plan.rotate, plan.row_stride, plan.gram)
     n_batches = -(-len(windows) // batch_size)
     progress = Progress(n_batches, "calibrating") if show_progress else None
     shapes = [_linear_shape(input_channels(spec, n), "lm_head" in n) for n in names]
     shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
-    bound = _BoundOutputs(session, [inputs[n] for n in names] + kv, shapes,
-                          [np.dtype(np.float32)] * (len(names) + len(kv)))
+    bound = BoundSession(session, [plan.inputs[n] for n in names] + kv, shapes)
     # (Accumulating batch b - 1 in a worker thread while ONNX Runtime ran batch b was tried and
     # measured slower than running them in turn: both are bound by memory bandwidth, which overlap
     # does not add; docs/benchmarks.md, "Calibration cost".)
     for b in range(n_batches):
         a, z = b * batch_size, min((b + 1) * batch_size, len(windows))
-        outs = bound.run(prefill_feeds(spec, windows[a:z], "float32", images=None if images is None else images.take(a, z)))
+        feeds = prefill_feeds(spec, windows[a:z], "float32", images=None if images is None else images.take(a, z))
+        outs = bound.run(feeds, *windows[a:z].shape)
         acc.add(outs[: len(names)], dict(zip(kv, outs[len(names):])))
         if progress:
             progress.update()
@@ -287,47 +304,14 @@ def kv_statistics(export_dir: Path, spec: ModelSpec, windows: np.ndarray, batch_
     INT8 KV cache needs when the linears are not being calibrated (fp32 and fp16 engines)."""
     session = calibration_session(export_dir, [], threads)
     names = kv_outputs(spec)
-    bound = _BoundOutputs(session, names, [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(names),
-                          [np.dtype(kv_dtype)] * len(names))
+    bound = BoundSession(session, names, [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(names),
+                         [np.dtype(kv_dtype)] * len(names))
     hists: dict[str, list[AbsHistogram]] = {}
     for b in range(0, len(windows), batch_size):
-        kv_observe(hists, names, bound.run(prefill_feeds(spec, windows[b : b + batch_size], kv_dtype)))
+        batch = windows[b : b + batch_size]
+        kv_observe(hists, names, bound.run(prefill_feeds(spec, batch, kv_dtype), *batch.shape))
     return kv_head_amax(hists)
 
 
 def _linear_shape(channels: int, flat: bool) -> Callable[[int, int], tuple[int, ...]]:
     return (lambda b, t: (b, channels)) if flat else (lambda b, t: (b, t, channels))
-
-
-class _BoundOutputs:
-    """Runs the session with its outputs bound to buffers we keep between batches.
-
-    ONNX Runtime then writes the activations straight into them: no per-batch allocation and
-    copy of every requested tensor (measured faster on SmolLM2 than arrays returned per batch).
-    Shapes come from the model spec: ``[batch, tokens, channels]``, ``[batch, channels]`` for
-    the LM head's input (one logit row per sequence), ``[batch, tokens, kv_heads, head_dim]``
-    for the new K/V.
-    """
-
-    def __init__(self, session, names: list[str], shapes: list[Callable[[int, int], tuple[int, ...]]],
-                 dtypes: list[np.dtype]):
-        import onnxruntime as ort
-
-        self.session, self.names, self.shapes, self.dtypes, self._ort = session, names, shapes, dtypes, ort
-        self.buffers: list[np.ndarray] = []
-        self.values: list[object] = []
-        self.key: tuple | None = None
-
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        batch, tokens = feeds["input_ids"].shape
-        if (batch, tokens) != self.key:
-            self.buffers = [np.empty(shape(batch, tokens), dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
-            self.values = [self._ort.OrtValue.ortvalue_from_numpy(b) for b in self.buffers]
-            self.key = (batch, tokens)
-        binding = self.session.io_binding()
-        for name, arr in feeds.items():
-            binding.bind_cpu_input(name, arr)
-        for name, value in zip(self.names, self.values):
-            binding.bind_ortvalue_output(name, value)
-        self.session.run_with_iobinding(binding)
-        return self.buffers

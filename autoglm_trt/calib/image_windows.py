@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts import ExportRecord
-from ..graph.runner import WindowImages
-from ..graph.vision_runner import VisionEncoder
+from ..backends.onnxrt.offline import WindowImages
+from ..backends.onnxrt.vision_encoder import VisionEncoder
+from ..graph.exported_weights import OpenedExport
 from ..model.image import ImageConfig, open_image, pixel_rows, rgb
 from ..model.multimodal import ImageSpan, mrope_positions, tokens_of
 from ..model.screens import ui_screenshot
@@ -35,10 +35,9 @@ def calibration_images(data: Path) -> list[object]:
     return list(found) if found else [ui_screenshot(seed) for seed in range(DEFAULT_IMAGES)]
 
 
-def image_windows(export_dir: Path, text: np.ndarray, images: list[object]) -> tuple[np.ndarray, WindowImages]:
+def image_windows(export: OpenedExport, text: np.ndarray, images: list[object]) -> tuple[np.ndarray, WindowImages]:
     """``len(images)`` windows as long as the text windows, each with one image, and their images."""
-    record = ExportRecord.read(export_dir)
-    vision = record.vision()
+    export_dir, vision = export.dir, export.record.vision()
     assert vision is not None, "image windows need an export with a vision encoder"
     length = text.shape[1]
     merge = vision.merge_size
@@ -67,10 +66,10 @@ def image_windows(export_dir: Path, text: np.ndarray, images: list[object]) -> t
     return np.stack(rows), WindowImages(items, np.stack(positions, axis=1))
 
 
-def with_image_windows(export_dir: Path, text: np.ndarray, images: list[object]) -> tuple[np.ndarray, WindowImages]:
+def with_image_windows(export: OpenedExport, text: np.ndarray, images: list[object]) -> tuple[np.ndarray, WindowImages]:
     """The text windows ``[n, T]`` followed by one window per image (``image_windows``), and the
     images of all of them (None for the text windows, whose positions are 0 .. T - 1)."""
-    shown, with_images = image_windows(export_dir, text, images)
+    shown, with_images = image_windows(export, text, images)
     return _joined(text, _text_items(text), shown, with_images)
 
 

@@ -28,14 +28,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ..backends.onnxrt.offline import BoundSession, WindowImages, prefill_feeds
+from ..backends.onnxrt.session import make_session
 from ..errors import AutoGLMError
-from ..graph.exported_weights import ExportedWeights
+from ..graph.exported_weights import ExportedWeights, OpenedExport
 from ..graph.names import input_channels, layer_of
-from ..graph.runner import WindowImages, prefill_feeds
-from ..graph.session import make_session
-from ..model.spec import ModelSpec
 from ..progress import Progress
-from .collect import Accumulator, ActivationStats, Smoothing
+from .collect import Accumulator, ActivationStats, CalibPlan, Smoothing
 
 EMBED_OUTPUT = "embed"  # the embedding Gather's output in the export's graph (``graph.decoder``)
 
@@ -106,57 +105,29 @@ def embed(weights: ExportedWeights, windows: np.ndarray) -> np.ndarray:
     return rows[inverse.reshape(windows.shape)]
 
 
-class _GroupRunner:
-    """One group's session; runs a batch with its outputs bound to buffers (the stream's to ``out``)."""
-
-    def __init__(self, model: onnx.ModelProto, export_dir: Path, stream_in: str, outputs: list[str],
-                 shapes: list[Callable[[int, int], tuple[int, ...]]], threads: int | None, device: str):
-        self.session = make_session(model.SerializeToString(), threads=threads, external_data_dir=export_dir,
-                                    device=device)
-        self.wanted = {i.name for i in self.session.get_inputs()}
-        self.stream_in, self.outputs, self.shapes = stream_in, outputs, shapes
-        self.buffers: dict[tuple[int, int], list[np.ndarray]] = {}
-
-    def run(self, feeds: dict[str, np.ndarray], hidden: np.ndarray, out: dict[str, np.ndarray]) -> list[np.ndarray]:
-        batch, tokens = hidden.shape[:2]
-        if (batch, tokens) not in self.buffers:
-            self.buffers = {(batch, tokens): [np.empty(s(batch, tokens), np.float32) for s in self.shapes]}
-        bufs = self.buffers[(batch, tokens)]
-        binding = self.session.io_binding()
-        for name, arr in feeds.items():
-            if name in self.wanted:
-                binding.bind_cpu_input(name, arr)
-        binding.bind_cpu_input(self.stream_in, hidden)
-        for name, arr in [*zip(self.outputs, bufs), *out.items()]:
-            binding.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
-        self.session.run_with_iobinding(binding)
-        return bufs
-
-
-def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str],
-                     rotate: dict[str, int], smoothing_for: Callable[[list[int]], Smoothing | None], batch_size: int,
-                     threads: int | None, max_graph_bytes: int, device: str = "cpu",
-                     show_progress: bool = True, row_stride: int = 1,
-                     images: WindowImages | None = None, gram: tuple[str, ...] = (),
+def gather_layerwise(export: OpenedExport, windows: np.ndarray, plan: CalibPlan,
+                     smoothing_for: Callable[[list[int]], Smoothing | None], show_progress: bool = True,
+                     images: WindowImages | None = None,
                      on_group: Callable[[list[str], ActivationStats], None] | None = None) -> ActivationStats:
-    """The statistics of ``collect`` over the windows, group of layers by group of layers
-    (``images``: the windows' images, whose rows replace the image tokens' embeddings).
+    """The statistics of ``collect`` over the windows, group of layers by group of layers of at most
+    ``plan.max_graph_bytes`` (``images``: the windows' images, whose rows replace the image tokens'
+    embeddings).
 
     ``smoothing_for(layers)`` gives the SmoothQuant callback of those layers' linears (None: off).
-    ``gram``: the linears whose input Gram matrices to sum; ``on_group(linears, stats)``, called
-    when a group's windows are all through, may take its linears' statistics out of ``stats`` (GPTQ
-    rounds them there, so that only one group's Gram matrices are ever held).
+    ``on_group(linears, stats)``, called when a group's windows are all through, may take its
+    linears' statistics out of ``stats`` (GPTQ rounds them there, so that only one group's Gram
+    matrices are ever held).
     """
-    model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
-    weights = ExportedWeights(export_dir)
-    batches = [(b, min(b + batch_size, len(windows))) for b in range(0, len(windows), batch_size)]
+    spec, inputs, size = export.spec, plan.inputs, plan.batch_size
+    model = onnx.load(str(export.dir / "model.onnx"), load_external_data=False)
+    batches = [(b, min(b + size, len(windows))) for b in range(0, len(windows), size)]
     feeds = [prefill_feeds(spec, windows[a:b], "float32", images=None if images is None else images.take(a, b))
              for a, b in batches]
-    hidden = embed(weights, windows)
+    hidden = embed(export.weights, windows)
     if images is not None:
         images.substitute(hidden)
     stats = ActivationStats()
-    groups = layer_groups(weights, spec.num_layers, max_graph_bytes)
+    groups = layer_groups(export.weights, spec.num_layers, plan.max_graph_bytes or 0)
     progress = Progress(len(groups) * len(batches), "calibrating, layer by layer") if show_progress else None
     stream = EMBED_OUTPUT
     for group in groups:
@@ -165,12 +136,12 @@ def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inp
         out_name = residual_name(group[-1])
         shapes = [_shape(input_channels(spec, n)) for n in names]
         shapes += [lambda b, t: (b, t, spec.num_kv_heads, spec.head_dim)] * len(kv)
-        runner = _GroupRunner(subgraph(model, [stream], [inputs[n] for n in names] + kv + [out_name]),
-                              Path(export_dir), stream, [inputs[n] for n in names] + kv, shapes, threads, device)
-        acc = Accumulator(stats, spec, names, smoothing_for(group), rotate, row_stride, gram)
+        graph = subgraph(model, [stream], [inputs[n] for n in names] + kv + [out_name])
+        runner = BoundSession(_group_session(graph, export.dir, plan), [inputs[n] for n in names] + kv, shapes)
+        acc = Accumulator(stats, spec, names, smoothing_for(group), plan.rotate, plan.row_stride, plan.gram)
         nxt = np.empty_like(hidden)
         for (a, b), f in zip(batches, feeds):
-            outs = runner.run(f, hidden[a:b], {out_name: nxt[a:b]})
+            outs = runner.run({**f, stream: hidden[a:b]}, b - a, hidden.shape[1], {out_name: nxt[a:b]})
             acc.add(outs[: len(names)], dict(zip(kv, outs[len(names):])))
             if progress:
                 progress.update()
@@ -179,22 +150,19 @@ def gather_layerwise(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inp
         if on_group is not None:
             on_group(names, stats)
     if "lm_head" in inputs:
-        _head_statistics(model, Path(export_dir), spec, stats, inputs, stream, hidden, batches, feeds, rotate,
-                         threads, device)
+        head = BoundSession(_group_session(subgraph(model, [stream], [inputs["lm_head"]]), export.dir, plan),
+                            [inputs["lm_head"]], [lambda b, t: (b, spec.hidden_size)])
+        acc = Accumulator(stats, spec, ["lm_head"], None, plan.rotate)  # the final norm's rows: never smoothed
+        for (a, b), f in zip(batches, feeds):
+            acc.add(head.run({**f, stream: hidden[a:b]}, b - a, hidden.shape[1]), {})
     stats.batches, stats.tokens = len(batches), int(windows.size)
     return stats
 
 
-def _head_statistics(model: onnx.ModelProto, export_dir: Path, spec: ModelSpec, stats: ActivationStats,
-                     inputs: dict[str, str], stream: str, hidden: np.ndarray, batches: list[tuple[int, int]],
-                     feeds: list[dict[str, np.ndarray]], rotate: dict[str, int], threads: int | None,
-                     device: str) -> None:
-    """The LM head's input: the final norm of each window's last token (never smoothed)."""
-    runner = _GroupRunner(subgraph(model, [stream], [inputs["lm_head"]]), export_dir, stream, [inputs["lm_head"]],
-                          [lambda b, t: (b, spec.hidden_size)], threads, device)
-    acc = Accumulator(stats, spec, ["lm_head"], None, rotate)
-    for (a, b), f in zip(batches, feeds):
-        acc.add(runner.run(f, hidden[a:b], {}), {})
+def _group_session(model: onnx.ModelProto, export_dir: Path, plan: CalibPlan):
+    """A session over one group's graph, its weights read where the export wrote them."""
+    return make_session(model.SerializeToString(), threads=plan.threads, external_data_dir=export_dir,
+                        device=plan.device)
 
 
 def _shape(channels: int) -> Callable[[int, int], tuple[int, ...]]:

@@ -32,14 +32,14 @@ from ..artifacts import CALIB_RECORD, EXPORT_RECORD, CalibRecord, ExportRecord, 
 from ..errors import AutoGLMError
 from ..fileutil import available_memory_bytes, staged_directory, write_json
 from ..graph.decoder import write_int8_graph
-from ..graph.exported_weights import ExportedWeights
+from ..graph.exported_weights import OpenedExport
 from ..graph.names import KINDS
 from ..model.text import TokenWindows, token_windows
 from ..precisions import precision
 from ..quant.plan import QuantPlan
 from .accuracy import GateSettings, search_and_check
 from .cache import ALGORITHMS, trt_version, write_cache
-from .collect import kv_head_amax
+from .collect import CalibPlan, kv_head_amax
 from .histogram import METHODS, entropy_amax
 from .image_windows import calibration_images, image_digest, with_image_windows
 from .record import float_fraction, float_reasons, versions, weight_bytes
@@ -167,9 +167,9 @@ def _check_config(cfg: CalibConfig, export: ExportRecord) -> None:
 GATE_MEMORY_FACTOR = 2.5
 
 
-def _check_gate_memory(cfg: CalibConfig, vocab_size: int) -> None:
+def _check_gate_memory(cfg: CalibConfig, export: OpenedExport) -> None:
     """Refuse, before the statistics pass, a gate this machine's memory cannot hold."""
-    weights = ExportedWeights(cfg.export_dir).total_bytes()
+    weights, vocab_size = export.weights.total_bytes(), export.spec.vocab_size
     log_probs = 2 * cfg.gate_windows * cfg.gate_seq_len * vocab_size * 4
     need, have = GATE_MEMORY_FACTOR * weights + log_probs, available_memory_bytes()
     if have is not None and need > have:
@@ -199,7 +199,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     """Calibrate and write ``cfg.out_dir`` atomically; returns the calib.json record."""
     export = ExportRecord.read(cfg.export_dir)
     _check_config(cfg, export)
-    spec = export.spec
+    opened, spec = OpenedExport.of(export), export.spec
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
     windows = token_windows(cfg.data, cfg.export_dir, cfg.num_samples, cfg.seq_len, separator)
     settings = cfg.settings()
@@ -211,20 +211,21 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
     if reused is not None:
         return reused
     if cfg.gate:
-        _check_gate_memory(cfg, spec.vocab_size)
+        _check_gate_memory(cfg, opened)
 
     log(f"calibrating {cfg.export_dir} with {len(windows.windows)} windows of {cfg.seq_len} tokens "
         f"({windows.total_tokens} tokens of text), method {cfg.method}, SmoothQuant "
         f"{'off' if cfg.smoothquant_alpha is None else f'alpha={cfg.smoothquant_alpha}'}")
     t0 = time.perf_counter()
     inputs = quantizable_inputs(cfg.export_dir, cfg.quantize_lm_head, cfg.keep_float)
-    rotate = rotation_blocks(spec, list(inputs), cfg.rotate, cfg.max_rotation_block)
+    plan = CalibPlan(inputs, rotation_blocks(spec, list(inputs), cfg.rotate, cfg.max_rotation_block),
+                     cfg.smoothquant_alpha, row_stride=cfg.hist_row_stride, batch_size=cfg.batch_size,
+                     threads=cfg.threads, device=cfg.device, max_graph_bytes=cfg.max_graph_bytes)
     all_windows, with_images = windows.windows, None
     if images:  # a vision family: windows with images too, after the text ones
-        all_windows, with_images = with_image_windows(cfg.export_dir, windows.windows, images)
+        all_windows, with_images = with_image_windows(opened, windows.windows, images)
         log(f"  and {len(images)} windows with an image each (their encoder's output in the image tokens' place)")
-    st = gather(cfg.export_dir, spec, all_windows, inputs, rotate, cfg.smoothquant_alpha, cfg.batch_size,
-                cfg.threads, cfg.max_graph_bytes, cfg.device, cfg.hist_row_stride, with_images)
+    st = gather(opened, all_windows, plan, with_images)
     t_search = time.perf_counter()
     amax, amax_method = choose_amax(st, cfg.method, cfg.percentile)
     timings = {"collect_s": round(st.seconds, 3), "search_s": round(time.perf_counter() - t_search, 3),

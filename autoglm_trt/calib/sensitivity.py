@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..backends.onnxrt.offline import prefill_feeds
 from ..graph.metrics import log_softmax, next_token_scores
 from ..graph.names import kind_of
-from ..graph.runner import prefill_feeds
 from ..model.spec import ModelSpec
 from ..progress import Progress
 from ..quant.int8 import act_scale, quantize_weight_per_channel

@@ -1,6 +1,7 @@
 """Calibration step 1: the activation statistics of every quantizable linear, in one pass.
 
-Input: a float32 export, token windows, the settings. Output: ``Statistics``: which graph
+Input: a float32 export (opened once, ``OpenedExport``), token windows, the pass's plan
+(``CalibPlan``). Output: ``Statistics``: which graph
 tensor feeds each linear, the Hadamard block of each rotated linear, the streamed histograms
 (of the smoothed, rotated inputs the INT8 graph quantizes) and the smoothed weights. The
 weight maxima SmoothQuant needs are read in a thread while ONNX Runtime runs the first batch.
@@ -16,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ..backends.onnxrt.offline import WindowImages
 from ..errors import AutoGLMError
-from ..graph.exported_weights import ExportedWeights
+from ..graph.exported_weights import OpenedExport
 from ..graph.names import KINDS, input_channels, kind_of
-from ..graph.runner import WindowImages
 from ..model.spec import ModelSpec
 from ..quant.hadamard import block_size
-from .collect import ActivationStats, Smoothing, calibration_session, collect, linear_inputs
+from .collect import ActivationStats, CalibPlan, Smoothing, calibration_session, collect, linear_inputs
 from .layerwise import gather_layerwise
 from .smooth import SmoothedWeights, smoothing_scales, weight_row_max
 
@@ -58,32 +59,27 @@ def rotation_blocks(spec: ModelSpec, linears: list[str], kinds: list[str], max_b
     return {n: b for n, b in blocks.items() if b > 1}
 
 
-def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[str, str], rotate: dict[str, int],
-           alpha: float | None, batch_size: int, threads: int | None, max_graph_bytes: int | None = None,
-           device: str = "cpu", row_stride: int = 1, images: WindowImages | None = None,
-           gram: tuple[str, ...] = (),
+def gather(export: OpenedExport, windows: np.ndarray, plan: CalibPlan, images: WindowImages | None = None,
            on_group: Callable[[list[str], ActivationStats], None] | None = None) -> Statistics:
-    """Run the windows through the float graph once and accumulate the statistics: the whole graph
-    at once, or (when its weights exceed ``max_graph_bytes``) group of layers by group of layers.
-    ``gram``: linears whose input Gram matrices to sum; ``on_group``: the layer by layer pass's
-    call when a group is done (``gather_layerwise``)."""
+    """Run the windows through the float graph once and accumulate ``plan``'s statistics: the whole
+    graph at once, or (when its weights exceed ``plan.max_graph_bytes``) group of layers by group
+    of layers. ``on_group``: the layer by layer pass's call when a group is done
+    (``gather_layerwise``)."""
     import time
 
-    base = ExportedWeights(export_dir)
+    spec, base, alpha = export.spec, export.weights, plan.alpha
     t0 = time.perf_counter()
-    if max_graph_bytes is not None and base.total_bytes() > max_graph_bytes:
+    if plan.max_graph_bytes is not None and base.total_bytes() > plan.max_graph_bytes:
 
         def smoothing_for(layers: list[int]) -> Smoothing | None:
             if alpha is None:
                 return None
             return lambda chan_max: smoothing_scales(spec, weight_row_max(spec, base, layers), chan_max, alpha)
 
-        stats = gather_layerwise(export_dir, spec, windows, inputs, rotate, smoothing_for, batch_size, threads,
-                                 max_graph_bytes, device, row_stride=row_stride, images=images, gram=gram,
-                                 on_group=on_group)
-        return Statistics(inputs, rotate, stats, SmoothedWeights(base, spec, stats.smooth),
+        stats = gather_layerwise(export, windows, plan, smoothing_for, images=images, on_group=on_group)
+        return Statistics(plan.inputs, plan.rotate, stats, SmoothedWeights(base, spec, stats.smooth),
                           time.perf_counter() - t0, layerwise=True)
-    session = calibration_session(export_dir, list(inputs.values()), threads, device)
+    session = calibration_session(export.dir, list(plan.inputs.values()), plan.threads, plan.device)
     t0 = time.perf_counter()  # as the forward baseline of bench_calibration: after the session is made
     w_max: dict[str, dict[str, np.ndarray]] = {}
     reader = threading.Thread(target=lambda: w_max.update(all=weight_row_max(spec, base)), daemon=True)
@@ -95,8 +91,7 @@ def gather(export_dir: Path, spec: ModelSpec, windows: np.ndarray, inputs: dict[
             reader.join()
             return smoothing_scales(spec, w_max["all"], chan_max, alpha)
 
-    stats = collect(session, spec, inputs, windows, batch_size, smoothing, rotate=rotate, row_stride=row_stride,
-                    images=images, gram=gram)
+    stats = collect(session, spec, windows, plan, smoothing, images=images)
     seconds = time.perf_counter() - t0
     del session
-    return Statistics(inputs, rotate, stats, SmoothedWeights(base, spec, stats.smooth), seconds)
+    return Statistics(plan.inputs, plan.rotate, stats, SmoothedWeights(base, spec, stats.smooth), seconds)

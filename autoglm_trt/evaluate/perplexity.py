@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import EXPORT_RECORD, MANIFEST, Manifest
+from ..backends.onnxrt.offline import GraphRunner
 from ..backends.registry import backend
 from ..errors import AutoGLMError
 from ..graph.metrics import next_token_scores
-from ..graph.runner import GraphRunner
 from ..model.reference import Logits, hf_logits
 from ..model.text import text_chunks
 

@@ -21,8 +21,7 @@ from ..errors import ExportError
 from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory, write_json
 from ..graph.builder import GraphBuilder
 from ..graph.decoder import GRAPH_VERSION, OPSET, DecoderGraph, GraphOptions, io_names
-from ..graph.vision import VISION_PREFIX, write_vision_graph
-from ..graph.vision_runner import VISION_GRAPH, VISION_POSITIONS
+from ..graph.vision import VISION_GRAPH, VISION_POSITIONS, VISION_PREFIX, write_vision_graph
 from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec, spec_from_config

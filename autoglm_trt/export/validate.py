@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.onnxrt.offline import text_only
+from ..backends.onnxrt.session import make_session, run
 from ..errors import ValidationError
-from ..graph.runner import text_only
-from ..graph.session import make_session, run
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.host_pools import KVPools
 from ..kvcache.layout import blocks_needed

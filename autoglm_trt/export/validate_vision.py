@@ -1,7 +1,7 @@
 """Parity of a GLM-4.1V export's image path with transformers.
 
 Two seeded random images of odd sizes and aspect ratios, preprocessed as the runtime does
-(``model.image``), go through the exported encoder (``graph.vision_runner``) and through
+(``model.image``), go through the exported encoder (``backends.onnxrt.vision_encoder``) and through
 transformers' vision tower (features compared); then one prompt with both images, expanded and
 given its 3-D positions as the runtime gives them (``model.multimodal``), through the decoder in
 one prefill and in chunks of ``CHUNK`` tokens through a paged pool (so a chunk boundary cuts an
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.onnxrt.session import make_session, run
+from ..backends.onnxrt.vision_encoder import VisionEncoder
 from ..errors import ValidationError
-from ..graph.session import make_session, run
-from ..graph.vision_runner import VisionEncoder
 from ..kvcache.host_pools import KVPools
 from ..kvcache.layout import blocks_needed
 from ..kvcache.step_inputs import MRope, PromptImages, SeqState, StepImages, step_inputs

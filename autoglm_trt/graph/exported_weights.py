@@ -10,14 +10,16 @@ float16 export's tensors as float32 (exact), for a float32 graph built from it.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ..artifacts import ArtifactError, inside
+from ..artifacts import ArtifactError, ExportRecord, inside
 from ..errors import AutoGLMError
+from ..model.spec import ModelSpec
 
 _DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.INT64: np.int64}
 
@@ -104,3 +106,32 @@ class ExportedWeights:
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return self.read(name, (start, stop))
+
+
+@dataclass(frozen=True)
+class OpenedExport:
+    """An export directory opened once: its record (and so its model's spec) and its weights'
+    index, passed down the stages that read it (calibration's passes, the INT4 build) instead of
+    the directory, which each would open again."""
+
+    record: ExportRecord
+    weights: ExportedWeights
+
+    @classmethod
+    def open(cls, export_dir: Path, widen: bool = False) -> OpenedExport:
+        """``widen``: a float16 export's weights read as float32 (``ExportedWeights``)."""
+        return cls.of(ExportRecord.read(export_dir), widen)
+
+    @classmethod
+    def of(cls, record: ExportRecord, widen: bool = False) -> OpenedExport:
+        """The export whose record was read already (and checked: its graph is the float
+        ``model.onnx`` whose weights are indexed here)."""
+        return cls(record, ExportedWeights(record.dir, widen=widen))
+
+    @property
+    def dir(self) -> Path:
+        return self.record.dir
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.record.spec

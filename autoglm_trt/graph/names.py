@@ -22,7 +22,6 @@ and ``unblocks_<rank>``. The quantizable linears are named ``layers.<i>.<kind>``
 
 from __future__ import annotations
 
-from ..kvcache import layout
 from ..model.spec import ModelSpec
 
 INPUT_IDS = "input_ids"
@@ -64,7 +63,11 @@ def new_value(i: int) -> str:
     return f"new_value.{i}"
 
 
-scale_of = layout.scale_of  # past_key.3 -> past_key_scale.3 (the kvcache layer names them too)
+def scale_of(kv_name: str) -> str:
+    """The per-token scales that go with a pool or new K/V tensor of an INT8 KV cache:
+    ``past_key.3`` -> ``past_key_scale.3``, ``new_value.0`` -> ``new_value_scale.0``."""
+    kind, layer_no = kv_name.split(".")
+    return f"{kind}_scale.{layer_no}"
 
 
 def hadamard(b: int) -> str:

@@ -30,6 +30,8 @@ from ..model.rope import rotate_half_matrix
 from .builder import GraphBuilder
 
 VISION_PREFIX = "model.visual."
+VISION_GRAPH = "vision.onnx"  # the export's encoder graph, and its float32 form in an engine
+VISION_POSITIONS = "vision_positions.npy"  # the encoder's learned position table [S * S, hidden]
 OPSET = 17
 MICROSOFT = "com.microsoft"
 # "fused": ONNX Runtime's com.microsoft.MultiHeadAttention (flash attention on the CPU; the form the
@@ -155,7 +157,7 @@ class VisionGraph:
         return self.gated_mlp(x, "merger")
 
 
-def write_vision_graph(ckpt, out_dir, name: str = "vision.onnx", attention: str = "fused"):
+def write_vision_graph(ckpt, out_dir, name: str = VISION_GRAPH, attention: str = "fused"):
     """``out_dir/name`` (+ ``name.data``): the vision encoder of an opened GLM-4.1V ``Checkpoint``
     (``attention``: one of ``ATTENTION_FORMS``)."""
     import onnx

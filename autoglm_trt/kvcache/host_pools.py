@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing
 
-from .layout import pool_shape, scale_of
+from ..graph.names import scale_of
+from .layout import pool_shape
 
 
 class KVPools:

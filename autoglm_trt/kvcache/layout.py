@@ -29,13 +29,6 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def scale_of(kv_name: str) -> str:
-    """The per-token scales that go with a pool or new K/V tensor of an INT8 KV cache:
-    ``past_key.3`` -> ``past_key_scale.3``, ``new_value.0`` -> ``new_value_scale.0``."""
-    kind, layer_no = kv_name.split(".")
-    return f"{kind}_scale.{layer_no}"
-
-
 def block_slots(pairs: list[tuple[int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The slots (``block * block_size + offset``) of block copies ``(src, dst)``: every slot of
     each source block, and the slot it goes to, in pair order. A pool viewed as

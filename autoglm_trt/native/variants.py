@@ -19,7 +19,8 @@ COMMON_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fvisibility=hidden", "-
 SOURCES = ("register.c", "paged_attention.c", "hadamard_quantize.c", "int8_linear.c", "rope_qkv.c",
            "float_linear.c", "masked_softmax.c", "calib_stats.c", "block_linear.c", "prefill_attention.c", "amx.c",
            "kv_quantize.c", "image_attention.c")
-HEADERS = ("ort_api.h", "parallel.h", "vec.h", "linear.h", "chunks.h", "rotate.h", "skip_norm.h", "tile_runs.h", "amx.h")
+HEADERS = ("ort_api.h", "operators.h", "parallel.h", "simd.h", "vec.h", "linear.h", "chunks.h", "rotate.h",
+           "skip_norm.h", "tile_runs.h", "amx.h")
 
 _V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
 _V3 = _V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")

@@ -36,10 +36,10 @@ import numpy as np
 
 from ..artifacts import EngineError, Manifest
 from ..backends import StepRunner, check_engine, open_runner
+from ..backends.onnxrt.session import MAX_THREADS
 from ..backends.registry import backend as backend_named
 from ..errors import RequestError
 from ..fileutil import available_memory_bytes
-from ..graph.session import MAX_THREADS
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.step_inputs import SlotMap, StepImages, step_inputs
 from ..model.tokenizer import IncrementalDecoder, TextTokenizer
@@ -356,7 +356,7 @@ class Engine:
         used = adjust(logits, p, seq.counts, ends) if p.adjusts_logits else logits
         if seq.guided is not None:  # made with the request (or copied with its fork), never on this thread
             masked = seq.guided.masked(used, in_place=p.adjusts_logits)  # adjust() made a copy already
-            if p.min_tokens and not np.isfinite(masked).any():  # the grammar allows only its end: it wins
+            if seq.counts.generated < p.min_tokens and not np.isfinite(masked).any():  # only its end: it wins
                 masked = seq.guided.masked(adjust(logits, p, seq.counts, set()), in_place=True)
             used = masked
         token = sample(used, p, seq.rng)

@@ -38,9 +38,9 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 from ..artifacts import EngineError, ExportRecord, Manifest
+from ..backends.onnxrt.vision_encoder import VisionEncoder
 from ..backends.registry import backend
 from ..errors import RequestError
-from ..graph.vision_runner import VisionEncoder
 from ..kvcache.step_inputs import MRope, PromptImages
 from ..model.image import ImageConfig, ImageError, decode_rgb, open_header, pixel_rows
 from ..model.multimodal import block_extras, expand, image_digest, mrope_positions
@@ -177,7 +177,7 @@ class PreparedPrompt:
 
 
 class Encoder(Protocol):
-    """A vision encoder: ``graph.vision_runner.VisionEncoder`` or ``backends.trt.vision.TrtVisionEncoder``."""
+    """A vision encoder: ``backends.onnxrt.vision_encoder.VisionEncoder`` or ``backends.trt.vision.TrtVisionEncoder``."""
 
     def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray: ...
 

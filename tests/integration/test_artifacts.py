@@ -69,6 +69,17 @@ def test_crafted_manifests_are_refused(tiny_engine, tmp_path, edit, message):
     one_line_error(r, message)
 
 
+def test_malformed_build_records_are_refused_by_name(tiny_engine, tmp_path):
+    """A manifest's build_config and an export's record of the build step that made it are objects;
+    anything else is refused with the key and what to do, not a TypeError where they are read."""
+    edited_copy(tiny_engine, tmp_path / "config", "manifest.json", lambda m: m.update(build_config=["vision_dtype"]))
+    with pytest.raises(EngineError, match="build_config must be an object, got .*rebuild the engine"):
+        _ = Manifest.read(tmp_path / "config").build_config
+    edited_copy(tiny_engine, tmp_path / "made", "export.json", lambda e: e.update(int4="rounded"))
+    with pytest.raises(ArtifactError, match="int4 must be an object, got 'rounded'"):
+        ExportRecord.read(tmp_path / "made").made_by("int4")
+
+
 def test_export_record_graph_file_must_be_inside(tiny_engine, tmp_path):
     bad = tmp_path / "engine"
     edited_copy(tiny_engine, bad, "export.json", lambda e: e["graph"].update(file="../../elsewhere/model.onnx"))

@@ -184,9 +184,8 @@ def test_the_optimizing_session_packs_no_weights_and_saves_the_same_graph(tiny_d
     beside the first), and saves the graph and weights a session with prepacking saves, byte for byte."""
     import onnxruntime as ort
 
-    from autoglm_trt.backends.onnxrt import loader
+    from autoglm_trt.backends.onnxrt import loader, session
     from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
-    from autoglm_trt.graph import session
 
     assert session.session_options(prepacking=False).get_session_config_entry("session.disable_prepacking") == "1"
     with pytest.raises(RuntimeError, match="does not have configuration"):  # a run's sessions pack

@@ -9,13 +9,13 @@ import onnx
 import pytest
 from conftest import ROOT, run_cli
 
+from autoglm_trt.backends.onnxrt.offline import GraphRunner, prefill_feeds
+from autoglm_trt.backends.onnxrt.session import make_session
 from autoglm_trt.calib.cache import read_cache
 from autoglm_trt.calib.collect import RAW_ROW_STRIDE
 from autoglm_trt.calib.histogram import AbsHistogram, entropy_amax
 from autoglm_trt.calib.pipeline import CalibConfig, CalibrationMismatchError, calibrate, check_calibration
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
-from autoglm_trt.graph.runner import GraphRunner, prefill_feeds
-from autoglm_trt.graph.session import make_session
 from autoglm_trt.model.spec import spec_from_dict
 from autoglm_trt.model.text import CalibrationDataError, token_windows
 
@@ -255,12 +255,12 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     """Every linear's input rotated in the graph and its weight offline (switchable graph, all
     linears switched to float): the logits must equal the export's; with the linears switched to
     INT8 they must differ (the switch works)."""
+    from autoglm_trt.backends.onnxrt.offline import prefill_feeds
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph.builder import GraphBuilder
     from autoglm_trt.graph.decoder import OPSET, DecoderGraph, GraphOptions
     from autoglm_trt.graph.exported_weights import ExportedWeights
     from autoglm_trt.graph.names import all_linears, input_channels
-    from autoglm_trt.graph.runner import prefill_feeds
-    from autoglm_trt.graph.session import make_session
     from autoglm_trt.model.spec import spec_from_dict
     from autoglm_trt.quant.hadamard import block_size
     from autoglm_trt.quant.plan import QuantPlan

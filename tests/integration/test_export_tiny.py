@@ -7,10 +7,10 @@ import numpy as np
 import onnx
 import pytest
 
+from autoglm_trt.backends.onnxrt.session import make_session
 from autoglm_trt.errors import ValidationError
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
 from autoglm_trt.export.validate import paged_decode_logits, reference_logits
-from autoglm_trt.graph.session import make_session
 from autoglm_trt.model import spec as arch
 from autoglm_trt.model.spec import spec_from_config
 
@@ -102,7 +102,7 @@ def test_mrope_positions_of_an_image_layout_match_transformers(exported, tiny_di
     chunks through the paged pool and then decoded past the prompt (position + delta): logits as
     transformers gives them for the same tokens and positions."""
     from autoglm_trt.artifacts import ExportRecord
-    from autoglm_trt.graph.session import make_session, run
+    from autoglm_trt.backends.onnxrt.session import make_session, run
     from autoglm_trt.kvcache.host_pools import KVPools
     from autoglm_trt.kvcache.step_inputs import MRope, SeqState, StepImages, step_inputs
     from autoglm_trt.model.multimodal import ImageSpan, mrope_positions

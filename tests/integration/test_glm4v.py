@@ -150,7 +150,7 @@ def test_the_vision_encoder_graph_equals_transformers(tiny_dir, tmp_path, size, 
     import torch
     import transformers
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph.vision import write_vision_graph
     from autoglm_trt.model.checkpoint import Checkpoint
     from autoglm_trt.model.image import ImageConfig, preprocess
@@ -180,7 +180,7 @@ def tensorrt_forms(engine_dir, dtype: str):
     import onnx
 
     from autoglm_trt.artifacts import ExportRecord
-    from autoglm_trt.graph.vision_runner import VisionEncoder
+    from autoglm_trt.backends.onnxrt.vision_encoder import VisionEncoder
     from autoglm_trt.graph.vision_trt import tensorrt_vision_graph
     from autoglm_trt.model.image import ImageConfig, preprocess
 
@@ -200,7 +200,7 @@ def test_the_tensorrt_vision_graph_computes_the_fused_one(glm4v_engine, dtype, t
     attention in it) computes the fused graph's output within the half type's rounding as tensor
     cores compute (``half_rounded``), relative to the output's norm (``benchmarks.vision_half``
     measures it on a screenshot). ONNX Runtime runs the float16 graph itself too."""
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph.vision import MICROSOFT
     from autoglm_trt.graph.vision_trt import HALF, half_rounded
 

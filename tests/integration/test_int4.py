@@ -28,9 +28,9 @@ def test_the_dequantize_linear_onnx_runtime_runs_is_the_numpy_one(tmp_path, symm
     is x times the numpy dequantization."""
     from onnx import TensorProto
 
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph.builder import GraphBuilder
     from autoglm_trt.graph.qdq import int4_weight_dq
-    from autoglm_trt.graph.session import make_session
     from autoglm_trt.quant.int4 import quantize_int4_blocks
 
     rng = np.random.default_rng(5)
@@ -105,12 +105,14 @@ def test_the_native_int4_graph_gives_the_plain_graphs_answers(int4_engines, monk
 def test_awq_scales_leave_the_float_model_unchanged(int4_engines):
     """The AWQ scales folded into norms and linears, with every weight float: the export's logits."""
     from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.offline import GraphRunner
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.builder.int4_rounding import AwqSearch
+    from autoglm_trt.calib.collect import CalibPlan
     from autoglm_trt.calib.smooth import SmoothedWeights
     from autoglm_trt.calib.statistics import gather, quantizable_inputs
     from autoglm_trt.graph.decoder import write_int8_graph
-    from autoglm_trt.graph.runner import GraphRunner
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.graph.exported_weights import OpenedExport
     from autoglm_trt.model.text import token_windows
     from autoglm_trt.quant.plan import QuantPlan
 
@@ -118,7 +120,7 @@ def test_awq_scales_leave_the_float_model_unchanged(int4_engines):
     export = next((int4.parent / ".cache").glob("*/export-float32"))
     spec = Manifest.read(int4).spec
     windows = token_windows(DATA, export, 4, 32, None).windows
-    st = gather(export, spec, windows, quantizable_inputs(export, False, []), {}, None, 4, None)
+    st = gather(OpenedExport.open(export), windows, CalibPlan(quantizable_inputs(export, False, []), batch_size=4))
     awq = AwqSearch(spec, 32, False, 4 * spec.num_layers, lambda m: None)
     awq.add(st.stats.sample, st.weights, [n for n in st.stats.sample if n != "lm_head"])
     scales = awq.scales
@@ -138,7 +140,9 @@ def test_gptq_gets_each_linears_gram_matrix_and_a_budget(int4_engines, monkeypat
     Gram matrices exceed the budget is rounded to nearest, and says why."""
     from autoglm_trt.artifacts import Manifest
     from autoglm_trt.builder import int4_awq
+    from autoglm_trt.calib.collect import CalibPlan
     from autoglm_trt.calib.statistics import gather, quantizable_inputs
+    from autoglm_trt.graph.exported_weights import OpenedExport
     from autoglm_trt.model.text import token_windows
 
     _, int4 = int4_engines
@@ -147,7 +151,8 @@ def test_gptq_gets_each_linears_gram_matrix_and_a_budget(int4_engines, monkeypat
     inputs = quantizable_inputs(export, False, [])
     names = [n for n in inputs if n != "lm_head"]
     windows = token_windows(DATA, export, 4, 32, None).windows
-    one, two = (gather(export, spec, windows, inputs, {}, None, batch, None, gram=tuple(names)) for batch in (4, 2))
+    one, two = (gather(OpenedExport.open(export), windows, CalibPlan(inputs, gram=tuple(names), batch_size=batch))
+                for batch in (4, 2))
     assert sorted(one.stats.gram) == sorted(two.stats.gram) == sorted(names)
     for n in names:  # one batch: its sample is every row; two batches: the same sum
         x = one.stats.sample[n].astype(np.float64)
@@ -253,7 +258,7 @@ def test_the_int4_engines_embedding_is_int8_rows_the_lm_head_quantization(tiny_d
     assert "embed_tokens.weight" in {t.name for t in onnx.load(str(fp32 / "model.opt.onnx"),
                                                                 load_external_data=False).graph.initializer}
     onnx.utils.extract_model(graph, str(tmp_path / "embed.onnx"), ["input_ids"], ["embed"])
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     ids = np.array([[0, 5, 255, 5], [17, 3, 3, 200]], np.int64)
     got = make_session(tmp_path / "embed.onnx", optimize=False).run(None, {"input_ids": ids})[0]

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from conftest import ROOT, build_tiny_engine, run_cli
 
-from autoglm_trt.graph.runner import GraphRunner
+from autoglm_trt.backends.onnxrt.offline import GraphRunner
 from autoglm_trt.runtime import Engine, SamplingParams
 
 KV_BYTES = 2**20  # the same memory for every variant

@@ -9,8 +9,8 @@ import onnx
 import pytest
 from conftest import build_tiny_engine
 
+from autoglm_trt.backends.onnxrt.offline import GraphRunner
 from autoglm_trt.builder.config import BuildConfig, BuildConfigError
-from autoglm_trt.graph.runner import GraphRunner
 from autoglm_trt.kvcache.host_pools import KVPools
 from autoglm_trt.quant.kv import quantize_rows
 from autoglm_trt.runtime import Engine, SamplingParams
@@ -36,8 +36,8 @@ def test_the_graph_stores_what_quantize_rows_makes(engines):
     engine's K/V (the same graph up to the quantizing nodes), bit for bit."""
     windows = np.random.default_rng(1).integers(3, 250, (2, 24))
     runner, ref = GraphRunner(engines["token"]), GraphRunner(engines["float"])
-    from autoglm_trt.graph.runner import prefill_feeds
-    from autoglm_trt.graph.session import run
+    from autoglm_trt.backends.onnxrt.offline import prefill_feeds
+    from autoglm_trt.backends.onnxrt.session import run
 
     got = run(runner.session, prefill_feeds(runner.spec, windows, "int8", token_scales=True))
     want = run(ref.session, prefill_feeds(ref.spec, windows, "float32"))

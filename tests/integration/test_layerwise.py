@@ -4,6 +4,7 @@ and the same calibration record end to end; the CUDA device is refused clearly w
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -11,16 +12,16 @@ import pytest
 from conftest import ROOT
 
 from autoglm_trt.artifacts import ExportRecord
-from autoglm_trt.calib.collect import kv_head_amax
+from autoglm_trt.backends.onnxrt.session import make_session
+from autoglm_trt.calib.collect import CalibPlan, kv_head_amax
 from autoglm_trt.calib.layerwise import layer_groups, residual_name, subgraph
 from autoglm_trt.calib.pipeline import CalibConfig, calibrate
 from autoglm_trt.calib.statistics import Statistics, gather, quantizable_inputs, rotation_blocks
 from autoglm_trt.calib.thresholds import choose_amax
 from autoglm_trt.errors import AutoGLMError
 from autoglm_trt.export.pipeline import ExportConfig, export_checkpoint
-from autoglm_trt.graph.exported_weights import ExportedWeights
+from autoglm_trt.graph.exported_weights import ExportedWeights, OpenedExport
 from autoglm_trt.graph.names import KINDS
-from autoglm_trt.graph.session import make_session
 from autoglm_trt.model.text import token_windows
 
 DATA = ROOT / "autoglm_trt" / "calib" / "data"
@@ -32,9 +33,9 @@ def both_ways(export, windows: int, seq_len: int, max_graph_bytes: int,
     w = token_windows(DATA, export, windows, seq_len, spec.eos_token_ids[0]).windows
     inputs = quantizable_inputs(export, True, [])
     rotate = rotation_blocks(spec, list(inputs), list(KINDS), 128)
-    whole = gather(export, spec, w, inputs, rotate, 0.8, 4, None, row_stride=row_stride)
-    layered = gather(export, spec, w, inputs, rotate, 0.8, 4, None, max_graph_bytes=max_graph_bytes,
-                     row_stride=row_stride)
+    plan = CalibPlan(inputs, rotate, 0.8, row_stride=row_stride, batch_size=4)
+    whole = gather(OpenedExport.open(export), w, plan)
+    layered = gather(OpenedExport.open(export), w, replace(plan, max_graph_bytes=max_graph_bytes))
     assert not whole.layerwise and layered.layerwise
     return whole, layered
 
@@ -156,14 +157,16 @@ def test_image_windows_statistics_layer_by_layer_equal_the_whole_graph(tiny_dir,
     spec = ExportRecord.read(export_dir).spec
     text = token_windows(DATA, export_dir, 4, 48, spec.eos_token_ids[0]).windows
     assert len(calibration_images(DATA)) == 4  # the folder holds text only: synthetic screenshots
-    shown, images = image_windows(export_dir, text, [ui_screenshot(s) for s in range(3)])
+    opened = OpenedExport.open(export_dir)
+    shown, images = image_windows(opened, text, [ui_screenshot(s) for s in range(3)])
     assert shown.shape == (3, 48) and all(item is not None and len(item[1]) <= 24 for item in images.items)
     inputs = quantizable_inputs(export_dir, True, [])
     rotate = rotation_blocks(spec, list(inputs), list(KINDS), 128)
-    whole = gather(export_dir, spec, shown, inputs, rotate, 0.8, 2, None, images=images)
-    layered = gather(export_dir, spec, shown, inputs, rotate, 0.8, 2, None, max_graph_bytes=1, images=images)
+    plan = CalibPlan(inputs, rotate, 0.8, batch_size=2)
+    whole = gather(opened, shown, plan, images)
+    layered = gather(opened, shown, replace(plan, max_graph_bytes=1), images)
     assert not whole.layerwise and layered.layerwise
     assert_same_statistics(whole, layered, 1e-4)
-    plain = gather(export_dir, spec, shown, inputs, rotate, 0.8, 2, None)  # the same ids, no image rows
+    plain = gather(opened, shown, plan)  # the same ids, no image rows
     name = "layers.0.qkv"
     assert not np.allclose(plain.stats.chan_max[name], whole.stats.chan_max[name], rtol=1e-3)

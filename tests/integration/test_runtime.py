@@ -9,8 +9,8 @@ import pytest
 from conftest import run_cli
 
 from autoglm_trt.artifacts import EngineError
+from autoglm_trt.backends.onnxrt.offline import GraphRunner
 from autoglm_trt.errors import AutoGLMError
-from autoglm_trt.graph.runner import GraphRunner
 from autoglm_trt.runtime import Engine, RequestError, SamplingError, SamplingParams
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from autoglm_trt.backends.onnxrt.session import make_session, run
 from autoglm_trt.export.validate import paged_decode_logits, reference_logits
-from autoglm_trt.graph.session import make_session, run
 from autoglm_trt.kvcache.block_pool import BlockPool
 from autoglm_trt.kvcache.host_pools import KVPools
 from autoglm_trt.kvcache.layout import blocks_needed

@@ -148,8 +148,8 @@ def test_the_float16_graph_holds_the_float32_graphs_weights_and_computes_its_log
     scales are float16 values already), and logits as close to the float model's as the float32
     graph's, on ONNX Runtime (unoptimized: its MatMulNBits would quantize the activations)."""
     from autoglm_trt.artifacts import ExportRecord
-    from autoglm_trt.graph.runner import GraphRunner
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.offline import GraphRunner
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     half_dir, full_dir = forms[precision]
     half, full = (onnx.load(str(ExportRecord.read(d).graph_file)) for d in (half_dir, full_dir))
@@ -187,9 +187,9 @@ def test_the_kv_caches_per_tensor_form_computes_what_the_per_head_form_does(form
     Q/DQ form, on ONNX Runtime through a paged int8 pool: the same logits, bit for bit."""
     import shutil
 
+    from autoglm_trt.backends.onnxrt.offline import GraphRunner
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph.kv_int8 import int8_kv_graph
-    from autoglm_trt.graph.runner import GraphRunner
-    from autoglm_trt.graph.session import make_session
 
     model_dir = shutil.copytree(forms["export"], tmp_path / "export")
     graph = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)

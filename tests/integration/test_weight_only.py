@@ -73,9 +73,9 @@ def test_the_engine_computes_what_its_graph_says(wo_engines):
     written in float32: within 1e-4 of the largest, far closer than either is to the fp32
     engine; and doctor names the operator."""
     from autoglm_trt.artifacts import Manifest
+    from autoglm_trt.backends.onnxrt.offline import GraphRunner, prefill_feeds
+    from autoglm_trt.backends.onnxrt.session import make_session, run
     from autoglm_trt.evaluate.perplexity import model_logits
-    from autoglm_trt.graph.runner import GraphRunner, prefill_feeds
-    from autoglm_trt.graph.session import make_session, run
 
     fp32, wo = wo_engines
     manifest = Manifest.read(wo)

@@ -26,9 +26,9 @@ def _optimized(k: int, n: int, op: str, tmp: Path, skip_norm: bool = False) -> t
     "SiluMul" (SiLU(first half) * second); ``skip_norm``: a residual + RMSNorm after it."""
     from onnx import TensorProto
 
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.graph.builder import GraphBuilder
     from autoglm_trt.graph.qdq import int4_weight_dq
-    from autoglm_trt.graph.session import make_session
 
     qw = quantize_int4_blocks((np.random.default_rng(k * n).standard_normal((k, n)) * 0.05).astype(F32), 32, False)
     g = GraphBuilder(tmp / "m.onnx.data")
@@ -74,7 +74,7 @@ def test_it_computes_the_reference_bit_for_bit(kernel_library, tmp_path, k, n, o
     """Every row count the kernel splits differently (a decode step, groups of 4 with rows left
     over, a prefill's chunks) gives numpy's float32 arithmetic exactly, on every build; ONNX
     Runtime's own MatMulNBits (the same quantization, its own order of sums) is close."""
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     model, qw = _optimized(k, n, op, tmp_path)
     x = np.random.default_rng(rows).standard_normal((1, rows, k)).astype(F32)
@@ -177,7 +177,7 @@ def test_int8_block_linear_computes_the_reference_bit_for_bit(kernel_library, k,
     int4-awq engine's LM head (576 x 49152 on SmolLM2) among the shapes."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.quant.int8 import quantize_weight_blocks
     from autoglm_trt.quant.plan import WEIGHT_BLOCK
 
@@ -232,7 +232,7 @@ def test_float16_scales_of_every_size_are_read_exactly(kernel_library, op):
     arithmetic bit for bit."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     k, n, rows = 96, 48, 5
     rng = np.random.default_rng(len(op))

@@ -27,7 +27,7 @@ def _inputs_instead(model, arrays: dict[str, np.ndarray] | None = None):
 
 
 def _both_ways(library, model, feeds: dict[str, np.ndarray], arrays: dict | None = None) -> None:
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     constant = make_session(model.SerializeToString(), threads=2, custom_ops=library, initializers=arrays)
     fed, values = _inputs_instead(model, arrays)

@@ -57,7 +57,7 @@ def test_it_equals_onnx_runtime_bit_for_bit(kernel_library, k, n, op, rows):
     items of 128 rows, the last partial)."""
     import onnx
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     model = _model(k, n, op)
     plain = make_session(model.SerializeToString(), threads=2)
@@ -82,7 +82,7 @@ def test_silu_times_up_equals_onnx_runtime_over_the_whole_float_range(kernel_lib
     ordinary activations; bit for bit ONNX Runtime's QuickGelu and Mul (NaN where they give NaN)."""
     import onnx
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     eye = np.eye(16, dtype=np.float32)
     model = _model(16, 32, "SiluMul", np.concatenate([eye, eye], axis=1))
@@ -127,7 +127,7 @@ def test_the_skip_norm_form_is_onnx_runtimes_residual_and_rmsnorm(kernel_library
     import onnx
     from onnx import helper, numpy_helper
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     k, n = 1536, 576
     rng = np.random.default_rng(rows)

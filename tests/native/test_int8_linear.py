@@ -34,7 +34,7 @@ def _linear_session(library, k: int, n: int, b: int, scale: float, zero: int, w:
     with alpha 1, Mul) -> silu_ref, and x -> Int8LinearSiluMul -> silu."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
     from autoglm_trt.quant.hadamard import hadamard
 
     packed, sums = pack_weights(w)
@@ -163,7 +163,7 @@ def test_the_skip_norm_form_is_onnx_runtimes_residual_and_rmsnorm(kernel_library
     from onnx import helper
     from test_float_linear import skip_norm_graph
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     k, n = 576, 576
     rng = np.random.default_rng(rows)

@@ -26,7 +26,7 @@ def _optimized(k: int, n: int, op: str, tmp: Path, skip_norm: bool = False):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     rng = np.random.default_rng(k * n)
     q, scale = quantize_weight_blocks((rng.standard_normal((k, n)) * 0.05).astype(np.float32), WEIGHT_BLOCK)
@@ -79,7 +79,7 @@ def test_it_computes_the_reference_bit_for_bit(kernel_library, tmp_path, k, n, o
     and that is the dequantized weights' product to within the activations' 16-bit rounding:
     ONNX Runtime's MatMulNBits at accuracy level 4 (activations to int8) is off by over 50 times
     more."""
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     model, w, qw = _optimized(k, n, op, tmp_path)
     x = np.random.default_rng(rows).standard_normal((1, rows, k)).astype(np.float32)

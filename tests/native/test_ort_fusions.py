@@ -7,7 +7,7 @@ import onnx
 
 from autoglm_trt.artifacts import Manifest
 from autoglm_trt.backends.onnxrt.passes.skip_norm import skip_rms_norm
-from autoglm_trt.graph.session import make_session
+from autoglm_trt.backends.onnxrt.session import make_session
 from autoglm_trt.kvcache.host_pools import KVPools
 from autoglm_trt.kvcache.step_inputs import SeqState, step_inputs
 

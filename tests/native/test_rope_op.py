@@ -12,7 +12,7 @@ from autoglm_trt.model.rope import rotate_half_matrix
 def _rope_session(library, hq: int, hkv: int, d: int):
     from onnx import TensorProto, helper, numpy_helper
 
-    from autoglm_trt.graph.session import make_session
+    from autoglm_trt.backends.onnxrt.session import make_session
 
     node = helper.make_node("RopeQKV", ["qkv", "cos", "sin", "index", "value", "heads"], ["q", "k", "v"],
                             domain="autoglm.trt")

@@ -1,9 +1,13 @@
 """The package's layering, checked on the source: nothing imports upward or across stages.
 
     cli ─► serve ─► runtime;  cli ─► builder ─► export, calib (stage entry points)
-           runtime, export, calib, evaluate ─► backends ─► graph ─► artifacts ─► model ─► errors, fileutil, progress,
-           precisions
-           graph and everything above it ─► kvcache, quant (numpy only);  backends, calib, cli ─► native (stdlib only)
+           runtime, export, calib, evaluate ─► backends ─► kvcache ─► graph ─► artifacts ─► model ─► errors,
+           fileutil, progress, precisions
+           graph and everything above it ─► quant (numpy only);  backends, calib, cli ─► native (stdlib only)
+
+The ONNX Runtime sessions that run a graph offline (export's validation, calibration, eval) are
+the ONNX Runtime backend's (``backends/onnxrt/offline.py``); ``graph`` writes graphs and runs none,
+and the KV cache's host side names its pools by the graph's names (``kvcache`` ─► ``graph``).
 
 Every import of an ``autoglm_trt`` module (absolute or relative, at any depth in a function)
 is resolved to its top-level part and must be in the importer's allowed set below.
@@ -19,26 +23,27 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "autoglm_trt"
 BASE = {"errors", "fileutil", "progress", "precisions"}
 LOWER = {
-    "kvcache": set(),
+    "kvcache": {"graph"},  # the pools' names (graph.names)
     "native": set(),
     "quant": set(),
     "model": BASE,
     "artifacts": BASE | {"model"},
-    "graph": BASE | {"model", "artifacts", "kvcache", "quant"},
+    "graph": BASE | {"model", "artifacts", "quant"},
     "backends": BASE | {"model", "artifacts", "graph", "kvcache", "native", "quant"},
 }
-STAGE = BASE | {"model", "artifacts", "graph", "kvcache", "quant"}
+SERVING = BASE | {"model", "artifacts", "graph", "kvcache", "quant"}  # serve and triton reach backends via runtime
+STAGE = SERVING | {"backends"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "fileutil": {"errors"}, "progress": set(), "precisions": {"errors"},
     **LOWER,
     "export": STAGE,
     "calib": STAGE | {"native"},  # the native library's statistics kernels
-    "evaluate": STAGE | {"backends"},
-    "runtime": STAGE | {"backends"},
-    "builder": STAGE | {"backends", "export", "calib"},
-    "serve": STAGE | {"runtime"},
-    "triton": STAGE | {"runtime"},
-    "cli": STAGE | {"backends", "native", "export", "calib", "evaluate", "runtime", "builder", "serve", "triton"},
+    "evaluate": STAGE,
+    "runtime": STAGE,
+    "builder": STAGE | {"export", "calib"},
+    "serve": SERVING | {"runtime"},
+    "triton": SERVING | {"runtime"},
+    "cli": STAGE | {"native", "export", "calib", "evaluate", "runtime", "builder", "serve", "triton"},
     "__main__": {"cli"},
     "__init__": set(),
     "grammars": set(),  # data: the shipped grammars

@@ -70,7 +70,7 @@ class OnnxRuntimeBackend:
 
     def graph_runner(self, manifest: Manifest, threads: int):
         """The native graph where this machine can run it (``runner.open_session``), else the plain one."""
-        from ...graph.runner import GraphRunner
+        from .offline import GraphRunner
         from .passes.common import SLOTS
         from .runner import open_session
 

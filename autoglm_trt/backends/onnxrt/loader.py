@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ...graph.session import make_session
 from ...model.spec import ModelSpec
 from . import passes, weights_arena
+from .session import make_session
 
 OPT_GRAPH, PLAIN_GRAPH = "model.opt.onnx", "model.plain.onnx"
 NATIVE_GRAPH, NATIVE_WEIGHTS = "model.native.onnx", "model.native.bin"

@@ -30,12 +30,11 @@ import numpy as np
 import onnx
 
 from ...graph import names
-from ...graph.session import make_session
 from ...kvcache.host_pools import KVPools, SlotMap
-from ...kvcache.layout import scale_of
 from ...model.spec import ModelSpec
 from . import loader, passes
 from .passes.common import SLOTS
+from .session import make_session
 
 
 def native_graph_here(graphs: dict, target: passes.Target) -> str:
@@ -61,7 +60,7 @@ def open_session(engine_dir: Path, graphs: dict, threads: int, rewritten: passes
     """A session over the engine's native graph where it can run here (``native_graph_here``), else
     over its plain graph; and which attention decode steps run: "native" or "graph (<why>)".
     ``rewritten``: run that graph instead of the saved native one (tests comparing sets of passes).
-    ``spinning``: whether its threads spin waiting for work (``graph.session.session_options``)."""
+    ``spinning``: whether its threads spin waiting for work (``backends.onnxrt.session.session_options``)."""
     target = passes.Target.here()
     if rewritten is not None:
         why = target.why if target.library is None else "" if rewritten.native else "the graph has no native operator"
@@ -96,7 +95,7 @@ class OrtRunner:
         self.spec, self.kv_dtype = spec, np.dtype(kv_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         inputs = {i.name for i in self.session.get_inputs()}
-        self.token_scales = scale_of(names.past_key(0)) in inputs  # an INT8 KV cache with per-token scales
+        self.token_scales = names.scale_of(names.past_key(0)) in inputs  # an INT8 KV cache with per-token scales
         self.pools = KVPools(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype,
                              self.token_scales)
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self.pools.feeds().items()}
@@ -130,7 +129,7 @@ class OrtRunner:
             for kind, name in enumerate((names.new_key(i), names.new_value(i))):
                 outs[name] = made["kv"][kind, i]
                 if self.token_scales:
-                    outs[scale_of(name)] = made["kv_scale"][kind, i]
+                    outs[names.scale_of(name)] = made["kv_scale"][kind, i]
         values = [self._ort.OrtValue.ortvalue_from_numpy(arr) for arr in outs.values()]
         for name, value in zip(outs, values):
             binding.bind_ortvalue_output(name, value)

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from ...artifacts import EngineError, Manifest, inside
-from ...graph.vision_runner import VISION_GRAPH
+from ...graph.vision import VISION_GRAPH
 from ...native import image_attention_bf16, int8_pairs_saturate
 from ...native import library as native_library
 

@@ -13,7 +13,7 @@ reads from files) into memory of its own, so the engine's packed weights are not
 that way: they live here, in one buffer the runner owns, aligned to
 2 MiB and advised ``MADV_HUGEPAGE`` before they are written, then ``MADV_COLLAPSE`` (Linux 6.1+)
 for any part the kernel first gave small pages. The session reads them in place
-(``graph.session``'s ``initializers``). Each step is best effort: where the system has no
+(``backends.onnxrt.session``'s ``initializers``). Each step is best effort: where the system has no
 transparent huge pages (``never``, another OS), the weights sit on ordinary pages and only the
 speed differs (``AnonHugePages`` in ``/proc/self/smaps`` says what the kernel did).
 """

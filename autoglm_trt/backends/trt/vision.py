@@ -2,7 +2,7 @@
 form, ``graph.vision_trt``, with one optimization profile over the patch count,
 ``builder.profiles.vision_profile``; float32 in and out whatever type it computes in).
 
-Same contract as ``graph.vision_runner.VisionEncoder``: ``encode(pixel rows, grid)`` -> the image
+Same contract as ``backends.onnxrt.vision_encoder.VisionEncoder``: ``encode(pixel rows, grid)`` -> the image
 tokens' embeddings, with the per-grid inputs from the host (``grid_inputs``). Device buffers are
 sized once for the profile's largest image; one image a run, under a lock (callers' threads share
 the engine). Imported only for a TensorRT engine; type-checked against ``tensorrt-stubs``.
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ...artifacts import EngineError
-from ...graph.vision_runner import GridInputs
 from ...model.vision import VisionSpec
+from ..onnxrt.vision_encoder import GridInputs
 
 VISION_PLAN = "vision.plan"
 INPUTS = ("pixel_values", "pos_embed", "rope_cos", "rope_sin")

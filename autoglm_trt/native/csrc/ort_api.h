@@ -210,13 +210,9 @@ void release_constants(void *kernel);
   const CustomOp var = CUSTOM_OP(constants_kernel, release_constants, var##_name, types, var##_inputs,           \
                                  float_output, var##_outputs, required, var##_compute);
 
-extern const CustomOp paged_attention, paged_attention_int8, hadamard_quantize, int8_linear, int8_linear_split,
-    rope_qkv, float_linear, float_linear_split, int8_linear_silu_mul, float_linear_silu_mul,
-    int8_linear_skip_norm, float_linear_skip_norm, masked_softmax, int8_weight_linear, int8_weight_linear_split,
-    int8_weight_linear_silu_mul, int8_weight_linear_skip_norm, int4_weight_linear, int4_weight_linear_split,
-    int4_weight_linear_silu_mul, int4_weight_linear_skip_norm, int8_block_linear, int8_block_linear_split,
-    int8_block_linear_silu_mul, int8_block_linear_skip_norm, prefill_attention, prefill_attention_bf16,
-    quantize_kv_rows, image_attention_bf16;
+#define OPERATOR(var) extern const CustomOp var;
+#include "operators.h"
+#undef OPERATOR
 int image_attention_ready(void); /* ImageAttentionBf16 runs here (an AVX-512 build on a CPU with AVX512-BF16) */
 extern const char int8_linear_kernel[]; /* which dot-product instructions Int8Linear was built for */
 extern const char block_linear_kernel[]; /* and Int4WeightLinear's and Int8BlockLinear's */

@@ -46,7 +46,7 @@
 
 #include "ort_api.h"
 #include "parallel.h"
-#include "vec.h" /* with <immintrin.h> where the build has AVX2 */
+#include "simd.h"
 
 /* A past longer than this many positions (rounded down to whole blocks) is split into parts of
  * that size, each its own work item, and their outputs merged (flash-decoding's split of the
@@ -57,60 +57,12 @@
 /* The vector kernels below ("turned" loops) reproduce the roundings of the plain loops further down
  * as GCC vectorizes them for the build's vector width, 512 bits (AVX-512) or 256 (AVX2); the test
  * builds the plain loops too (-DAUTOGLM_LOOP_DOT4) and compares the two builds bit for bit. */
-#if defined(__AVX512F__) && !defined(AUTOGLM_LOOP_DOT4)
-#define TURNED 16 /* lanes of a vector */
-typedef __m512 vf;
-#define VF_ZERO() _mm512_setzero_ps()
-#define VF_LOAD(p) _mm512_loadu_ps(p)
-#define VF_STORE(p, v) _mm512_storeu_ps(p, v)
-#define VF_SET1(x) _mm512_set1_ps(x)
-#define VF_FIRST(v) _mm512_cvtss_f32(v)
-#define VF_WITH_FIRST(v, x) _mm512_mask_mov_ps(v, 1, _mm512_set1_ps(x)) /* x in lane 0 */
-#define VF_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define VF_MUL_ADD(acc, a, b) _mm512_add_ps(acc, _mm512_mul_ps(a, b)) /* two roundings, as the loop's */
-/* sum + (s0, s1, s2, s3)'s lanes 0, 1, ..., 15, added in that order: the four sums are transposed
- * so that t[k] holds lanes k, k + 4, k + 8, k + 12 of all four, one per 128-bit part, and each
- * lane step is one add of four sums */
-static inline __attribute__((always_inline)) __m128 add_lanes(__m128 sum, __m512 s0, __m512 s1, __m512 s2,
-                                                             __m512 s3) {
-  const __m512 lo01 = _mm512_unpacklo_ps(s0, s1), hi01 = _mm512_unpackhi_ps(s0, s1);
-  const __m512 lo23 = _mm512_unpacklo_ps(s2, s3), hi23 = _mm512_unpackhi_ps(s2, s3);
-  const __m512 t[4] = {_mm512_shuffle_ps(lo01, lo23, 0x44), _mm512_shuffle_ps(lo01, lo23, 0xEE),
-                       _mm512_shuffle_ps(hi01, hi23, 0x44), _mm512_shuffle_ps(hi01, hi23, 0xEE)};
-#define LANES(part) /* lanes 4 part .. 4 part + 3, in order */                                               \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[0], part));                                                \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[1], part));                                                \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[2], part));                                                \
-  sum = _mm_add_ps(sum, _mm512_extractf32x4_ps(t[3], part));
-  LANES(0) LANES(1) LANES(2) LANES(3)
-#undef LANES
-  return sum;
-}
-#define I8_KEYS 4 /* int8 key rows scored at once: their chains of lane adds overlap */
-#elif defined(__AVX2__) && !defined(AUTOGLM_LOOP_DOT4)
-#define TURNED 8
-typedef __m256 vf;
-#define VF_ZERO() _mm256_setzero_ps()
-#define VF_LOAD(p) _mm256_loadu_ps(p)
-#define VF_STORE(p, v) _mm256_storeu_ps(p, v)
-#define VF_SET1(x) _mm256_set1_ps(x)
-#define VF_FIRST(v) _mm256_cvtss_f32(v)
-#define VF_WITH_FIRST(v, x) _mm256_blend_ps(v, _mm256_set1_ps(x), 1)
-#define VF_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define VF_MUL_ADD(acc, a, b) _mm256_add_ps(acc, _mm256_mul_ps(a, b))
-/* sum + (s0, s1, s2, s3)'s lanes 0, 1, ..., 7 in that order: t[k] holds lanes k and k + 4 of all four,
- * one per 128-bit half */
-static inline __attribute__((always_inline)) __m128 add_lanes(__m128 sum, __m256 s0, __m256 s1, __m256 s2,
-                                                             __m256 s3) {
-  const __m256 lo01 = _mm256_unpacklo_ps(s0, s1), hi01 = _mm256_unpackhi_ps(s0, s1);
-  const __m256 lo23 = _mm256_unpacklo_ps(s2, s3), hi23 = _mm256_unpackhi_ps(s2, s3);
-  const __m256 t[4] = {_mm256_shuffle_ps(lo01, lo23, 0x44), _mm256_shuffle_ps(lo01, lo23, 0xEE),
-                       _mm256_shuffle_ps(hi01, hi23, 0x44), _mm256_shuffle_ps(hi01, hi23, 0xEE)};
-  for (int k = 0; k < 4; k++) sum = _mm_add_ps(sum, _mm256_castps256_ps128(t[k]));
-  for (int k = 0; k < 4; k++) sum = _mm_add_ps(sum, _mm256_extractf128_ps(t[k], 1));
-  return sum;
-}
-#define I8_KEYS 1 /* four keys' 64 sums would not fit AVX2's 16 registers */
+#if SIMD_LANES && !defined(AUTOGLM_LOOP_DOT4)
+#define TURNED SIMD_LANES /* lanes of a vector */
+/* int8 key rows scored at once, their chains of lane adds overlapping; on AVX2 one: four keys' 64
+ * sums would not fit its 16 registers */
+#define I8_KEYS (TURNED == 16 ? 4 : 1)
+#define MUL_ADD(acc, a, b) vf_add(acc, vf_mul(a, b)) /* two roundings, as the loop's */
 #endif
 
 #ifdef TURNED
@@ -129,25 +81,25 @@ static inline __attribute__((always_inline)) void dot4_f32_keys(const float *x, 
                                                                 int keys, float *out) {
   vf s[F32_KEYS][4];
   for (int k = 0; k < keys; k++)
-    for (int r = 0; r < 4; r++) s[k][r] = VF_ZERO();
+    for (int r = 0; r < 4; r++) s[k][r] = vf_zero();
   int64_t i = 0;
   for (; i + TURNED <= n; i += TURNED) {
     vf qv[4];
-    for (int r = 0; r < 4; r++) qv[r] = VF_LOAD(q[r] + i);
+    for (int r = 0; r < 4; r++) qv[r] = vf_load(q[r] + i);
     for (int k = 0; k < keys; k++) {
-      const vf v = VF_LOAD(x + k * n + i);
-      for (int r = 0; r < 4; r++) s[k][r] = VF_MUL_ADD(s[k][r], qv[r], v);
+      const vf v = vf_load(x + k * n + i);
+      for (int r = 0; r < 4; r++) s[k][r] = MUL_ADD(s[k][r], qv[r], v);
     }
   }
   for (int k = 0; k < keys && i < n; k++) { /* the rest, one element at a time, into lane 0 */
     float rest[4];
-    for (int r = 0; r < 4; r++) rest[r] = VF_FIRST(s[k][r]);
+    for (int r = 0; r < 4; r++) rest[r] = vf_first(s[k][r]);
     for (int64_t j = i; j < n; j++)
       for (int r = 0; r < 4; r++) rest[r] += q[r][j] * x[k * n + j];
-    for (int r = 0; r < 4; r++) s[k][r] = VF_WITH_FIRST(s[k][r], rest[r]);
+    for (int r = 0; r < 4; r++) s[k][r] = vf_with_first(s[k][r], rest[r]);
   }
   for (int k = 0; k < keys; k++)
-    _mm_storeu_ps(out + 4 * k, add_lanes(_mm_setzero_ps(), s[k][0], s[k][1], s[k][2], s[k][3]));
+    _mm_storeu_ps(out + 4 * k, vf_add_lanes4(_mm_setzero_ps(), s[k][0], s[k][1], s[k][2], s[k][3]));
 }
 
 static inline __attribute__((always_inline)) void dot4_f32_vec(const float *x, const float *a, const float *b,
@@ -171,17 +123,17 @@ static inline __attribute__((always_inline)) void dot4_i8_keys(const int8_t *x, 
   vf s[I8_KEYS][4][4]; /* key, row, vector */
   for (int k = 0; k < keys; k++)
     for (int r = 0; r < 4; r++)
-      for (int v = 0; v < 4; v++) s[k][r][v] = VF_ZERO();
+      for (int v = 0; v < 4; v++) s[k][r][v] = vf_zero();
   for (int64_t i = 0; i < n; i += 4 * TURNED)
     for (int k = 0; k < keys; k++)
       for (int v = 0; v < 4; v++) {
-        const vf xf = VF_LOAD_I8(x + k * n + i + TURNED * v);
-        for (int r = 0; r < 4; r++) s[k][r][v] = VF_MUL_ADD(s[k][r][v], VF_LOAD(q[r] + i + TURNED * v), xf);
+        const vf xf = vf_load_i8(x + k * n + i + TURNED * v);
+        for (int r = 0; r < 4; r++) s[k][r][v] = MUL_ADD(s[k][r][v], vf_load(q[r] + i + TURNED * v), xf);
       }
   __m128 sum[I8_KEYS];
   for (int k = 0; k < keys; k++) sum[k] = _mm_setzero_ps();
   for (int v = 0; v < 4; v++)
-    for (int k = 0; k < keys; k++) sum[k] = add_lanes(sum[k], s[k][0][v], s[k][1][v], s[k][2][v], s[k][3][v]);
+    for (int k = 0; k < keys; k++) sum[k] = vf_add_lanes4(sum[k], s[k][0][v], s[k][1][v], s[k][2][v], s[k][3][v]);
   for (int k = 0; k < keys; k++) _mm_storeu_ps(out + 4 * k, sum[k]);
 }
 
@@ -288,22 +240,22 @@ DEFINE_BLOCK_SCORES(i8, int8_t, I8_KEYS)
     (void)v_scale; /* float32 pools have none */                                                           \
     vf acc[ROWS][CHUNKS];                                                                                  \
     for (int r = 0; r < ROWS; r++)                                                                         \
-      for (int c = 0; c < CHUNKS; c++) acc[r][c] = VF_LOAD(orow[r] + col + TURNED * c);                    \
+      for (int c = 0; c < CHUNKS; c++) acc[r][c] = vf_load(orow[r] + col + TURNED * c);                    \
     for (int64_t m = 0; m * BS < ctx; m++) {                                                               \
       const int64_t block = table[m];                                                                      \
       const int64_t n = ctx - m * BS < BS ? ctx - m * BS : BS;                                             \
       for (int64_t s = 0; s < n; s++) {                                                                    \
         const T *v = (const T *)pool_v + (block * BS + s) * D + col;                                       \
         vf w[ROWS];                                                                                        \
-        for (int r = 0; r < ROWS; r++) w[r] = VF_SET1(WEIGHT(scores[r * width + m * BS + s], v_scale));    \
+        for (int r = 0; r < ROWS; r++) w[r] = vf_set1(WEIGHT(scores[r * width + m * BS + s], v_scale));    \
         for (int c = 0; c < CHUNKS; c++) {                                                                 \
           const vf vc = LOAD(v + TURNED * c);                                                              \
-          for (int r = 0; r < ROWS; r++) acc[r][c] = VF_MUL_ADD(acc[r][c], w[r], vc);                      \
+          for (int r = 0; r < ROWS; r++) acc[r][c] = MUL_ADD(acc[r][c], w[r], vc);                      \
         }                                                                                                  \
       }                                                                                                    \
     }                                                                                                      \
     for (int r = 0; r < ROWS; r++)                                                                         \
-      for (int c = 0; c < CHUNKS; c++) VF_STORE(orow[r] + col + TURNED * c, acc[r][c]);                    \
+      for (int c = 0; c < CHUNKS; c++) vf_store(orow[r] + col + TURNED * c, acc[r][c]);                    \
   }
 #define AS_IS(score, scale) (score)
 #define SCALED(score, scale) ((score) * (scale))
@@ -322,8 +274,8 @@ typedef void (*ValuesFn)(float *const *, const float *, int64_t, const void *, f
   DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 2, 4)                                                             \
   DEFINE_VALUES(SUFFIX, T, LOAD, WEIGHT, 3, 4)                                                             \
   MORE_VALUES(SUFFIX, T, LOAD, WEIGHT)
-DEFINE_VALUES_OF(f32, float, VF_LOAD, AS_IS)
-DEFINE_VALUES_OF(i8, int8_t, VF_LOAD_I8, SCALED)
+DEFINE_VALUES_OF(f32, float, vf_load, AS_IS)
+DEFINE_VALUES_OF(i8, int8_t, vf_load_i8, SCALED)
 
 /* the functions for a group of g rows (fns[g - 1]), the most rows a group takes, the columns one
  * call covers (span), and the positions one call covers (0: all; AVX2: one block, so that a

@@ -47,7 +47,7 @@
 #include "amx.h"
 #include "ort_api.h"
 #include "parallel.h"
-#include "vec.h"
+#include "simd.h"
 
 #define QROWS 32          /* query rows a work item takes */
 #define MASKED (-1.0e8f)  /* a bias at or below this masks its key */
@@ -66,28 +66,12 @@ typedef struct {
                       * [Hkv, B, KP / KEYS, KEYS / 2, D, 2] values, AMX's B tiles; NULL: float32 */
 } Job;
 
-#if defined(__FMA__) && (defined(__AVX512F__) || defined(__AVX2__))
-#include <immintrin.h>
+#if SIMD_LANES && SIMD_FMA
 const int prefill_attention_built = 1;
-#if defined(__AVX512F__)
-#define VL 16
-#define KEYS 64 /* keys a step takes: more keys share each row's softmax bookkeeping */
-typedef __m512 vf;
-#define vload _mm512_loadu_ps
-#define vstore _mm512_storeu_ps
-#define vset1 _mm512_set1_ps
-#define vfma _mm512_fmadd_ps
-#define vzero _mm512_setzero_ps
-#else
-#define VL 8
-#define KEYS 16 /* with 8-wide vectors more ran no faster (docs/native.md) */
-typedef __m256 vf;
-#define vload _mm256_loadu_ps
-#define vstore _mm256_storeu_ps
-#define vset1 _mm256_set1_ps
-#define vfma _mm256_fmadd_ps
-#define vzero _mm256_setzero_ps
-#endif
+#define VL SIMD_LANES
+/* keys a step takes: more keys share each row's softmax bookkeeping (with 8-wide vectors more ran
+ * no faster, docs/native.md) */
+#define KEYS (VL == 16 ? 64 : 16)
 #define KV (KEYS / VL)       /* vectors of a step's keys */
 #define SROWS ((VL == 16 ? 256 : 64) / KEYS) /* rows of scores in registers at a time: 16 or 8 accumulators */
 #define PAD (SROWS > 4 ? SROWS : 4) /* rows are padded to a multiple of this (weigh takes 4 at a time) */
@@ -99,15 +83,15 @@ static void scores(const float *q, int rows, const float *kt, int64_t d, float (
   for (int r0 = 0; r0 < rows; r0 += SROWS) {
     vf acc[SROWS][KV];
     for (int r = 0; r < SROWS; r++)
-      for (int v = 0; v < KV; v++) acc[r][v] = vzero();
+      for (int v = 0; v < KV; v++) acc[r][v] = vf_zero();
     for (int64_t i = 0; i < d; i++) {
       vf k[KV];
-      for (int v = 0; v < KV; v++) k[v] = vload(kt + i * KEYS + v * VL);
+      for (int v = 0; v < KV; v++) k[v] = vf_load(kt + i * KEYS + v * VL);
       for (int r = 0; r < SROWS; r++)
-        for (int v = 0; v < KV; v++) acc[r][v] = vfma(vset1(q[(r0 + r) * d + i]), k[v], acc[r][v]);
+        for (int v = 0; v < KV; v++) acc[r][v] = vf_fma(vf_set1(q[(r0 + r) * d + i]), k[v], acc[r][v]);
     }
     for (int r = 0; r < SROWS; r++)
-      for (int v = 0; v < KV; v++) vstore(s[r0 + r] + v * VL, acc[r][v]);
+      for (int v = 0; v < KV; v++) vf_store(s[r0 + r] + v * VL, acc[r][v]);
   }
 }
 
@@ -118,15 +102,15 @@ static void weigh(float *o, int rows, const float (*p)[KEYS], const float *const
     for (int64_t i = 0; i < d; i += DV * VL) {
       vf acc[4][DV];
       for (int r = 0; r < 4; r++)
-        for (int v = 0; v < DV; v++) acc[r][v] = vload(o + (r0 + r) * d + i + v * VL);
+        for (int v = 0; v < DV; v++) acc[r][v] = vf_load(o + (r0 + r) * d + i + v * VL);
       for (int c = 0; c < count; c++) {
         vf x[DV];
-        for (int v = 0; v < DV; v++) x[v] = vload(values[c] + i + v * VL);
+        for (int v = 0; v < DV; v++) x[v] = vf_load(values[c] + i + v * VL);
         for (int r = 0; r < 4; r++)
-          for (int v = 0; v < DV; v++) acc[r][v] = vfma(vset1(p[r0 + r][c]), x[v], acc[r][v]);
+          for (int v = 0; v < DV; v++) acc[r][v] = vf_fma(vf_set1(p[r0 + r][c]), x[v], acc[r][v]);
       }
       for (int r = 0; r < 4; r++)
-        for (int v = 0; v < DV; v++) vstore(o + (r0 + r) * d + i + v * VL, acc[r][v]);
+        for (int v = 0; v < DV; v++) vf_store(o + (r0 + r) * d + i + v * VL, acc[r][v]);
     }
 }
 
@@ -173,82 +157,40 @@ static void classify(void *data, size_t item) {
 /* the scores s of rows [0, rows) and keys [k0, k0 + count) with their bias (row r's at bias + r
  * width; NULL: 0 everywhere), as weights (0 for rows [rows, padded)): the rows' maxima m, sums l
  * and weighted values o rescaled to the new maxima */
-#if VL == 16
 static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const float *bias, int64_t width,
                        int64_t k0, float *m, float *l, float *o, int64_t d) {
   float top[QROWS], alpha[QROWS + VL];
   memset(s[rows], 0, (size_t)(padded - rows) * sizeof s[0]);
   for (int r = 0; r < rows; r++) { /* the scores with their bias, and the rows' new maxima */
-    __m512 high = _mm512_set1_ps(m[r]);
+    vf high = vf_set1(m[r]);
     for (int u = 0; u < KV; u++) {
-      const int left = count - u * VL;
-      const __mmask16 open = left >= VL ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-      __m512 v = _mm512_loadu_ps(s[r] + u * VL);
-      if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(open, bias + r * width + k0 + u * VL));
-      v = _mm512_mask_blend_ps(open, _mm512_set1_ps(-FLT_MAX), v);
-      _mm512_storeu_ps(s[r] + u * VL, v);
-      high = _mm512_max_ps(high, v);
+      const vmask open = vmask_first(count - u * VL);
+      vf v = vf_load(s[r] + u * VL);
+      if (bias != NULL) v = vf_add(v, vf_maskz_load(open, bias + r * width + k0 + u * VL));
+      v = vf_select(open, vf_set1(-FLT_MAX), v);
+      vf_store(s[r] + u * VL, v);
+      high = vf_max(high, v);
     }
-    top[r] = _mm512_reduce_max_ps(high);
+    top[r] = vf_hmax(high);
   }
-  for (int r = 0; r < rows; r += VL) { /* the old sums' factors, 16 rows at a time (past rows: e^0) */
-    const __mmask16 here = rows - r >= VL ? 0xFFFF : (__mmask16)((1u << (rows - r)) - 1);
-    const __m512 old = _mm512_maskz_loadu_ps(here, m + r), high = _mm512_maskz_loadu_ps(here, top + r);
-    _mm512_storeu_ps(alpha + r, mlas_exp16(_mm512_sub_ps(old, high)));
+  for (int r = 0; r < rows; r += VL) { /* the old sums' factors, VL rows at a time (past rows: e^0) */
+    const vmask here = vmask_first(rows - r);
+    const vf old = vf_maskz_load(here, m + r), high = vf_maskz_load(here, top + r);
+    vf_store(alpha + r, vf_exp_nonpositive(vf_sub(old, high)));
   }
   for (int r = 0; r < rows; r++) {
-    __m512 sum = _mm512_setzero_ps();
+    vf sum = vf_zero();
     for (int u = 0; u < KV; u++) {
-      const __m512 e = mlas_exp16(_mm512_sub_ps(_mm512_loadu_ps(s[r] + u * VL), _mm512_set1_ps(top[r])));
-      _mm512_storeu_ps(s[r] + u * VL, e);
-      sum = _mm512_add_ps(sum, e);
+      const vf e = vf_exp_nonpositive(vf_sub(vf_load(s[r] + u * VL), vf_set1(top[r])));
+      vf_store(s[r] + u * VL, e);
+      sum = vf_add(sum, e);
     }
     if (alpha[r] != 1.0f)
-      for (int64_t i = 0; i < d; i += VL)
-        _mm512_storeu_ps(o + r * d + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), _mm512_set1_ps(alpha[r])));
-    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+      for (int64_t i = 0; i < d; i += VL) vf_store(o + r * d + i, vf_mul(vf_load(o + r * d + i), vf_set1(alpha[r])));
+    l[r] = l[r] * alpha[r] + vf_hsum(sum);
     m[r] = top[r];
   }
 }
-#else
-/* as above, 8 lanes a vector: masks from lane numbers, maskload for the bias past ``count`` */
-static void to_weights(float (*s)[KEYS], int rows, int padded, int count, const float *bias, int64_t width,
-                       int64_t k0, float *m, float *l, float *o, int64_t d) {
-  float top[QROWS], alpha[QROWS + VL];
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  memset(s[rows], 0, (size_t)(padded - rows) * sizeof s[0]);
-  for (int r = 0; r < rows; r++) { /* the scores with their bias, and the rows' new maxima */
-    __m256 high = _mm256_set1_ps(m[r]);
-    for (int u = 0; u < KV; u++) {
-      const __m256i open = _mm256_cmpgt_epi32(_mm256_set1_epi32(count - u * VL), lanes);
-      __m256 v = _mm256_loadu_ps(s[r] + u * VL);
-      if (bias != NULL) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + r * width + k0 + u * VL, open));
-      v = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), v, _mm256_castsi256_ps(open));
-      _mm256_storeu_ps(s[r] + u * VL, v);
-      high = _mm256_max_ps(high, v);
-    }
-    top[r] = hmax8(high);
-  }
-  for (int r = 0; r < rows; r += VL) { /* the old sums' factors, 8 rows at a time (past rows: e^0) */
-    const __m256i here = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows - r), lanes);
-    const __m256 old = _mm256_maskload_ps(m + r, here), high = _mm256_maskload_ps(top + r, here);
-    _mm256_storeu_ps(alpha + r, exp8_nonpositive(_mm256_sub_ps(old, high)));
-  }
-  for (int r = 0; r < rows; r++) {
-    __m256 sum = _mm256_setzero_ps();
-    for (int u = 0; u < KV; u++) {
-      const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s[r] + u * VL), _mm256_set1_ps(top[r])));
-      _mm256_storeu_ps(s[r] + u * VL, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    if (alpha[r] != 1.0f)
-      for (int64_t i = 0; i < d; i += VL)
-        _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(_mm256_loadu_ps(o + r * d + i), _mm256_set1_ps(alpha[r])));
-    l[r] = l[r] * alpha[r] + hsum8(sum);
-    m[r] = top[r];
-  }
-}
-#endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__x86_64__) && defined(__linux__)
 #define BF16_TILES 1 /* AMX is compiled into this build (amx.c) */

@@ -72,16 +72,11 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     return ((CreateStatusFn)oldest[API_CREATE_STATUS])(ORT_FAIL, "autoglm-trt's native library needs ONNX Runtime "
                                                                  "1.18 or later; upgrade onnxruntime");
   }
-  static const CustomOp *const ops[] = {&paged_attention, &paged_attention_int8, &hadamard_quantize, &int8_linear,
-                                         &int8_linear_split, &rope_qkv, &float_linear, &float_linear_split,
-                                         &int8_linear_silu_mul, &float_linear_silu_mul, &int8_linear_skip_norm,
-                                         &float_linear_skip_norm, &masked_softmax, &int8_weight_linear,
-                                         &int8_weight_linear_split, &int8_weight_linear_silu_mul,
-                                         &int8_weight_linear_skip_norm, &int4_weight_linear,
-                                         &int4_weight_linear_split, &int4_weight_linear_silu_mul,
-                                         &int4_weight_linear_skip_norm, &int8_block_linear, &int8_block_linear_split,
-                                         &int8_block_linear_silu_mul, &int8_block_linear_skip_norm, &prefill_attention,
-                                         &prefill_attention_bf16, &quantize_kv_rows, &image_attention_bf16};
+  static const CustomOp *const ops[] = {
+#define OPERATOR(var) &var,
+#include "operators.h"
+#undef OPERATOR
+  };
   if (domain == NULL) {
     OrtStatus *status = API(API_CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("autoglm.trt", &domain);
     for (size_t i = 0; status == NULL && i < sizeof ops / sizeof ops[0]; i++)

@@ -10,7 +10,7 @@ weight zero points. Output: each such pair as one ``autoglm.trt.Int8Linear``
 dot-product instruction. The packed weights are
 not serialized into the graph: they come back as arrays, all in one buffer on huge pages
 (``weights_arena.py``), which the session reads in place (``SessionOptions.add_initializer``,
-``graph.session``), and the graph declares them as external data of their type and shape. The
+``backends.onnxrt.session``), and the graph declares them as external data of their type and shape. The
 original weights leave the graph, so the process holds one copy of them, as before.
 
 With ``fma`` (the native library has fused multiply-add), each float linear (``MatMul`` or

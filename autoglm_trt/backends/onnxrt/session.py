@@ -34,7 +34,7 @@ def session_options(threads: int | None = None, optimize: bool = True, external_
     its optimized graph never runs (a second copy of every weight: a 9B's would not fit)."""
     import onnxruntime as ort
 
-    from ..errors import AutoGLMError
+    from ...errors import AutoGLMError
 
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
@@ -78,7 +78,7 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
     ``session_options``."""
     import onnxruntime as ort
 
-    from ..errors import AutoGLMError
+    from ...errors import AutoGLMError
 
     if device not in DEVICES:
         raise AutoGLMError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")

@@ -1,5 +1,6 @@
 """GLM-4.1V's vision encoder at run time: one image's pixel rows and grid in, its image-token
-embeddings out (``graph.vision``'s graph in an ONNX Runtime session).
+embeddings out (``graph.vision``'s graph in an ONNX Runtime session; TensorRT's encoder,
+``backends.trt.vision``, shares its per-grid inputs).
 
 The graph's per-grid inputs (the resampled position embedding and the 2-D rope tables,
 ``model.vision``) depend on the grid alone; phone screenshots of one device share it, so the
@@ -15,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.vision import VisionSpec, resampled_positions, rope_tables
+from ...graph.vision import VISION_GRAPH, VISION_POSITIONS
+from ...model.vision import VisionSpec, resampled_positions, rope_tables
 from .session import make_session
 
 GRID_CACHE = 4
-VISION_GRAPH = "vision.onnx"
-VISION_POSITIONS = "vision_positions.npy"  # the encoder's learned position table [S * S, hidden]
 
 
 class GridInputs:

@@ -1,26 +1,29 @@
-"""Run a model directory's graph for whole-sequence logits.
+"""Running a graph offline, on ONNX Runtime: whole-sequence logits, and a batch's tensors.
 
-Input: a model directory with ``export.json`` (its ``graph.file`` names the ONNX file) and
-token windows. Output: logits at every position, from a prefill with an empty paged cache.
-Used by ``eval`` and by calibration's accuracy gate.
+``GraphRunner``: a model directory with ``export.json`` (its ``graph.file`` names the ONNX file)
+and token windows in, logits at every position out, from a prefill with an empty paged cache
+(``eval``, the accuracy gate, export's validation). ``BoundSession``: any graph's session run
+with chosen outputs written into buffers kept between batches (calibration's statistics passes,
+whole-graph and layer by layer). ``prefill_feeds`` makes a prefill's inputs for either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..artifacts import ExportRecord, inside
-from ..errors import AutoGLMError
-from ..kvcache.host_pools import KVPools
-from ..kvcache.layout import blocks_needed, scale_of
-from ..kvcache.step_inputs import MRope, PromptImages, SeqState, StepImages, step_inputs
-from ..model.spec import ModelSpec
-from ..precisions import precision
-from . import names
+from ...artifacts import ExportRecord, inside
+from ...errors import AutoGLMError
+from ...graph import names
+from ...kvcache.host_pools import KVPools
+from ...kvcache.layout import blocks_needed
+from ...kvcache.step_inputs import MRope, PromptImages, SeqState, StepImages, step_inputs
+from ...model.spec import ModelSpec
+from ...precisions import precision
 from .session import make_session, run
 
 
@@ -92,7 +95,7 @@ class GraphRunner:
             # an INT8 Q/DQ graph as the engines compute it (exact integer products), on any CPU
             session = make_session(path, threads=threads, float_qdq=precision(self.record.precision).model == "int8")
         self.session = session
-        self.token_scales = scale_of(names.past_key(0)) in {i.name for i in session.get_inputs()}
+        self.token_scales = names.scale_of(names.past_key(0)) in {i.name for i in session.get_inputs()}
 
     def logits(self, windows: np.ndarray) -> np.ndarray:
         """float32 logits ``[batch, seq_len, vocab]`` of a batch of equal-length windows."""
@@ -123,3 +126,34 @@ class GraphRunner:
             for st in states:
                 st.num_computed_tokens += len(chunk[0])
         return out
+
+
+class BoundSession:
+    """A session run with its ``outputs`` written straight into buffers kept from one batch to the
+    next (no allocation and copy of every requested tensor per batch), made again when a batch's
+    (rows, tokens) changes; ``shapes`` make each buffer's shape of those, ``dtypes`` its type
+    (float32 by default). Feeds the session has no input for are left out."""
+
+    def __init__(self, session: Any, outputs: list[str], shapes: list[Callable[[int, int], tuple[int, ...]]],
+                 dtypes: list[np.dtype] | None = None):
+        self.session, self.outputs, self.shapes = session, outputs, shapes
+        self.dtypes = dtypes or [np.dtype(np.float32)] * len(outputs)
+        self.wanted = {i.name for i in session.get_inputs()}
+        self.buffers: list[np.ndarray] = []
+        self.key: tuple[int, int] | None = None
+
+    def run(self, feeds: dict[str, np.ndarray], rows: int, tokens: int,
+            into: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """The buffers of ``outputs`` after one run on ``feeds``; ``into``: more outputs, written into
+        the caller's arrays (a group's residual stream, into the next group's input)."""
+        if (rows, tokens) != self.key:
+            self.buffers = [np.empty(shape(rows, tokens), dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
+            self.key = (rows, tokens)
+        binding = self.session.io_binding()
+        for name, arr in feeds.items():
+            if name in self.wanted:
+                binding.bind_cpu_input(name, arr)
+        for name, arr in [*zip(self.outputs, self.buffers), *(into or {}).items()]:
+            binding.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return self.buffers
