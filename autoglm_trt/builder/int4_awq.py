@@ -112,16 +112,9 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
                 log: Callable[[str], None] = print, threads: int | None = None) -> Path:
     """Write (or reuse) the INT4 model of ``export_dir`` in ``out_dir``; returns ``out_dir``."""
     settings.check()
-    export = ExportRecord.read(export_dir)
-    if precision(export.precision).quantized or export.dtype not in ("float32", "float16"):
-        raise AutoGLMError(f"{export_dir} is not a float export; int4-awq is made from a float32 one "
-                           "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
+    export = _float_export(export_dir, settings)
     if not settings.calibrated:
         return _nearest(OpenedExport.of(export, widen=True), out_dir, settings, log)
-    if export.dtype != "float32":
-        raise AutoGLMError(f"{export_dir} is a {export.dtype} export; int4-awq's calibration runs the float32 graph "
-                           "(autoglm-trt export CHECKPOINT -o DIR --dtype float32), or build with --int4-rounding "
-                           "nearest, which reads a float16 export's weights alone")
     opened = OpenedExport.of(export)
     spec = export.spec
     separator = spec.eos_token_ids[0] if spec.eos_token_ids else None
@@ -174,6 +167,20 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
             copy_tokenizer_files(export_dir, tmp)
             write_json(tmp / EXPORT_RECORD, record)
     return out_dir
+
+
+def _float_export(export_dir: Path, settings: Int4Settings) -> ExportRecord:
+    """The record of the float export the INT4 model is made from: float32 for the calibrated
+    rounding (which runs its graph), float32 or float16 for rounding to nearest; else the reason."""
+    export = ExportRecord.read(export_dir)
+    if precision(export.precision).quantized or export.dtype not in ("float32", "float16"):
+        raise AutoGLMError(f"{export_dir} is not a float export; int4-awq is made from a float32 one "
+                           "(autoglm-trt export CHECKPOINT -o DIR, or build from the checkpoint)")
+    if settings.calibrated and export.dtype != "float32":
+        raise AutoGLMError(f"{export_dir} is a {export.dtype} export; int4-awq's calibration runs the float32 graph "
+                           "(autoglm-trt export CHECKPOINT -o DIR --dtype float32), or build with --int4-rounding "
+                           "nearest, which reads a float16 export's weights alone")
+    return export
 
 
 def _nearest(opened: OpenedExport, out_dir: Path, settings: Int4Settings, log: Callable[[str], None]) -> Path:

@@ -345,8 +345,9 @@ def test_the_chat_template_is_part_of_the_windows_hash(smollm2_export, tmp_path)
 def test_a_gate_the_memory_cannot_hold_is_refused_before_the_statistics(tiny_export, tmp_path, monkeypatch):
     import autoglm_trt.calib.pipeline as pipeline
     from autoglm_trt.errors import AutoGLMError
+    from autoglm_trt.graph.exported_weights import ExportedWeights
 
-    weights = pipeline.ExportedWeights(tiny_export).total_bytes()
+    weights = ExportedWeights(tiny_export).total_bytes()
     monkeypatch.setattr(pipeline, "available_memory_bytes", lambda: int(2 * weights))  # under 2.5x the weights
     monkeypatch.setattr(pipeline, "gather", lambda *a, **k: pytest.fail("the statistics pass ran"))
     with pytest.raises(AutoGLMError, match="--no-gate"):
