@@ -1,6 +1,8 @@
 """``int4-awq``: a float32 export -> the same decoder with INT4 weights (AWQ-scaled), float activations.
 
-Input: a float32 export directory and calibration text. Output directory (the build's cache)::
+Input: a float32 export directory and calibration text (or, rounding to nearest without
+calibration, ``Int4Settings.calibrated`` False: a float32 or float16 export alone, ``_nearest``).
+Output directory (the build's cache)::
 
     model.int4.onnx, model.int4.onnx.data   every decoder linear as a DequantizeLinear of INT4
                                             weights in blocks along the input (opset 21), its
