@@ -9,9 +9,9 @@ and interleaved (best time of each kind):
   calibrate   streamed statistics + threshold search (`calibrate --no-gate`; graph writing
               excluded from the ratio, reported apart)
 Prints wall times, the ratio (statistics + search) / forward, and peak RSS over the model's
-own size. Numbers go to the README. ``--profile N``: instead, where the statistics pass of N
-samples spends its time (cProfile of ``calib.collect.collect``; ``AUTOGLM_TRT_NATIVE=0`` for
-the numpy path).
+own size; then where the statistics pass of the first sample count spends its time. Numbers go
+to docs/benchmarks.md. ``--profile N``: only that split, for N samples (cProfile of
+``calib.collect.collect``; ``AUTOGLM_TRT_NATIVE=0`` for the numpy path).
 """
 
 from __future__ import annotations
@@ -136,6 +136,12 @@ def main() -> None:
                      "peak_rss_gb": round(cal["peak_rss_gb"], 2),
                      "peak_rss_over_model_gb": round(cal["peak_rss_gb"] - model_gb, 2)})
         print(json.dumps(rows[-1]), flush=True)
+    first = args.samples.split(",")[0]
+    split = subprocess.run([sys.executable, "-m", __spec__.name, "--export", str(args.export), "--profile", first,
+                            "--batch", str(args.batch), "--seq-len", str(args.seq_len)],
+                           capture_output=True, text=True, check=True, cwd=ROOT)
+    print(json.dumps({"statistics_pass_split": {"samples": int(first),
+                                                **json.loads(split.stdout.strip().splitlines()[-1])}}))
     from autoglm_trt.fileutil import cpu_model
 
     print(f"model weights: {model_gb:.2f} GB; CPU: {cpu_model()}")

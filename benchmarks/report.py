@@ -122,7 +122,14 @@ SECTIONS = (
     Section("llamacpp", "Side by side with llama.cpp", ("benchmarks.bench_llamacpp", "--rounds", "3"),
             "Batch-1 and batch-8 greedy decode and the time to the first token of fresh 1,000- and 4,000-token "
             "prompts: llama.cpp's Q8_0 and Q4_K_M of SmolLM2 against this toolkit's int8 and int4-awq engines."),
-    Section("calibration_cost", "Calibration cost", ("benchmarks.bench_calibration", "--repeats", "3")),
+    Section("calibration_cost", "Calibration cost", ("benchmarks.bench_calibration", "--repeats", "3"),
+            "SmolLM2's 128-token windows in batches of 8: plain ONNX Runtime forward passes (logits only) against "
+            "calibrate's statistics pass and threshold search, each in its own process, interleaved, the best of 3; "
+            "the ratio's goal is 1.1. Then the split of the first sample count's pass (cProfile): onnxruntime_run_s is "
+            "the same forward with every linear's input and each K/V written to the calibration's buffers "
+            "(the forward reuses those in its own arena), native_statistics_s the waits on the per-batch work "
+            "(rows taken, smoothed, Hadamard-rotated and binned on both cores), first_batch_s the SmoothQuant maxima "
+            "and samples."),
     Section("export_9b", "Exporting the GLM-4-9B shape", ("benchmarks.export_9b_shape",),
             "Random weights of the 9B shape written shard by shard, exported to float16: wall time and peak RSS "
             "(needs ~40 GB of disk)."),

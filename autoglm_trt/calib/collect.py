@@ -190,7 +190,8 @@ class Accumulator:
                     stats.sample[name] *= self.inv[name]
         for name in self.names:
             if name in self.rotate:
-                stats.sample[name] = rotate_rows(stats.sample[name], self.rotate[name])
+                rotate = self.native.rotate if self.native is not None else rotate_rows
+                stats.sample[name] = rotate(stats.sample[name], self.rotate[name])
         self.v_scales = value_scales(self.spec, stats.smooth)  # the smoothing is fixed from the first batch on
         self.first = False
 

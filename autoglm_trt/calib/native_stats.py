@@ -3,12 +3,11 @@
 After each batch, each histogram takes its token rows of one tensor (the SmoothQuant vector
 applied and the Hadamard rotation done for the Q/DQ graph's histograms), and adds their
 absolute values. numpy does that in several passes over memory on one core
-(``collect.Accumulator``'s fallback); here it is a C pass that takes, scales and makes the rows
-absolute, and one that bins them, run on a thread pool (ctypes and numpy let go of the GIL),
-one histogram per task. A rotation stays numpy's GEMM by the Hadamard blocks, the same call
-as the fallback's, so the values, maxima and counts are those of the numpy path, bit for bit
-(a butterfly transform rounds differently, and the accuracy gate's verdict on SmolLM2 moved
-with it).
+(``collect.Accumulator``'s fallback); here it is a C pass that takes, scales, rotates and makes
+the rows absolute, and one that bins them, run on a thread pool (ctypes and numpy let go of the
+GIL), one histogram per task. The rotation is ``quant.hadamard.rotate_rows``' butterfly in
+float64, the same operations in the same order, so the values, maxima and counts are those of
+the numpy path, bit for bit.
 
 ``native_stats()`` is ``None`` where no build of the native library is installed (no C compiler then, or
 ``AUTOGLM_TRT_NATIVE=0``); calibration then takes the numpy path.
@@ -26,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..quant.hadamard import rotate_rows
+from ..quant.hadamard import hadamard
 from .histogram import AbsHistogram
 
 _F32 = np.dtype(np.float32)
@@ -54,14 +53,14 @@ class NativeStats:
         lib = ctypes.CDLL(library)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._rows = lib.AutoglmTakeRows
-        self._rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int, ptr]
+        self._rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ctypes.c_double, ctypes.c_int, ptr]
         self._rows.restype = ctypes.c_float
-        self._abs_max = lib.AutoglmAbsMax
-        self._abs_max.argtypes = [ptr, i64]
-        self._abs_max.restype = ctypes.c_float
         self._bin = lib.AutoglmBinCount
         self._bin.argtypes = [ptr, i64, ctypes.c_float, ptr, i64]
         self._bin.restype = None
+        self._rotate = lib.AutoglmRotateRows
+        self._rotate.argtypes = [ptr, i64, i64, ctypes.c_double, ptr]
+        self._rotate.restype = ctypes.c_int
         self._scratch = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, 8)),
                                         thread_name_prefix="calib-stats")
@@ -79,12 +78,23 @@ class NativeStats:
         if job.scale is not None:
             scale = np.ascontiguousarray(job.scale, np.float32)
             assert scale.shape == (channels,), (scale.shape, channels)
+        block = job.block if job.block > 1 else 0
+        entry = float(hadamard(block)[0, 0]) if block else 0.0
         m = self._rows(x.ctypes.data, windows, tokens, channels, x.strides[1] // 4, x.strides[0] // 4, stride,
-                       window0, None if scale is None else scale.ctypes.data, int(job.block <= 1), buf.ctypes.data)
-        if job.block > 1:
-            rotated = rotate_rows(buf[:n].reshape(-1, channels), job.block, out=self._buffer("rotated", n))
-            buf, m = rotated.reshape(-1), self._abs_max(rotated.ctypes.data, n)
+                       window0, None if scale is None else scale.ctypes.data, block, entry, 1, buf.ctypes.data)
+        if m < 0:
+            raise MemoryError(f"no memory for a rotation's work buffer of {block} doubles")
         return buf[:n], float(m)
+
+    def rotate(self, x: np.ndarray, block: int) -> np.ndarray:
+        """``quant.hadamard.rotate_rows(x, block)``, bit for bit, in one pass."""
+        x = np.ascontiguousarray(x, np.float32)
+        if x.shape[-1] % block or block & (block - 1):
+            raise ValueError(f"rows of {x.shape[-1]} channels have no Hadamard blocks of {block}")
+        out = np.empty_like(x)
+        if self._rotate(x.ctypes.data, x.size, block, float(hadamard(block)[0, 0]), out.ctypes.data) != 0:
+            raise MemoryError(f"no memory for a rotation's work buffer of {block} doubles")
+        return out
 
     def _buffer(self, use: str, n: int) -> np.ndarray:
         """This thread's float32 scratch for ``use``, at least n values."""

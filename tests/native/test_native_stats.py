@@ -51,8 +51,8 @@ def test_a_kv_head_is_read_in_place_from_the_heads_layout(stats_lib):
         np.testing.assert_array_equal(a, np.abs(kv[:, :, h, :] * scales[h]).ravel())
 
 
-@pytest.mark.parametrize("channels,block", [(576, 64), (1536, 128), (48, 16)])
-def test_rotated_rows_are_numpys_gemm_exactly(stats_lib, channels, block):
+@pytest.mark.parametrize("channels,block", [(576, 64), (1536, 128), (48, 16), (40, 8), (12, 4), (6, 2)])
+def test_rotated_rows_are_numpys_butterfly_exactly(stats_lib, channels, block):
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((2, 6, channels)) * rng.uniform(0.1, 20, channels)).astype(np.float32)
     scale = rng.uniform(0.3, 3.0, channels).astype(np.float32)
@@ -60,6 +60,10 @@ def test_rotated_rows_are_numpys_gemm_exactly(stats_lib, channels, block):
     want = np.abs(rotate_rows(taken_rows(x, 2, 1) * scale, block))
     np.testing.assert_array_equal(a, want.ravel())
     assert m == float(want.max())
+    rows = taken_rows(x, 1, 0)  # the first batch's samples, rotated apart
+    np.testing.assert_array_equal(stats_lib.rotate(rows, block), rotate_rows(rows, block))
+    with pytest.raises(ValueError, match="no Hadamard blocks of 48"):
+        stats_lib.rotate(rows, 48)
 
 
 def test_bin_counts_equal_numpys_including_the_top_bin(stats_lib):

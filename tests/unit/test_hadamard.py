@@ -38,6 +38,24 @@ def test_rotation_spreads_an_outlier_and_keeps_the_product():
     np.testing.assert_allclose(hadamard(128) @ hadamard(128), np.eye(128), atol=1e-6)
 
 
+def test_rotated_rows_exactly():
+    """The butterfly's sums and differences, times H's entry (1/2 for b = 4: exact), and against
+    the GEMM by H in float64 at b = 128 (an entry 1/sqrt(128) rounded to float32) within a float32
+    rounding."""
+    x = np.array([[1, 2, 3, 4, -8, 0.5, 0.25, 3]], np.float32)
+    np.testing.assert_array_equal(rotate_rows(x, 4), [[5, -1, -2, 0, -2.125, -5.625, -5.375, -2.875]])
+    # x_k = k: H's column j sums to 0 unless j has at most one bit set, -8 * j when it has one
+    want = np.zeros(16, np.float32)
+    want[[0, 1, 2, 4, 8]] = [30, -2, -4, -8, -16]
+    np.testing.assert_array_equal(rotate_rows(np.arange(16, dtype=np.float32)[None], 16)[0], want)
+    rng = np.random.default_rng(1)
+    y = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 30, 256)).astype(np.float32)
+    gemm = (y.reshape(-1, 128).astype(np.float64) @ hadamard(128).astype(np.float64)).reshape(y.shape)
+    np.testing.assert_allclose(rotate_rows(y, 128), gemm, rtol=2 ** -23, atol=1e-30)
+    out = np.empty_like(y)
+    assert rotate_rows(y, 128, out=out) is out and (out == rotate_rows(y, 128)).all()
+
+
 @pytest.mark.parametrize("block", [None, 16])
 def test_lm_head_quantized_in_row_chunks_equals_the_whole_matrix(tmp_path, monkeypatch, block):
     """The chunked INT8 LM head (a 9B vocabulary never whole in float) writes the same INT8
