@@ -19,9 +19,23 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AutoGLMError
-from .fileutil import sha256_file
+from .fileutil import sha256_file, write_json
 from .model.spec import ModelSpec, spec_from_dict
 from .model.vision import VisionSpec
+from .record_schema import (
+    CALIB_KEYS,
+    EXPORT_KEYS,
+    KV_CACHE_KEYS,
+    LIMITS_KEYS,
+    MADE_BY,
+    ORT_GRAPHS_KEYS,
+    TRT_KEYS,
+    Key,
+    brief,
+    check,
+    one_of,
+    sha256_digest,
+)
 
 EXPORT_RECORD = "export.json"
 CALIB_RECORD = "calib.json"
@@ -39,8 +53,6 @@ TOKENIZER_FILES = (
     "preprocessor_config.json",  # an image-text model's image settings (``model.image.ImageConfig``)
 )
 ENGINE_FORMAT = "autoglm-trt/engine/2"  # manifest.json's schema; an engine of another is refused: rebuild it
-GRAPH_DTYPES = ("float32", "float16")
-KV_DTYPES = ("float32", "float16", "int8")
 MAX_RECORD_BYTES = 64 * 1024 * 1024  # a record is a few kB to a few MB; refuse to parse anything absurd
 
 
@@ -50,12 +62,6 @@ class ArtifactError(AutoGLMError):
 
 class EngineError(ArtifactError):
     """The engine directory is missing, corrupt, or built for another machine."""
-
-
-def brief(value: object, limit: int = 80) -> str:
-    """``repr`` of a value cut to ``limit`` characters, for error messages about untrusted input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def inside(root: Path, name: object, what: str, error: type[ArtifactError] = ArtifactError) -> Path:
@@ -87,29 +93,22 @@ def read_json_object(path: Path, what: str, error: type[ArtifactError] = Artifac
     return data
 
 
-def _field(data: dict, key: str, kind: type | tuple[type, ...], where: Path, error: type[ArtifactError]) -> object:
-    if key not in data:
-        raise error(f"{where} lacks the key '{key}'; it was not made by this version of autoglm-trt, or was edited")
-    value = data[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise error(f"{where}: '{key}' must be {getattr(kind, '__name__', kind)}, got {brief(value)}")
-    return value
-
-
-def _positive_int(data: dict, key: str, where: Path, error: type[ArtifactError]) -> int:
-    value = _field(data, key, int, where, error)
-    assert isinstance(value, int)
-    if value < 1:
-        raise error(f"{where}: '{key}' must be an integer >= 1, got {value}")
-    return value
-
-
 def _spec(data: dict, where: Path, error: type[ArtifactError]) -> ModelSpec:
-    raw = _field(data, "spec", dict, where, error)
     try:
-        return spec_from_dict(raw)  # type: ignore[arg-type]
+        return spec_from_dict(data["spec"])
     except (TypeError, KeyError, ValueError) as exc:
         raise error(f"{where}: the model spec is invalid ({str(exc)[:200]})") from exc
+
+
+# manifest.json's keys (``record_schema``); its backend's section is checked by the backend's own check
+MANIFEST_KEYS = (
+    Key("backend", str, rule=one_of(lambda: BACKEND_SECTIONS)), Key("precision", str), Key("spec", dict),
+    Key("files", dict, rule=lambda files: next((f"must map each file to its SHA-256 hex digest; {brief(n)} has "
+                                                 f"{brief(d)}" for n, d in files.items()
+                                                 if not isinstance(d, str) or sha256_digest(d)), None)),
+    Key("engine_file", str), Key("limits", dict, keys=LIMITS_KEYS), Key("kv_cache", dict, keys=KV_CACHE_KEYS),
+    Key("build_config", dict, required=False), Key("vision", dict, required=False),
+)
 
 
 def tokenizer_files(model_dir: Path) -> list[Path]:
@@ -139,8 +138,8 @@ class Limits:
 
     @classmethod
     def read(cls, data: dict, where: Path) -> Limits:
-        return cls(*(_positive_int(data, key, where, EngineError) for key in ("max_batch_size", "max_input_len",
-                                                                                "max_seq_len")))
+        check(data, LIMITS_KEYS, where, EngineError, "rebuild the engine", "limits.")
+        return cls(data["max_batch_size"], data["max_input_len"], data["max_seq_len"])
 
 
 @dataclass(frozen=True)
@@ -157,15 +156,9 @@ class KVCache:
 
     @classmethod
     def read(cls, data: dict, where: Path) -> KVCache:
-        block_size, num_blocks, nbytes = (_positive_int(data, key, where, EngineError)
-                                          for key in ("block_size", "num_blocks", "bytes"))
-        if data.get("dtype") not in KV_DTYPES:
-            raise EngineError(f"{where}: kv_cache.dtype must be one of {', '.join(KV_DTYPES)}, "
-                              f"got {brief(data.get('dtype'))}")
-        scales = data.get("scales")
-        if scales is not None and not isinstance(scales, dict):
-            raise EngineError(f"{where}: kv_cache.scales must be an object, got {brief(scales)}")
-        return cls(block_size, num_blocks, nbytes, str(data["dtype"]), str(data.get("layout", "")), scales)
+        check(data, KV_CACHE_KEYS, where, EngineError, "rebuild the engine", "kv_cache.")
+        return cls(data["block_size"], data["num_blocks"], data["bytes"], data["dtype"], data.get("layout", ""),
+                   data.get("scales"))
 
     def as_dict(self) -> dict:
         out = {"block_size": self.block_size, "num_blocks": self.num_blocks, "bytes": self.bytes, "dtype": self.dtype,
@@ -186,17 +179,23 @@ class ExportRecord:
         model_dir = Path(model_dir)
         path = model_dir / EXPORT_RECORD
         data = read_json_object(path, "expected an export, calibration or engine directory made by autoglm-trt")
-        graph = _field(data, "graph", dict, path, ArtifactError)
-        assert isinstance(graph, dict)
-        inside(model_dir, graph.get("file"), f"{path} graph.file")
-        if graph.get("dtype") not in GRAPH_DTYPES:
-            raise ArtifactError(f"{path}: graph.dtype must be one of {', '.join(GRAPH_DTYPES)}, "
-                                f"got {brief(graph.get('dtype'))}")
-        if graph.get("kv_dtype", graph["dtype"]) not in KV_DTYPES:
-            raise ArtifactError(f"{path}: graph.kv_dtype must be one of {', '.join(KV_DTYPES)}, "
-                                f"got {brief(graph.get('kv_dtype'))}")
-        _positive_int(graph, "max_seq_len", path, ArtifactError)
-        return cls(model_dir, data, _spec(data, path, ArtifactError))
+        return cls(model_dir, data, cls.checked(data, model_dir))
+
+    @staticmethod
+    def checked(data: dict, model_dir: Path) -> ModelSpec:
+        """The spec of ``data``, an export record of ``model_dir``, once its keys and files are checked."""
+        path = model_dir / EXPORT_RECORD
+        check(data, EXPORT_KEYS, path, ArtifactError, "delete the directory and make it again")
+        inside(model_dir, data["graph"]["file"], f"{path} graph.file")
+        for key in ("graph", "positions") if "vision" in data else ():
+            inside(model_dir, data["vision"][key], f"{path} vision.{key}")
+        return _spec(data, path, ArtifactError)
+
+    @staticmethod
+    def write(model_dir: Path, data: dict) -> None:
+        """``data`` as ``model_dir``'s export record, checked as ``read`` checks it."""
+        ExportRecord.checked(data, model_dir)
+        write_json(model_dir / EXPORT_RECORD, data)
 
     @property
     def graph(self) -> dict:
@@ -238,8 +237,6 @@ class ExportRecord:
         if v is None:
             return None
         path = self.dir / EXPORT_RECORD
-        if not isinstance(v, dict) or not isinstance(v.get("spec"), dict):
-            raise ArtifactError(f"{path}: vision must be an object with a spec, got {brief(v)}")
         try:
             return VisionSpec.from_json(v["spec"])
         except (KeyError, TypeError) as exc:
@@ -257,12 +254,9 @@ class ExportRecord:
         return files + ([data] if data.is_file() else [])
 
     def made_by(self, step: str) -> dict:
-        """What the build step ``step`` (weight_only, int4) that made this model recorded; else {}."""
-        made = self.data.get(step) or {}
-        if not isinstance(made, dict):
-            raise ArtifactError(f"{self.dir / EXPORT_RECORD}: {step} must be an object, got {brief(made)}; "
-                                "delete the directory and build again")
-        return made
+        """What the build step ``step`` (one of ``MADE_BY``) that made this model recorded; else {}."""
+        assert step in MADE_BY, step
+        return self.data.get(step) or {}
 
     @property
     def spec_data(self) -> dict:  # the model's spec as recorded (``model.spec.spec_from_dict``)
@@ -291,10 +285,14 @@ class CalibRecord:
         calib_dir = Path(calib_dir)
         path = calib_dir / CALIB_RECORD
         data = read_json_object(path, "it is not a calibration result")
-        for key in ("model_sha256", "data_sha256"):
-            _field(data, key, str, path, ArtifactError)
-        _field(data, "amax", dict, path, ArtifactError)
+        check(data, CALIB_KEYS, path, ArtifactError, "calibrate again")
         return cls(calib_dir, data)
+
+    @staticmethod
+    def write(calib_dir: Path, data: dict) -> None:
+        """``data`` as ``calib_dir``'s calibration record, checked as ``read`` checks it."""
+        check(data, CALIB_KEYS, calib_dir / CALIB_RECORD, ArtifactError, "calibrate again")
+        write_json(calib_dir / CALIB_RECORD, data)
 
     @property
     def model_sha256(self) -> str:
@@ -328,32 +326,36 @@ class Manifest:
             raise EngineError(f"{engine_dir} was built by another version of autoglm-trt (format "
                               f"{brief(data.get('format'))}, this one reads {ENGINE_FORMAT}); rebuild it with "
                               "`autoglm-trt build`")
-        backend = _field(data, "backend", str, path, EngineError)
-        if backend not in BACKEND_SECTIONS:
-            raise EngineError(f"{path}: backend must be one of {', '.join(BACKEND_SECTIONS)}, got {brief(backend)}")
-        _field(data, "precision", str, path, EngineError)
-        files = _field(data, "files", dict, path, EngineError)
-        assert isinstance(files, dict)
-        for name, digest in files.items():
+        return cls(engine_dir, data, cls.checked(data, engine_dir))
+
+    @staticmethod
+    def checked(data: dict, engine_dir: Path) -> ModelSpec:
+        """The spec of ``data``, ``engine_dir``'s manifest, once its keys, files and backend section
+        are checked (the engine's export record read for its KV dtype)."""
+        path, remedy = engine_dir / MANIFEST, "rebuild the engine"
+        check(data, MANIFEST_KEYS, path, EngineError, remedy)
+        for name in data["files"]:
             inside(engine_dir, name, f"{path} files", EngineError)
-            if not isinstance(digest, str) or len(digest) != 64:
-                raise EngineError(f"{path}: files[{brief(name)}] must be a SHA-256 hex digest, got {brief(digest)}")
-        engine_file = _field(data, "engine_file", str, path, EngineError)
-        inside(engine_dir, engine_file, f"{path} engine_file", EngineError)
-        if engine_file not in files:
-            raise EngineError(f"{path}: engine_file {brief(engine_file)} is not one of the engine's hashed files")
-        limits = _field(data, "limits", dict, path, EngineError)
-        kv = _field(data, "kv_cache", dict, path, EngineError)
-        assert isinstance(limits, dict) and isinstance(kv, dict)
-        Limits.read(limits, path)
+        inside(engine_dir, data["engine_file"], f"{path} engine_file", EngineError)
+        if data["engine_file"] not in data["files"]:
+            raise EngineError(f"{path}: engine_file {brief(data['engine_file'])} is not one of the engine's hashed "
+                              f"files; {remedy}")
         graph_kv = _graph_kv_dtype(engine_dir)
-        if KVCache.read(kv, path).dtype != graph_kv and graph_kv is not None:
-            raise EngineError(f"{path}: kv_cache.dtype {kv['dtype']} differs from the engine graph's ({graph_kv}, "
-                              f"{EXPORT_RECORD}); the engine was edited or is corrupt: rebuild it")
-        section = _field(data, backend, dict, path, EngineError)  # the backend's own section
-        assert isinstance(section, dict)
-        BACKEND_SECTIONS[backend](section, engine_dir, path)
-        return cls(engine_dir, data, _spec(data, path, EngineError))
+        if data["kv_cache"]["dtype"] != graph_kv and graph_kv is not None:
+            raise EngineError(f"{path}: kv_cache.dtype {data['kv_cache']['dtype']} differs from the engine graph's "
+                              f"({graph_kv}, {EXPORT_RECORD}); the engine was edited or is corrupt: {remedy}")
+        backend = data["backend"]
+        check(data, (Key(backend, dict),), path, EngineError, remedy)  # the backend's own section
+        BACKEND_SECTIONS[backend](data[backend], engine_dir, path)
+        return _spec(data, path, EngineError)
+
+    @staticmethod
+    def write(engine_dir: Path, data: dict) -> None:
+        """``data`` as ``engine_dir``'s manifest (its files hashed already), checked as ``read`` checks it."""
+        if data.get("format") != ENGINE_FORMAT:
+            raise EngineError(f"a manifest must say format {ENGINE_FORMAT}, got {brief(data.get('format'))}")
+        Manifest.checked(data, engine_dir)
+        write_json(engine_dir / MANIFEST, data)
 
     @property
     def backend(self) -> str:
@@ -377,11 +379,7 @@ class Manifest:
 
     @property
     def build_config(self) -> dict:  # ``builder.config.BuildConfig``'s fields as the build had them
-        config = self.data.get("build_config") or {}
-        if not isinstance(config, dict):
-            raise EngineError(f"{self.dir / MANIFEST}: build_config must be an object, got {brief(config)}; "
-                              "rebuild the engine")
-        return config
+        return self.data.get("build_config") or {}
 
     @property
     def vision_forms(self) -> Any:  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)
@@ -424,12 +422,7 @@ def _graph_kv_dtype(engine_dir: Path) -> str | None:
 
 
 def _ort_graphs(graphs: dict, engine_dir: Path, path: Path) -> None:
-    _field(graphs, "passes_version", int, path, EngineError)
-    for key in ("passes", "requires"):
-        _field(graphs, key, list, path, EngineError)
-    for key in ("attention", "attention_why", "why"):
-        _field(graphs, key, str, path, EngineError)
-    _field(graphs, "plain_graph", str, path, EngineError)
+    check(graphs, ORT_GRAPHS_KEYS, path, EngineError, "rebuild the engine", "onnxruntime.")
     for key in ("plain_graph", "native_graph", "native_weights"):
         name = graphs.get(key)
         if name is not None:
@@ -437,8 +430,7 @@ def _ort_graphs(graphs: dict, engine_dir: Path, path: Path) -> None:
 
 
 def _trt_section(trt: dict, engine_dir: Path, path: Path) -> None:
-    _field(trt, "version", str, path, EngineError)
-    _field(trt, "gpu", dict, path, EngineError)
+    check(trt, TRT_KEYS, path, EngineError, "rebuild the engine", "tensorrt.")
 
 
 # each backend's manifest section (named after it) and its check; ``backends.registry.register`` adds one

@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
-from ..artifacts import brief
 from ..errors import AutoGLMError
 from ..graph.vision_trt import VISION_DTYPES
 from ..model.spec import ModelSpec
+from ..record_schema import brief
 
 
 class BuildConfigError(AutoGLMError):

@@ -48,7 +48,7 @@ from ..artifacts import EXPORT_RECORD, ExportRecord, copy_tokenizer_files
 from ..calib.collect import CalibPlan
 from ..calib.smooth import SmoothedWeights
 from ..errors import AutoGLMError
-from ..fileutil import remove_stale_siblings, scratch_prefix, staged_directory, write_json
+from ..fileutil import remove_stale_siblings, scratch_prefix, staged_directory
 from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import OpenedExport
 from ..graph.names import KINDS, kind_of
@@ -167,7 +167,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
                               "int8_linears": list(plan.int8_linears), "rounding": rounding, "awq": report,
                               "gate": gate}
             copy_tokenizer_files(export_dir, tmp)
-            write_json(tmp / EXPORT_RECORD, record)
+            ExportRecord.write(tmp, record)
     return out_dir
 
 
@@ -218,7 +218,7 @@ def _nearest(opened: OpenedExport, out_dir: Path, settings: Int4Settings, log: C
                           "rounding": "to nearest (--int4-rounding nearest: no calibration, no AWQ scales)",
                           "awq": {}, "gate": None}
         copy_tokenizer_files(opened.dir, tmp)
-        write_json(tmp / EXPORT_RECORD, record)
+        ExportRecord.write(tmp, record)
     return out_dir
 
 

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 from ..artifacts import (
     ENGINE_FORMAT,
     EXPORT_RECORD,
-    MANIFEST,
     CalibRecord,
     ExportRecord,
     KVCache,
     Limits,
+    Manifest,
     copy_tokenizer_files,
     hash_dir,
     tokenizer_files,
@@ -289,7 +289,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
                       report, log)
         sections = backend.finish(tmp, record, kv_dtype, p.eight_bit_activations, p.dynamic_int8, report, log)
         copy_tokenizer_files(model_dir, tmp)
-        write_json(tmp / EXPORT_RECORD, record.derived(file=engine_file, kv_dtype=kv_dtype))
+        ExportRecord.write(tmp, record.derived(file=engine_file, kv_dtype=kv_dtype))
         write_json(tmp / "fusion_report.json", report)
         if p.model == "int8":
             shutil.copy2(model_dir / "calib.json", tmp / "calib.json")
@@ -304,7 +304,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
                                                                      for n, v in kv_amax.items()}).as_dict()
         manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
         manifest["files"] = hash_dir(tmp)
-        write_json(tmp / MANIFEST, manifest)
+        Manifest.write(tmp, manifest)
     log(f"engine ready: {out_dir} ({backend.name}, {req.precision}, {time.perf_counter() - t0:.1f} s)")
     return manifest
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..artifacts import EXPORT_RECORD, ExportRecord, copy_tokenizer_files
 from ..errors import AutoGLMError
-from ..fileutil import staged_directory, write_json
+from ..fileutil import staged_directory
 from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import ExportedWeights
 from ..precisions import precision
@@ -91,5 +91,5 @@ def weight_only_export(export_dir: Path, out_dir: Path, log: Callable[[str], Non
         if int8_channels:
             record["weight_only"]["int8_channels"] = True
         copy_tokenizer_files(export_dir, tmp)
-        write_json(tmp / EXPORT_RECORD, record)
+        ExportRecord.write(tmp, record)
     return out_dir

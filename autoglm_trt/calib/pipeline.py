@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..artifacts import CALIB_RECORD, EXPORT_RECORD, CalibRecord, ExportRecord, copy_tokenizer_files
+from ..artifacts import CALIB_RECORD, CalibRecord, ExportRecord, copy_tokenizer_files
 from ..errors import AutoGLMError
-from ..fileutil import available_memory_bytes, staged_directory, write_json
+from ..fileutil import available_memory_bytes, staged_directory
 from ..graph.decoder import write_int8_graph
 from ..graph.exported_weights import OpenedExport
 from ..graph.names import KINDS
@@ -239,7 +239,7 @@ def calibrate(cfg: CalibConfig, log: Callable[[str], None] = print) -> dict:
         record.update(model_sha256=msha, data_sha256=data_sha, settings=settings,
                       data={**_data_info(cfg, windows), "image_windows": len(images)})
         record["timings"] = {**timings, "total_s": round(time.perf_counter() - t0, 2)}
-        write_json(tmp / CALIB_RECORD, _ordered(record))
+        CalibRecord.write(tmp, _ordered(record))
     log(f"calibration written to {cfg.out_dir}: {len(record['amax'])} linears INT8, "
         f"{len(record['float_linears']) - len(cfg.keep_float)} kept in float")
     return record
@@ -250,7 +250,7 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
     """The INT8 graph (gated), the cache, the export record and tokenizer in ``tmp``; the record's body."""
     spec = export.spec
     graph = {"file": "model.int8.onnx", "data_file": "model.int8.onnx.data", "precision": "int8"}
-    write_json(tmp / EXPORT_RECORD, export.derived(**graph))  # float32: what the gate runs
+    ExportRecord.write(tmp, export.derived(**graph))  # float32: what the gate runs
     copy_tokenizer_files(cfg.export_dir, tmp)
     plan = QuantPlan({n: a for n, a in amax.items() if n not in cfg.keep_float}, False, st.rotate)
     if cfg.gate and cfg.bias_correction:
@@ -267,7 +267,7 @@ def _write(cfg: CalibConfig, export: ExportRecord, tmp: Path, st: Statistics, am
     if not cfg.gate or cfg.graph_dtype != "float32":
         write_int8_graph(tmp, "model.int8.onnx", spec, st.weights, plan.without(keep), export.max_seq_len,
                          cfg.graph_dtype)
-        write_json(tmp / EXPORT_RECORD, export.derived(**graph, dtype=cfg.graph_dtype))
+        ExportRecord.write(tmp, export.derived(**graph, dtype=cfg.graph_dtype))
     quantized = plan.without(keep).act_amax
     cache = write_trt_cache(tmp, st, quantized)
     return {

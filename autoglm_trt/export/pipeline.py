@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..artifacts import EXPORT_RECORD, copy_tokenizer_files, tokenizer_files
+from ..artifacts import ExportRecord, copy_tokenizer_files, tokenizer_files
 from ..errors import ExportError
-from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory, write_json
+from ..fileutil import available_memory_bytes, library_versions, sha256_file, sha256_files, staged_directory
 from ..graph.builder import GraphBuilder
 from ..graph.decoder import GRAPH_VERSION, OPSET, DecoderGraph, GraphOptions, io_names
 from ..graph.vision import VISION_GRAPH, VISION_POSITIONS, VISION_PREFIX, write_vision_graph
@@ -106,7 +106,7 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = print) -> 
         record = _record(spec, opts, ckpt, tmp, export_s, report)
         if vision is not None:
             record["vision"] = {"graph": VISION_GRAPH, "positions": VISION_POSITIONS, "spec": vision.to_json()}
-        write_json(tmp / EXPORT_RECORD, record)
+        ExportRecord.write(tmp, record)
     return ExportResult(Path(cfg.out_dir), time.perf_counter() - t0, report)
 
 

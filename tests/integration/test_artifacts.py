@@ -17,7 +17,7 @@ import onnx
 import pytest
 from conftest import ROOT, run_cli
 
-from autoglm_trt.artifacts import ArtifactError, EngineError, ExportRecord, Manifest
+from autoglm_trt.artifacts import ArtifactError, CalibRecord, EngineError, ExportRecord, Manifest
 from autoglm_trt.errors import CheckpointError, UnsupportedModelError
 from autoglm_trt.graph.exported_weights import ExportedWeights
 from autoglm_trt.model.checkpoint import Checkpoint
@@ -51,8 +51,12 @@ def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
      None),  # a hashed file of the engine, but not ONNX: doctor must say so
     (lambda m: m.update(engine_file="export.json2"), "not one of the engine's hashed files"),
     (lambda m: m.pop("limits"), "lacks the key 'limits'"),
-    (lambda m: m.update(files=list(m["files"])), "'files' must be dict"),
-    (lambda m: m["kv_cache"].update(block_size=0), "'block_size' must be an integer >= 1"),
+    (lambda m: m.update(files=list(m["files"])), "'files' must be an object, got"),
+    (lambda m: m["files"].update({"model.plain.onnx": "abc"}),
+     "files must map each file to its SHA-256 hex digest; 'model.plain.onnx' has 'abc'"),
+    (lambda m: m["kv_cache"].update(block_size=0), "kv_cache.block_size must be an integer >= 1"),
+    (lambda m: m["limits"].update(max_seq_len=True), "'limits.max_seq_len' must be an integer, got True"),
+    (lambda m: m["onnxruntime"].pop("passes"), "lacks the key 'onnxruntime.passes'"),
     (lambda m: m["kv_cache"].update(dtype="float64"), "kv_cache.dtype must be one of"),
     (lambda m: m.update(backend="cuda"), "backend must be one of"),
     (lambda m: m.update(format="autoglm-trt/engine/1"), "rebuild it with `autoglm-trt build`"),  # an older engine
@@ -73,10 +77,10 @@ def test_malformed_build_records_are_refused_by_name(tiny_engine, tmp_path):
     """A manifest's build_config and an export's record of the build step that made it are objects;
     anything else is refused with the key and what to do, not a TypeError where they are read."""
     edited_copy(tiny_engine, tmp_path / "config", "manifest.json", lambda m: m.update(build_config=["vision_dtype"]))
-    with pytest.raises(EngineError, match="build_config must be an object, got .*rebuild the engine"):
+    with pytest.raises(EngineError, match="'build_config' must be an object, got .*rebuild the engine"):
         _ = Manifest.read(tmp_path / "config").build_config
     edited_copy(tiny_engine, tmp_path / "made", "export.json", lambda e: e.update(int4="rounded"))
-    with pytest.raises(ArtifactError, match="int4 must be an object, got 'rounded'"):
+    with pytest.raises(ArtifactError, match="'int4' must be an object, got 'rounded'; delete the directory"):
         ExportRecord.read(tmp_path / "made").made_by("int4")
 
 
@@ -224,6 +228,32 @@ def test_eval_accepts_the_model_file(tiny_export):
                 "--max-chunks", "1", "--json")
     assert r.returncode == 0, r.stderr
     assert np.isfinite(json.loads(r.stdout)["ppl"])
+
+
+def test_a_record_is_written_as_it_is_read(tiny_engine, tmp_path):
+    """One declaration per record: what ``read`` refuses, ``write`` refuses too, before a file is
+    made; what it takes, ``read`` takes back unchanged."""
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    manifest, export = json.loads((engine / "manifest.json").read_text()), ExportRecord.read(engine).data
+    for name in ("manifest.json", "export.json"):
+        (engine / name).unlink()
+    with pytest.raises(ArtifactError, match="graph.dtype must be one of float32, float16, got 'bfloat16'"):
+        ExportRecord.write(engine, {**export, "graph": {**export["graph"], "dtype": "bfloat16"}})
+    with pytest.raises(ArtifactError, match="graph.file names '../x.onnx', which is not inside"):
+        ExportRecord.write(engine, {**export, "graph": {**export["graph"], "file": "../x.onnx"}})
+    assert not (engine / "export.json").exists()
+    ExportRecord.write(engine, export)
+    with pytest.raises(EngineError, match="lacks the key 'kv_cache'"):
+        Manifest.write(engine, {k: v for k, v in manifest.items() if k != "kv_cache"})
+    with pytest.raises(EngineError, match="must say format autoglm-trt/engine/2"):
+        Manifest.write(engine, {**manifest, "format": "autoglm-trt/engine/1"})
+    assert not (engine / "manifest.json").exists()
+    Manifest.write(engine, manifest)
+    assert Manifest.read(engine).data == manifest and ExportRecord.read(engine).data == export
+    with pytest.raises(ArtifactError, match="'amax' must be an object, got \\[\\]; calibrate again"):
+        CalibRecord.write(tmp_path, {"model_sha256": "a", "data_sha256": "b", "amax": []})
+    assert not (tmp_path / "calib.json").exists()
 
 
 def test_manifest_round_trip(tiny_engine):

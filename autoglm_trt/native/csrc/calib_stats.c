@@ -41,6 +41,17 @@ typedef int64_t v8i __attribute__((vector_size(64)));
  * which IEEE arithmetic rounds identically. */
 #define WITHIN8(v, mask, sign) (*(v) = __builtin_shuffle(*(v), (v8i)mask) + *(v) * (v8d)sign)
 
+/* the rounds of sums and differences of the entries h = 1, 2, 4, ... apart over w[0:n], of type T
+ * (doubles, or vectors of 8 doubles whose rounds within a vector are done) */
+#define ROUNDS(T, w, n)                                \
+  for (int64_t h = 1; h < (n); h *= 2)                 \
+    for (int64_t i = 0; i < (n); i += 2 * h)           \
+      for (int64_t j = i; j < i + h; j++) {            \
+        const T a_ = (w)[j], c_ = (w)[j + h];          \
+        (w)[j] = a_ + c_;                              \
+        (w)[j + h] = a_ - c_;                          \
+      }
+
 /* v[0:b] times the b x b Sylvester Hadamard matrix, then times scale, in place: log2(b) rounds of
  * sums and differences of pairs h apart (h = 1, 2, 4, ...) in double, and one rounding to float at
  * the end. For b >= 8 the rounds h < 8 run within each vector of 8 (WITHIN8) and the later ones
@@ -48,13 +59,7 @@ typedef int64_t v8i __attribute__((vector_size(64)));
 static void rotate_block(float *v, int64_t b, double scale, double *work) {
   if (b < 8) {
     for (int64_t j = 0; j < b; j++) work[j] = v[j];
-    for (int64_t h = 1; h < b; h *= 2)
-      for (int64_t i = 0; i < b; i += 2 * h)
-        for (int64_t j = i; j < i + h; j++) {
-          const double a = work[j], c = work[j + h];
-          work[j] = a + c;
-          work[j + h] = a - c;
-        }
+    ROUNDS(double, work, b);
     for (int64_t j = 0; j < b; j++) v[j] = (float)(work[j] * scale);
     return;
   }
@@ -68,13 +73,7 @@ static void rotate_block(float *v, int64_t b, double scale, double *work) {
     WITHIN8(w + i, ((v8i){2, 3, 0, 1, 6, 7, 4, 5}), ((v8d){1, 1, -1, -1, 1, 1, -1, -1}));
     WITHIN8(w + i, ((v8i){4, 5, 6, 7, 0, 1, 2, 3}), ((v8d){1, 1, 1, 1, -1, -1, -1, -1}));
   }
-  for (int64_t h = 1; h < n; h *= 2)
-    for (int64_t i = 0; i < n; i += 2 * h)
-      for (int64_t j = i; j < i + h; j++) {
-        const v8d a = w[j], c = w[j + h];
-        w[j] = a + c;
-        w[j + h] = a - c;
-      }
+  ROUNDS(v8d, w, n);
   for (int64_t i = 0; i < n; i++) {
     const v8f f = __builtin_convertvector(w[i] * scale, v8f);
     memcpy(v + 8 * i, &f, sizeof f);

@@ -35,40 +35,48 @@
 #include "linear.h"
 #include "ort_api.h"
 #include "parallel.h"
+#include "simd.h"
 #include "vec.h"
 
 #define BLOCK 256 /* MLAS_SGEMM_STRIDEK: the inputs one partial sum covers */
 #define PAIRED_ROWS 32 /* up to this many rows, two tiles are computed together */
 #define GATED_ROWS 64  /* FloatLinearSiluMul's rows at a time */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define ROWS 8
-const char float_linear_kernel[] = "avx512";
+#if SIMD_LANES > 0 && SIMD_FMA
+#define PER_TILE (16 / SIMD_LANES) /* vectors per tile of 16 columns */
 /* R rows x T tiles of 16 columns over inputs [k0, k1): the block's sums, stored (first block) or
  * added to y[t][r]; rows past ``rows`` repeat the first and are not stored. Each row's input is
  * broadcast once for the T tiles. With ``pf`` (more than one row), each step also asks for the
  * tiles' next block into the second-level cache (a 64-byte line per step: 1 input). */
-#define BLOCK_TILES(R, T)                                                                             \
-  static void float_tiles_##R##x##T(const float *const *x, int rows, const float *const *w, int64_t k0, \
+#define BLOCK_TILES(R, T)                                                                              \
+  static void float_tiles_##R##x##T(const float *const *x, int rows, const float *const *w, int64_t k0,  \
                                     int64_t k1, float *const (*y)[ROWS], int first, const float *const *pf) { \
-    __m512 a[T][R];                                                                                  \
-    for (int t = 0; t < T; t++)                                                                      \
-      for (int r = 0; r < R; r++) a[t][r] = _mm512_setzero_ps();                                     \
-    for (int64_t k = k0; k < k1; k++) {                                                              \
-      __m512 v[T];                                                                                   \
-      for (int t = 0; t < T; t++) v[t] = _mm512_loadu_ps(w[t] + 16 * k);                            \
-      if (R > 1 && pf != NULL)                                                                       \
-        for (int t = 0; t < T; t++) _mm_prefetch((const char *)(pf[t] + 16 * (k - k0)), _MM_HINT_T1); \
-      for (int r = 0; r < R; r++) {                                                                  \
-        const __m512 xr = _mm512_set1_ps(x[r][k]);                                                   \
-        for (int t = 0; t < T; t++) a[t][r] = _mm512_fmadd_ps(xr, v[t], a[t][r]);                    \
-      }                                                                                              \
-    }                                                                                                \
-    for (int t = 0; t < T; t++)                                                                      \
-      for (int r = 0; r < rows; r++)                                                                 \
-        _mm512_storeu_ps(y[t][r], first ? a[t][r] : _mm512_add_ps(_mm512_loadu_ps(y[t][r]), a[t][r])); \
+    vf a[T][PER_TILE][R];                                                                             \
+    for (int t = 0; t < T; t++)                                                                       \
+      for (int h = 0; h < PER_TILE; h++)                                                              \
+        for (int r = 0; r < R; r++) a[t][h][r] = vf_zero();                                           \
+    for (int64_t k = k0; k < k1; k++) {                                                               \
+      vf v[T][PER_TILE];                                                                              \
+      for (int t = 0; t < T; t++)                                                                     \
+        for (int h = 0; h < PER_TILE; h++) v[t][h] = vf_load(w[t] + 16 * k + SIMD_LANES * h);         \
+      if (R > 1 && pf != NULL)                                                                        \
+        for (int t = 0; t < T; t++) __builtin_prefetch(pf[t] + 16 * (k - k0), 0, 2); /* prefetcht1 */ \
+      for (int r = 0; r < R; r++) {                                                                   \
+        const vf xr = vf_set1(x[r][k]);                                                               \
+        for (int t = 0; t < T; t++)                                                                   \
+          for (int h = 0; h < PER_TILE; h++) a[t][h][r] = vf_fma(xr, v[t][h], a[t][h][r]);            \
+      }                                                                                               \
+    }                                                                                                 \
+    for (int t = 0; t < T; t++)                                                                       \
+      for (int r = 0; r < rows; r++)                                                                  \
+        for (int h = 0; h < PER_TILE; h++) {                                                          \
+          float *out = y[t][r] + SIMD_LANES * h;                                                      \
+          vf_store(out, first ? a[t][h][r] : vf_add(vf_load(out), a[t][h][r]));                       \
+        }                                                                                             \
   }
+#if SIMD_LANES == 16
+#define ROWS 8
+const char float_linear_kernel[] = "avx512";
 BLOCK_TILES(1, 1)
 BLOCK_TILES(1, 2)
 BLOCK_TILES(4, 1)
@@ -83,45 +91,29 @@ static void float_tiles(const float *const *x, int rows, int tiles, const float 
   else if (rows > 1) (tiles == 2 ? float_tiles_4x2 : float_tiles_4x1)(x, rows, w, k0, k1, y, first, pf);
   else (tiles == 2 ? float_tiles_1x2 : float_tiles_1x1)(x, rows, w, k0, k1, y, first, pf);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#else
 #define ROWS 2
 const char float_linear_kernel[] = "avx2-fma";
-static void float_tile(const float *const *x, int rows, const float *w, int64_t k0, int64_t k1, float *const *y,
-                       int first) {
-  __m256 a[ROWS][2];
-  for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-  for (int64_t k = k0; k < k1; k++) {
-    const __m256 lo = _mm256_loadu_ps(w + 16 * k), hi = _mm256_loadu_ps(w + 16 * k + 8);
-    for (int r = 0; r < ROWS; r++) {
-      const __m256 xr = _mm256_set1_ps(x[r][k]);
-      a[r][0] = _mm256_fmadd_ps(xr, lo, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(xr, hi, a[r][1]);
-    }
-  }
-  for (int r = 0; r < rows; r++)
-    for (int h = 0; h < 2; h++)
-      _mm256_storeu_ps(y[r] + 8 * h, first ? a[r][h] : _mm256_add_ps(_mm256_loadu_ps(y[r] + 8 * h), a[r][h]));
-}
-#else
-#define ROWS 1
-const char float_linear_kernel[] = "portable C"; /* fmaf: the same sums, slowly; the rewrite skips it */
-static void float_tile(const float *const *x, int rows, const float *w, int64_t k0, int64_t k1, float *const *y,
-                       int first) {
-  (void)rows;
-  for (int i = 0; i < 16; i++) {
-    float a = 0.0f;
-    for (int64_t k = k0; k < k1; k++) a = fmaf(x[0][k], w[16 * k + i], a);
-    y[0][i] = first ? a : y[0][i] + a;
-  }
-}
-#endif
-#if !defined(__AVX512F__)
-/* each tile in turn */
+BLOCK_TILES(2, 1)
+/* AVX2's 16 registers: two rows of one tile at a time, each tile in turn, no prefetch */
 static void float_tiles(const float *const *x, int rows, int tiles, const float *const *w, int64_t k0, int64_t k1,
                         float *const (*y)[ROWS], int first, const float *const *pf) {
   (void)pf;
-  for (int t = 0; t < tiles; t++) float_tile(x, rows, w[t], k0, k1, y[t], first);
+  for (int t = 0; t < tiles; t++) float_tiles_2x1(x, rows, w + t, k0, k1, y + t, first, NULL);
+}
+#endif
+#else
+#define ROWS 1
+const char float_linear_kernel[] = "portable C"; /* fmaf: the same sums, slowly; the rewrite skips it */
+static void float_tiles(const float *const *x, int rows, int tiles, const float *const *w, int64_t k0, int64_t k1,
+                        float *const (*y)[ROWS], int first, const float *const *pf) {
+  (void)rows, (void)pf;
+  for (int t = 0; t < tiles; t++)
+    for (int i = 0; i < 16; i++) {
+      float a = 0.0f;
+      for (int64_t k = k0; k < k1; k++) a = fmaf(x[0][k], w[t][16 * k + i], a);
+      y[t][0][i] = first ? a : y[t][0][i] + a;
+    }
 }
 #endif
 
