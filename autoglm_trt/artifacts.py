@@ -300,6 +300,9 @@ class CalibRecord:
 
     @property
     def kv_amax(self) -> dict[str, list[float]]:  # K's and V's largest magnitude per layer and KV head
+        if "kv_amax" not in self.data:
+            raise ArtifactError(f"{self.dir / CALIB_RECORD} has no kv_amax (made before the INT8 KV cache): "
+                                "calibrate again")
         return self.data["kv_amax"]
 
     @property

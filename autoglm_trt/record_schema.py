@@ -88,7 +88,7 @@ EXPORT_KEYS = (
         Key("file", str), Key("dtype", str, rule=one_of(GRAPH_DTYPES)),
         Key("kv_dtype", str, required=False, rule=one_of(KV_DTYPES)), Key("max_seq_len", int, rule=positive),
         Key("precision", str, required=False), Key("version", int, required=False))),
-    Key("source", dict, required=False),
+    Key("source", dict, required=False, keys=(Key("sha256", dict, required=False),)),
     Key("vision", dict, required=False, keys=(Key("spec", dict), Key("graph", str), Key("positions", str))),
     *(Key(step, dict, required=False) for step in MADE_BY),
 )

@@ -79,6 +79,8 @@ class NativeStats:
             scale = np.ascontiguousarray(job.scale, np.float32)
             assert scale.shape == (channels,), (scale.shape, channels)
         block = job.block if job.block > 1 else 0
+        if block and (block & (block - 1) or channels % block):
+            raise ValueError(f"rows of {channels} channels have no Hadamard blocks of {block}")
         entry = float(hadamard(block)[0, 0]) if block else 0.0
         m = self._rows(x.ctypes.data, windows, tokens, channels, x.strides[1] // 4, x.strides[0] // 4, stride,
                        window0, None if scale is None else scale.ctypes.data, block, entry, 1, buf.ctypes.data)
@@ -89,7 +91,7 @@ class NativeStats:
     def rotate(self, x: np.ndarray, block: int) -> np.ndarray:
         """``quant.hadamard.rotate_rows(x, block)``, bit for bit, in one pass."""
         x = np.ascontiguousarray(x, np.float32)
-        if x.shape[-1] % block or block & (block - 1):
+        if block < 1 or block & (block - 1) or x.shape[-1] % block:
             raise ValueError(f"rows of {x.shape[-1]} channels have no Hadamard blocks of {block}")
         out = np.empty_like(x)
         if self._rotate(x.ctypes.data, x.size, block, float(hadamard(block)[0, 0]), out.ctypes.data) != 0:

@@ -64,6 +64,12 @@ def test_rotated_rows_are_numpys_butterfly_exactly(stats_lib, channels, block):
     np.testing.assert_array_equal(stats_lib.rotate(rows, block), rotate_rows(rows, block))
     with pytest.raises(ValueError, match="no Hadamard blocks of 48"):
         stats_lib.rotate(rows, 48)
+    with pytest.raises(ValueError, match="no Hadamard blocks of 0"):
+        stats_lib.rotate(rows, 0)
+    with pytest.raises(ValueError, match=f"rows of {channels} channels have no Hadamard blocks of {3 * block}"):
+        stats_lib.abs_rows(HistogramJob(AbsHistogram(), x, 2, scale, 3 * block), 1)
+    # the library refuses such a block itself, before any memory is touched
+    assert stats_lib._rotate(rows.ctypes.data, rows.size, 3, 1.0, rows.ctypes.data) == -2
 
 
 def test_bin_counts_equal_numpys_including_the_top_bin(stats_lib):

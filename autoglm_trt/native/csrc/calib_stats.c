@@ -83,9 +83,11 @@ static void rotate_block(float *v, int64_t b, double scale, double *work) {
 /* b doubles, 64-byte aligned (NULL when there is no memory) */
 static double *rotation_work(int64_t b) { return aligned_alloc(64, (size_t)((b + 7) / 8 * 8) * sizeof(double)); }
 
-/* out[0:n] = x[0:n] rotated block by block (n a multiple of block, a power of two); returns 0, or
- * -1 when the work buffer cannot be had (out is then untouched) */
+/* out[0:n] = x[0:n] rotated block by block (n a multiple of block, a power of two); returns 0, -1
+ * when the work buffer cannot be had, -2 when block is not a power of two dividing n (out is then
+ * untouched) */
 EXPORT int AutoglmRotateRows(const float *x, int64_t n, int64_t block, double scale, float *out) {
+  if (block < 1 || (block & (block - 1)) != 0 || n % block != 0) return -2;
   double *work = rotation_work(block);
   if (work == NULL) return -1;
   for (int64_t at = 0; at < n; at += block) {
@@ -102,13 +104,14 @@ EXPORT int AutoglmRotateRows(const float *x, int64_t n, int64_t block, double sc
  * windows x rows_taken x channels values, times scale[c] when scale is not NULL, each row then
  * rotated by Hadamard blocks of `block` channels (times `rotation`, H's entry) when block > 1;
  * with absolute, their absolute values, and the return value is their max (else 0; -1 when the
- * rotation's work buffer cannot be had). */
+ * rotation's work buffer cannot be had, -2 when block is not a power of two dividing channels). */
 EXPORT float AutoglmTakeRows(const float *x, int64_t windows, int64_t tokens, int64_t channels, int64_t token_pitch,
                              int64_t window_pitch, int64_t stride, int64_t window0, const float *scale, int64_t block,
                              double rotation, int absolute, float *out) {
   if (stride < 1 || tokens < stride) stride = 1;
   const int64_t taken = tokens / stride;
   double *work = NULL;
+  if (block > 1 && ((block & (block - 1)) != 0 || channels % block != 0)) return -2.0f;
   if (block > 1 && (work = rotation_work(block)) == NULL) return -1.0f;
   float m = 0.0f;
   for (int64_t w = 0; w < windows && m == m; w++) {
