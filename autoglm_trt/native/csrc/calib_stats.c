@@ -36,10 +36,17 @@ typedef double v8d __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef int64_t v8i __attribute__((vector_size(64)));
 
+/* v's lanes in the order given (Clang's builtin, or GCC's, which has it only from GCC 12 on) */
+#if defined(__clang__)
+#define LANES8(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define LANES8(v, ...) __builtin_shuffle(v, (v8i){__VA_ARGS__})
+#endif
+
 /* One round of sums and differences of the lanes h apart (h = 1, 2, 4) in place: lane j gets
  * v[j] + v[j + h] where j has no bit h, else v[j - h] - v[j], written v[j - h] + (-1 * v[j]),
- * which IEEE arithmetic rounds identically. */
-#define WITHIN8(v, mask, sign) (*(v) = __builtin_shuffle(*(v), (v8i)mask) + *(v) * (v8d)sign)
+ * which IEEE arithmetic rounds identically; the lanes after ``sign`` are each lane's partner. */
+#define WITHIN8(v, sign, ...) (*(v) = LANES8(*(v), __VA_ARGS__) + *(v) * (v8d)sign)
 
 /* the rounds of sums and differences of the entries h = 1, 2, 4, ... apart over w[0:n], of type T
  * (doubles, or vectors of 8 doubles whose rounds within a vector are done) */
@@ -69,9 +76,9 @@ static void rotate_block(float *v, int64_t b, double scale, double *work) {
     v8f f;
     memcpy(&f, v + 8 * i, sizeof f);
     w[i] = __builtin_convertvector(f, v8d);
-    WITHIN8(w + i, ((v8i){1, 0, 3, 2, 5, 4, 7, 6}), ((v8d){1, -1, 1, -1, 1, -1, 1, -1}));
-    WITHIN8(w + i, ((v8i){2, 3, 0, 1, 6, 7, 4, 5}), ((v8d){1, 1, -1, -1, 1, 1, -1, -1}));
-    WITHIN8(w + i, ((v8i){4, 5, 6, 7, 0, 1, 2, 3}), ((v8d){1, 1, 1, 1, -1, -1, -1, -1}));
+    WITHIN8(w + i, ((v8d){1, -1, 1, -1, 1, -1, 1, -1}), 1, 0, 3, 2, 5, 4, 7, 6);
+    WITHIN8(w + i, ((v8d){1, 1, -1, -1, 1, 1, -1, -1}), 2, 3, 0, 1, 6, 7, 4, 5);
+    WITHIN8(w + i, ((v8d){1, 1, 1, 1, -1, -1, -1, -1}), 4, 5, 6, 7, 0, 1, 2, 3);
   }
   ROUNDS(v8d, w, n);
   for (int64_t i = 0; i < n; i++) {
