@@ -53,7 +53,7 @@ class NativeStats:
         lib = ctypes.CDLL(library)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._rows = lib.AutoglmTakeRows
-        self._rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ctypes.c_double, ctypes.c_int, ptr]
+        self._rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ctypes.c_double, ptr]
         self._rows.restype = ctypes.c_float
         self._bin = lib.AutoglmBinCount
         self._bin.argtypes = [ptr, i64, ctypes.c_float, ptr, i64]
@@ -79,11 +79,9 @@ class NativeStats:
             scale = np.ascontiguousarray(job.scale, np.float32)
             assert scale.shape == (channels,), (scale.shape, channels)
         block = job.block if job.block > 1 else 0
-        if block and (block & (block - 1) or channels % block):
-            raise ValueError(f"rows of {channels} channels have no Hadamard blocks of {block}")
-        entry = float(hadamard(block)[0, 0]) if block else 0.0
+        entry = _hadamard_entry(channels, block) if block else 0.0
         m = self._rows(x.ctypes.data, windows, tokens, channels, x.strides[1] // 4, x.strides[0] // 4, stride,
-                       window0, None if scale is None else scale.ctypes.data, block, entry, 1, buf.ctypes.data)
+                       window0, None if scale is None else scale.ctypes.data, block, entry, buf.ctypes.data)
         if m < 0:
             raise MemoryError(f"no memory for a rotation's work buffer of {block} doubles")
         return buf[:n], float(m)
@@ -91,10 +89,9 @@ class NativeStats:
     def rotate(self, x: np.ndarray, block: int) -> np.ndarray:
         """``quant.hadamard.rotate_rows(x, block)``, bit for bit, in one pass."""
         x = np.ascontiguousarray(x, np.float32)
-        if block < 1 or block & (block - 1) or x.shape[-1] % block:
-            raise ValueError(f"rows of {x.shape[-1]} channels have no Hadamard blocks of {block}")
+        entry = _hadamard_entry(x.shape[-1], block)
         out = np.empty_like(x)
-        if self._rotate(x.ctypes.data, x.size, block, float(hadamard(block)[0, 0]), out.ctypes.data) != 0:
+        if self._rotate(x.ctypes.data, x.size, block, entry, out.ctypes.data) != 0:
             raise MemoryError(f"no memory for a rotation's work buffer of {block} doubles")
         return out
 
@@ -129,6 +126,14 @@ class NativeStats:
 
         with threadpool_limits(limits=1, user_api="blas"):
             return [future.result() for future in [self._pool.submit(fn, item) for item in items]]
+
+
+def _hadamard_entry(channels: int, block: int) -> float:
+    """H's entry 1/sqrt(block) as ``quant.hadamard`` has it (float32), for rows of ``channels``
+    rotated in blocks of ``block``; a block that is not a power of two dividing them is refused."""
+    if block < 1 or block & (block - 1) or channels % block:
+        raise ValueError(f"rows of {channels} channels have no Hadamard blocks of {block}")
+    return float(hadamard(block)[0, 0])
 
 
 def native_stats() -> NativeStats | None:

@@ -109,12 +109,12 @@ EXPORT int AutoglmRotateRows(const float *x, int64_t n, int64_t block, double sc
  * that + stride, ... (tokens / stride rows); with stride 1, or windows shorter than stride,
  * every row. Row t of window w starts at x + w * window_pitch + t * token_pitch. out gets
  * windows x rows_taken x channels values, times scale[c] when scale is not NULL, each row then
- * rotated by Hadamard blocks of `block` channels (times `rotation`, H's entry) when block > 1;
- * with absolute, their absolute values, and the return value is their max (else 0; -1 when the
- * rotation's work buffer cannot be had, -2 when block is not a power of two dividing channels). */
+ * rotated by Hadamard blocks of `block` channels (times `rotation`, H's entry) when block > 1, then
+ * made absolute; returns their max (-1 when the rotation's work buffer cannot be had, -2 when
+ * block is not a power of two dividing channels). */
 EXPORT float AutoglmTakeRows(const float *x, int64_t windows, int64_t tokens, int64_t channels, int64_t token_pitch,
                              int64_t window_pitch, int64_t stride, int64_t window0, const float *scale, int64_t block,
-                             double rotation, int absolute, float *out) {
+                             double rotation, float *out) {
   if (stride < 1 || tokens < stride) stride = 1;
   const int64_t taken = tokens / stride;
   double *work = NULL;
@@ -133,11 +133,9 @@ EXPORT float AutoglmTakeRows(const float *x, int64_t windows, int64_t tokens, in
         memcpy(dst, src, (size_t)channels * sizeof(float));
       }
       for (int64_t at = 0; work != NULL && at < channels; at += block) rotate_block(dst + at, block, rotation, work);
-      if (absolute) {
-        const float row = abs_max(dst, channels);
-        m = row != row || row > m ? row : m; /* a NaN stays, and ends the loops */
-        if (m != m) break;
-      }
+      const float row = abs_max(dst, channels);
+      m = row != row || row > m ? row : m; /* a NaN stays, and ends the loops */
+      if (m != m) break;
     }
   }
   free(work);
