@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,20 @@ from .model.vision import VisionSpec
 from .record_schema import (
     CALIB_KEYS,
     EXPORT_KEYS,
-    KV_CACHE_KEYS,
-    LIMITS_KEYS,
     MADE_BY,
     ORT_GRAPHS_KEYS,
     TRT_KEYS,
+    Calibration,
+    GraphRecord,
     Key,
+    KVCache,
+    Limits,
     brief,
     check,
+    keys_of,
     one_of,
     sha256_digest,
+    typed,
 )
 
 EXPORT_RECORD = "export.json"
@@ -106,7 +111,7 @@ MANIFEST_KEYS = (
     Key("files", dict, rule=lambda files: next((f"must map each file to its SHA-256 hex digest; {brief(n)} has "
                                                  f"{brief(d)}" for n, d in files.items()
                                                  if not isinstance(d, str) or sha256_digest(d)), None)),
-    Key("engine_file", str), Key("limits", dict, keys=LIMITS_KEYS), Key("kv_cache", dict, keys=KV_CACHE_KEYS),
+    Key("engine_file", str), Key("limits", dict, keys=keys_of(Limits)), Key("kv_cache", dict, keys=keys_of(KVCache)),
     Key("build_config", dict, required=False), Key("vision", dict, required=False),
 )
 
@@ -129,57 +134,23 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Limits:
-    """``manifest.json``'s ``limits``: what one step and one sequence of the engine may hold."""
-
-    max_batch_size: int
-    max_input_len: int  # the longest prefill chunk
-    max_seq_len: int  # prompt + generated tokens of one sequence
-
-    @classmethod
-    def read(cls, data: dict, where: Path) -> Limits:
-        check(data, LIMITS_KEYS, where, EngineError, "rebuild the engine", "limits.")
-        return cls(data["max_batch_size"], data["max_input_len"], data["max_seq_len"])
-
-
-@dataclass(frozen=True)
-class KVCache:
-    """``manifest.json``'s ``kv_cache``: the block pool the engine was built for. ``dtype`` is the
-    graph's (``export.json`` ``graph.kv_dtype``); the manifest's copy must agree with it."""
-
-    block_size: int
-    num_blocks: int
-    bytes: int
-    dtype: str
-    layout: str
-    scales: dict | None = None  # INT8 KV: each layer's K and V scale per KV head
-
-    @classmethod
-    def read(cls, data: dict, where: Path) -> KVCache:
-        check(data, KV_CACHE_KEYS, where, EngineError, "rebuild the engine", "kv_cache.")
-        return cls(data["block_size"], data["num_blocks"], data["bytes"], data["dtype"], data.get("layout", ""),
-                   data.get("scales"))
-
-    def as_dict(self) -> dict:
-        out = {"block_size": self.block_size, "num_blocks": self.num_blocks, "bytes": self.bytes, "dtype": self.dtype,
-               "layout": self.layout}
-        return out if self.scales is None else {**out, "scales": self.scales}
-
-
-@dataclass(frozen=True)
 class ExportRecord:
-    """``export.json`` of an export, calibration or engine directory."""
+    """``export.json`` of an export, calibration or engine directory: its model spec and graph typed,
+    the rest (``made_by``, ``vision``) read where it is used."""
 
     dir: Path
     data: dict
     spec: ModelSpec
+    graph: GraphRecord
 
     @classmethod
     def read(cls, model_dir: Path | str) -> ExportRecord:
         model_dir = Path(model_dir)
         path = model_dir / EXPORT_RECORD
         data = read_json_object(path, "expected an export, calibration or engine directory made by autoglm-trt")
-        return cls(model_dir, data, cls.checked(data, model_dir))
+        spec = cls.checked(data, model_dir)
+        return cls(model_dir, data, spec, typed(GraphRecord, data["graph"], path, ArtifactError,
+                                                "delete the directory and make it again", "graph."))
 
     @staticmethod
     def checked(data: dict, model_dir: Path) -> ModelSpec:
@@ -198,34 +169,30 @@ class ExportRecord:
         write_json(model_dir / EXPORT_RECORD, data)
 
     @property
-    def graph(self) -> dict:
-        return self.data["graph"]
-
-    @property
     def graph_file(self) -> Path:
-        return inside(self.dir, self.graph["file"], f"{self.dir / EXPORT_RECORD} graph.file")
+        return inside(self.dir, self.graph.file, f"{self.dir / EXPORT_RECORD} graph.file")
 
     @property
     def dtype(self) -> str:
-        return str(self.graph["dtype"])
+        return self.graph.dtype
 
     @property
     def kv_dtype(self) -> str:
         """The KV pools' dtype: the graph's float dtype, or int8."""
-        return str(self.graph.get("kv_dtype", self.dtype))
+        return self.graph.kv_dtype or self.dtype
 
     @property
     def precision(self) -> str:
-        return str(self.graph.get("precision", "fp32" if self.dtype == "float32" else "fp16"))
+        return self.graph.precision or ("fp32" if self.dtype == "float32" else "fp16")
 
     @property
     def max_seq_len(self) -> int:
         """The longest sequence the graph allows (``export --max-seq-len``; an engine's limit is at most this)."""
-        return int(self.graph["max_seq_len"])
+        return self.graph.max_seq_len
 
     @property
     def graph_version(self) -> int | None:
-        return self.graph.get("version")
+        return self.graph.version
 
     @property
     def source_sha256(self) -> dict:
@@ -275,18 +242,18 @@ class ExportRecord:
 
 @dataclass(frozen=True)
 class CalibRecord:
-    """``calib.json`` of a calibration directory."""
+    """``calib.json`` of a calibration directory: its keys typed (``fields``), the record as read (``data``)."""
 
     dir: Path
     data: dict
+    fields: Calibration
 
     @classmethod
     def read(cls, calib_dir: Path | str) -> CalibRecord:
         calib_dir = Path(calib_dir)
         path = calib_dir / CALIB_RECORD
         data = read_json_object(path, "it is not a calibration result")
-        check(data, CALIB_KEYS, path, ArtifactError, "calibrate again")
-        return cls(calib_dir, data)
+        return cls(calib_dir, data, typed(Calibration, data, path, ArtifactError, "calibrate again"))
 
     @staticmethod
     def write(calib_dir: Path, data: dict) -> None:
@@ -296,18 +263,18 @@ class CalibRecord:
 
     @property
     def model_sha256(self) -> str:
-        return str(self.data["model_sha256"])
+        return self.fields.model_sha256
 
     @property
-    def kv_amax(self) -> dict[str, list[float]]:  # K's and V's largest magnitude per layer and KV head
-        if "kv_amax" not in self.data:
+    def kv_amax(self) -> dict[str, list[float]]:
+        if self.fields.kv_amax is None:
             raise ArtifactError(f"{self.dir / CALIB_RECORD} has no kv_amax (made before the INT8 KV cache): "
                                 "calibrate again")
-        return self.data["kv_amax"]
+        return self.fields.kv_amax
 
     @property
     def data_sha256(self) -> str:
-        return str(self.data["data_sha256"])
+        return self.fields.data_sha256
 
 
 @dataclass(frozen=True)
@@ -372,13 +339,13 @@ class Manifest:
     def engine_path(self) -> Path:
         return self.dir / self.data["engine_file"]
 
-    @property
+    @cached_property
     def limits(self) -> Limits:
-        return Limits.read(self.data["limits"], self.dir / MANIFEST)
+        return typed(Limits, self.data["limits"], self.dir / MANIFEST, EngineError, "rebuild the engine", "limits.")
 
-    @property
+    @cached_property
     def kv(self) -> KVCache:
-        return KVCache.read(self.data["kv_cache"], self.dir / MANIFEST)
+        return typed(KVCache, self.data["kv_cache"], self.dir / MANIFEST, EngineError, "rebuild the engine", "kv_cache.")
 
     @property
     def build_config(self) -> dict:  # ``builder.config.BuildConfig``'s fields as the build had them

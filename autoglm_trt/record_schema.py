@@ -2,14 +2,24 @@
 key's JSON type, whether it must be there, a rule its value must meet, and an object's own keys.
 ``artifacts`` checks a record against its declaration where the record is written and where it
 is read, so no stage writes what the next one would refuse, and a crafted or damaged record is
-refused with the key's dotted name and what it must be."""
+refused with the key's dotted name and what it must be.
+
+A section the stages read field by field is a typed dataclass (``GraphRecord``, ``Calibration``,
+``Limits``, ``KVCache``), and its declaration is its fields (``keys_of``): a field's type is the key's JSON
+type, a field with a default may be absent, and a field's ``rule`` metadata is the key's rule.
+``typed`` checks a section and makes the dataclass; ``untyped`` gives its JSON back."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,26 +88,102 @@ def sha256_digest(value: str) -> str | None:
     return None if ok else f"must be a SHA-256 hex digest (64 lowercase hex digits), got {brief(value)}"
 
 
+def rule(check: Callable[[Any], str | None]) -> Any:
+    """A required dataclass field whose value must meet ``check`` (``keys_of``)."""
+    return field(metadata={"rule": check})
+
+
+def optional(check: Callable[[Any], str | None] | None = None) -> Any:
+    """A dataclass field that may be absent (None), and meets ``check`` where present."""
+    return field(default=None, metadata={"rule": check})
+
+
+@functools.cache
+def keys_of(cls: type) -> tuple[Key, ...]:
+    """The keys a typed section's fields declare, in their order."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        kinds = tuple(k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None))
+        kinds = tuple(typing.get_origin(k) or k for k in kinds)  # dict[str, X] is a JSON object
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        keys.append(Key(f.name, kinds[0] if len(kinds) == 1 else kinds, required, f.metadata.get("rule")))
+    return tuple(keys)
+
+
+def typed(cls: type[T], data: dict, where: Path, error: type[Exception], remedy: str, prefix: str = "") -> T:
+    """``data``, a section declared by the dataclass ``cls``, checked (``check``) and made ``cls``."""
+    check(data, keys_of(typing.cast(type, cls)), where, error, remedy, prefix)
+    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})  # type: ignore[arg-type]
+
+
+def untyped(section: object) -> dict:
+    """A typed section as its record writes it: its fields, but those absent (None)."""
+    return {k: v for k, v in dataclasses.asdict(section).items() if v is not None}  # type: ignore[call-overload]
+
+
 # The declarations. manifest.json's top level is in ``artifacts`` (its backend rule reads the registry).
 GRAPH_DTYPES = ("float32", "float16")
 KV_DTYPES = ("float32", "float16", "int8")
 MADE_BY = ("weight_only", "int4")  # the build steps that record how they made a model (``made_by``)
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """``export.json``'s ``graph``: the decoder graph a model directory holds."""
+
+    file: str
+    dtype: str = rule(one_of(GRAPH_DTYPES))
+    max_seq_len: int = rule(positive)  # the longest sequence it allows (``export --max-seq-len``)
+    kv_dtype: str | None = optional(one_of(KV_DTYPES))  # the KV pools' dtype, if not the graph's
+    precision: str | None = optional()
+    version: int | None = optional()
+    data_file: str | None = optional()  # its external weights, where it has them
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``manifest.json``'s ``limits``: what one step and one sequence of the engine may hold."""
+
+    max_batch_size: int = rule(positive)
+    max_input_len: int = rule(positive)  # the longest prefill chunk
+    max_seq_len: int = rule(positive)  # prompt + generated tokens of one sequence
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """``manifest.json``'s ``kv_cache``: the block pool the engine was built for. ``dtype`` is the
+    graph's (``export.json`` ``graph.kv_dtype``); the manifest's copy must agree with it."""
+
+    block_size: int = rule(positive)
+    num_blocks: int = rule(positive)
+    bytes: int = rule(positive)
+    dtype: str = rule(one_of(KV_DTYPES))
+    layout: str = ""
+    scales: dict | None = optional()  # INT8 KV: each layer's K and V scale per KV head
+
+
 EXPORT_KEYS = (
     Key("spec", dict),
-    Key("graph", dict, keys=(
-        Key("file", str), Key("dtype", str, rule=one_of(GRAPH_DTYPES)),
-        Key("kv_dtype", str, required=False, rule=one_of(KV_DTYPES)), Key("max_seq_len", int, rule=positive),
-        Key("precision", str, required=False), Key("version", int, required=False))),
+    Key("graph", dict, keys=keys_of(GraphRecord)),
     Key("source", dict, required=False, keys=(Key("sha256", dict, required=False),)),
     Key("vision", dict, required=False, keys=(Key("spec", dict), Key("graph", str), Key("positions", str))),
     *(Key(step, dict, required=False) for step in MADE_BY),
 )
-CALIB_KEYS = (Key("model_sha256", str), Key("data_sha256", str), Key("amax", dict),
-              Key("kv_amax", dict, required=False), Key("float_linears", list, required=False))
-LIMITS_KEYS = tuple(Key(k, int, rule=positive) for k in ("max_batch_size", "max_input_len", "max_seq_len"))
-KV_CACHE_KEYS = (*(Key(k, int, rule=positive) for k in ("block_size", "num_blocks", "bytes")),
-                 Key("dtype", str, rule=one_of(KV_DTYPES)), Key("layout", str, required=False),
-                 Key("scales", dict, required=False))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """``calib.json``: what it was made from, and the ranges the build reads."""
+
+    model_sha256: str  # the export's ``export.json`` (``ExportRecord.identity``)
+    data_sha256: str
+    amax: dict  # each quantized tensor's range
+    kv_amax: dict | None = optional()  # K's and V's largest magnitude per layer and KV head
+    float_linears: list | None = optional()  # the linears the sensitivity gate kept in float
+
+
+CALIB_KEYS = keys_of(Calibration)
 ORT_GRAPHS_KEYS = (Key("passes_version", int), Key("passes", list), Key("requires", list),
                    *(Key(k, str) for k in ("attention", "attention_why", "why", "plain_graph")))
 TRT_KEYS = (Key("version", str), Key("gpu", dict))

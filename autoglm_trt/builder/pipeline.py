@@ -39,6 +39,7 @@ from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec
 from ..precisions import Precision, precision
+from ..record_schema import untyped
 from .config import BuildConfig
 from .profiles import profile_shapes
 from .vision import vision_engine
@@ -295,13 +296,13 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
             shutil.copy2(model_dir / "calib.json", tmp / "calib.json")
             shutil.copy2(model_dir / "calibration.cache", tmp / "calibration.cache")
         manifest = {**_manifest(req, backend, engine_file, record, cfg, profiles, report), **sections}
-        manifest["kv_cache"] = KVCache(cfg.kv_block_size, num_blocks,
+        manifest["kv_cache"] = untyped(KVCache(cfg.kv_block_size, num_blocks,
                                        num_blocks * cfg.block_bytes(record.spec, kv_bytes_per_elem(kv_dtype)), kv_dtype,
                                        f"{POOL_LAYOUT} per layer, K and V" + (
                                            ", and a float32 scale per token and KV head" if cfg.kv_scales == "token"
                                            else ""),
                                        None if kv_amax is None else {n: [a / 127.0 for a in v]
-                                                                     for n, v in kv_amax.items()}).as_dict()
+                                                                     for n, v in kv_amax.items()}))
         manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
         manifest["files"] = hash_dir(tmp)
         Manifest.write(tmp, manifest)
@@ -333,7 +334,7 @@ def _manifest(req: BuildRequest, backend: Backend, engine_file: str, record: Exp
         "source": {"path": str(Path(req.source).resolve()), "model_dir": str(record.dir.resolve()),
                    "checkpoint_sha256": record.source_sha256},
         "spec": record.spec_data,
-        "limits": asdict(Limits(cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len)),
+        "limits": untyped(Limits(cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len)),
         "build_config": asdict(cfg),
         "profiles": {k: {n: [list(s) for s in v] for n, v in p.items() if not n.startswith("past_")}
                      for k, p in profiles.items()},

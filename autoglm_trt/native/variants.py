@@ -20,7 +20,7 @@ SOURCES = ("register.c", "paged_attention.c", "hadamard_quantize.c", "int8_linea
            "float_linear.c", "masked_softmax.c", "calib_stats.c", "block_linear.c", "prefill_attention.c", "amx.c",
            "kv_quantize.c", "image_attention.c")
 HEADERS = ("ort_api.h", "operators.h", "parallel.h", "simd.h", "vec.h", "linear.h", "chunks.h", "rotate.h",
-           "skip_norm.h", "tile_runs.h", "amx.h")
+           "skip_norm.h", "tile_runs.h", "amx.h", "block_tiles_vnni.h", "block_tiles_avx2.h", "block_tiles_c.h")
 
 _V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
 _V3 = _V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")

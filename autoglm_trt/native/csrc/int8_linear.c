@@ -55,87 +55,108 @@ static inline int32_t quad(const uint8_t *x) { /* four input bytes as one 32-bit
   return v;
 }
 
-/* tile(): sums[r * 16 + i] = sum_k x[r][k] * W[k, 16 t + i] for rows r < rows <= ROWS of one
- * 16-column tile w (K4 * 64 bytes), with whatever dot-product instructions this CPU has; with
- * ``pf`` (never for one row), each step also asks for one line of the next tile ``pf`` into the
- * second-level cache. */
+/* A 16-column tile's dot products, mapped once onto the build's integer instructions: ``wtile`` a
+ * step's 64 bytes of weights (16 columns x 4 inputs) as loaded, ``acc16`` one row's 16 column sums
+ * as held, ``acc_dot`` adds one quad of inputs times a step's weights. The sums are exact integers
+ * on every build, so every build and every order of accumulation gives the same bits. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define ROWS 8
-/* R rows: R chains of accumulation (enough to keep the dot-product unit busy at 8), each 64-byte
- * load of weights used by all of them */
-#define ROWS_TILE(R)                                                                                        \
-  static void tile_##R(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums,       \
-                       const int8_t *pf) {                                                                  \
-    __m512i a[R];                                                                                           \
-    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();                                              \
-    for (int64_t k = 0; k < k4; k++) {                                                                      \
-      const __m512i v = _mm512_loadu_si512(w + 64 * k);                                                     \
-      if (pf != NULL) _mm_prefetch((const char *)(pf + 64 * k), _MM_HINT_T1);                               \
-      for (int r = 0; r < R; r++) a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(quad(x[r] + 4 * k)), v); \
-    }                                                                                                       \
-    for (int r = 0; r < rows; r++) _mm512_storeu_si512(sums + 16 * r, a[r]);                                \
+typedef __m512i wtile; /* vpdpbusd: 4 unsigned inputs x 4 signed weights into each column's lane */
+typedef __m512i acc16;
+#define w_load(p) _mm512_loadu_si512(p)
+#define acc_zero() _mm512_setzero_si512()
+#define acc_add(a, b) _mm512_add_epi32(a, b)
+#define acc_dot(a, x, v) _mm512_dpbusd_epi32(a, _mm512_set1_epi32(quad(x)), v)
+#define acc_store(sums, a) _mm512_storeu_si512(sums, a)
+const char int8_linear_kernel[] = "avx512-vnni";
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define ROWS 2
+/* no 8-bit dot product: weights widened to int16 and pairs multiplied and added exactly
+ * (vpmaddwd); each of a row's 4 vectors holds 4 columns x 2 partial sums */
+typedef struct { __m256i c[4]; } wtile;
+typedef struct { __m256i c[4]; } acc16;
+static inline wtile w_load(const int8_t *p) {
+  wtile v;
+  for (int c = 0; c < 4; c++) v.c[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * c)));
+  return v;
+}
+static inline acc16 acc_zero(void) { return (acc16){{_mm256_setzero_si256(), _mm256_setzero_si256(),
+                                                     _mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+static inline acc16 acc_add(acc16 a, acc16 b) {
+  for (int c = 0; c < 4; c++) a.c[c] = _mm256_add_epi32(a.c[c], b.c[c]);
+  return a;
+}
+static inline acc16 acc_dot(acc16 a, const uint8_t *x, wtile v) {
+  const __m256i q = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(quad(x))));
+  for (int c = 0; c < 4; c++) a.c[c] = _mm256_add_epi32(a.c[c], _mm256_madd_epi16(v.c[c], q));
+  return a;
+}
+static inline void acc_store(int32_t *sums, acc16 a) {
+  for (int c = 0; c < 4; c++) {
+    int32_t part[8];
+    _mm256_storeu_si256((__m256i *)part, a.c[c]);
+    for (int i = 0; i < 4; i++) sums[4 * c + i] = part[2 * i] + part[2 * i + 1];
   }
+}
+const char int8_linear_kernel[] = "avx2";
+#else
+#define ROWS 1
+typedef const int8_t *wtile;
+typedef struct { int32_t s[16]; } acc16;
+#define w_load(p) (p)
+static inline acc16 acc_zero(void) { return (acc16){{0}}; }
+static inline acc16 acc_add(acc16 a, acc16 b) {
+  for (int i = 0; i < 16; i++) a.s[i] += b.s[i];
+  return a;
+}
+static inline acc16 acc_dot(acc16 a, const uint8_t *x, wtile v) {
+  for (int i = 0; i < 16; i++)
+    for (int e = 0; e < 4; e++) a.s[i] += (int32_t)x[e] * (int32_t)v[4 * i + e];
+  return a;
+}
+static inline void acc_store(int32_t *sums, acc16 a) { memcpy(sums, a.s, sizeof a.s); }
+const char int8_linear_kernel[] = "portable C";
+#endif
+
+/* tile_R(): sums[r * 16 + i] = sum_k x[r][k] * W[k, 16 t + i] for rows r < rows <= R of one
+ * 16-column tile w (K4 * 64 bytes): R chains of accumulation, each step's weights loaded once for
+ * all of them; with ``pf`` (never for one row), each step also asks for one line of the next tile
+ * ``pf`` into the second-level cache. Rows past ``rows`` repeat row 0 and are not stored. */
+#define ROWS_TILE(R)                                                                                         \
+  static inline void tile_##R(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums, \
+                              const int8_t *pf) {                                                            \
+    acc16 a[R];                                                                                              \
+    for (int r = 0; r < R; r++) a[r] = acc_zero();                                                           \
+    for (int64_t k = 0; k < k4; k++) {                                                                       \
+      const wtile v = w_load(w + 64 * k);                                                                    \
+      if (pf != NULL) __builtin_prefetch(pf + 64 * k, 0, 2);                                                 \
+      for (int r = 0; r < R; r++) a[r] = acc_dot(a[r], x[r] + 4 * k, v);                                     \
+    }                                                                                                        \
+    for (int r = 0; r < rows; r++) acc_store(sums + 16 * r, a[r]);                                           \
+  }
+ROWS_TILE(2)
 ROWS_TILE(4)
 ROWS_TILE(8)
 static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums, const int8_t *pf) {
-  if (rows == 1) { /* a decode step: two chains of accumulation, so the loads overlap */
-    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+  if (rows == 1) { /* a decode step: two chains over alternate steps, so that the loads overlap */
+    acc16 a = acc_zero(), b = acc_zero();
     int64_t k = 0;
     for (; k + 2 <= k4; k += 2) {
-      a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(quad(x[0] + 4 * k)), _mm512_loadu_si512(w + 64 * k));
-      b = _mm512_dpbusd_epi32(b, _mm512_set1_epi32(quad(x[0] + 4 * k + 4)), _mm512_loadu_si512(w + 64 * k + 64));
+      a = acc_dot(a, x[0] + 4 * k, w_load(w + 64 * k));
+      b = acc_dot(b, x[0] + 4 * k + 4, w_load(w + 64 * k + 64));
     }
-    if (k < k4) a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(quad(x[0] + 4 * k)), _mm512_loadu_si512(w + 64 * k));
-    _mm512_storeu_si512(sums, _mm512_add_epi32(a, b));
-  } else if (rows <= 4) { /* rows past ``rows`` repeat row 0 */
+    if (k < k4) a = acc_dot(a, x[0] + 4 * k, w_load(w + 64 * k));
+    acc_store(sums, acc_add(a, b));
+  } else if (rows <= 2 || ROWS == 2) {
+    tile_2(x, rows, w, k4, sums, pf);
+  } else if (rows <= 4) {
     tile_4(x, rows, w, k4, sums, pf);
   } else {
     tile_8(x, rows, w, k4, sums, pf);
   }
 }
-const char int8_linear_kernel[] = "avx512-vnni";
-#elif defined(__AVX2__)
-#include <immintrin.h>
-#define ROWS 2
-/* no 8-bit dot product: weights widened to int16, and pairs multiplied and added exactly
- * (vpmaddwd); each 256-bit sum holds 4 columns x 2 partial sums */
-static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums, const int8_t *pf) {
-  (void)pf;
-  const uint8_t *r1 = x[1]; /* row 0 again when rows is 1 */
-  __m256i a[2][4];
-  for (int r = 0; r < 2; r++)
-    for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_si256();
-  for (int64_t k = 0; k < k4; k++) {
-    const __m256i x0 = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(quad(x[0] + 4 * k))));
-    const __m256i x1 = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(quad(r1 + 4 * k))));
-    for (int c = 0; c < 4; c++) {
-      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 64 * k + 16 * c)));
-      a[0][c] = _mm256_add_epi32(a[0][c], _mm256_madd_epi16(v, x0));
-      a[1][c] = _mm256_add_epi32(a[1][c], _mm256_madd_epi16(v, x1));
-    }
-  }
-  for (int r = 0; r < rows; r++)
-    for (int c = 0; c < 4; c++) {
-      int32_t part[8];
-      _mm256_storeu_si256((__m256i *)part, a[r][c]);
-      for (int i = 0; i < 4; i++) sums[16 * r + 4 * c + i] = part[2 * i] + part[2 * i + 1];
-    }
-}
-const char int8_linear_kernel[] = "avx2";
-#else
-#define ROWS 1
-static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4, int32_t *sums, const int8_t *pf) {
-  (void)rows, (void)pf;
-  for (int i = 0; i < 16; i++) {
-    int32_t s = 0;
-    for (int64_t k = 0; k < k4; k++)
-      for (int j = 0; j < 4; j++) s += (int32_t)x[0][4 * k + j] * (int32_t)w[64 * k + 4 * i + j];
-    sums[i] = s;
-  }
-}
-const char int8_linear_kernel[] = "portable C";
-#endif
 
 #define SUM_ROWS CHUNK_ROWS /* AMX takes a work item's rows at once, at most a chunk (chunks.h) */
 

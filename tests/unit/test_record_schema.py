@@ -1,0 +1,73 @@
+"""A record's typed sections: the keys each dataclass declares, and the section checked and
+made from a record's JSON and given back as it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoglm_trt.record_schema import (
+    CALIB_KEYS,
+    EXPORT_KEYS,
+    Calibration,
+    GraphRecord,
+    KVCache,
+    Limits,
+    keys_of,
+    typed,
+    untyped,
+)
+
+WHERE = Path("engine/manifest.json")
+
+
+class Refused(Exception):
+    pass
+
+
+def test_a_sections_fields_declare_its_keys():
+    keys = {k.name: k for k in keys_of(KVCache)}
+    assert list(keys) == ["block_size", "num_blocks", "bytes", "dtype", "layout", "scales"]
+    assert [k.kind for k in keys.values()] == [int, int, int, str, str, dict]
+    assert [k.required for k in keys.values()] == [True, True, True, True, False, False]
+    assert keys["block_size"].rule(0) == "must be an integer >= 1, got 0" and keys["block_size"].rule(16) is None
+    assert keys["dtype"].rule("bfloat16") == "must be one of float32, float16, int8, got 'bfloat16'"
+    assert keys["layout"].rule is None
+    assert CALIB_KEYS == keys_of(Calibration)
+    graph = next(k for k in EXPORT_KEYS if k.name == "graph")
+    assert graph.keys == keys_of(GraphRecord) and {k.name for k in graph.keys if k.required} == {
+        "file", "dtype", "max_seq_len"}
+
+
+def test_a_section_is_checked_made_and_given_back():
+    data = {"block_size": 16, "num_blocks": 8, "bytes": 4096, "dtype": "int8", "scales": {"k.0": [0.5]}}
+    kv = typed(KVCache, data, WHERE, Refused, "rebuild the engine", "kv_cache.")
+    assert kv == KVCache(16, 8, 4096, "int8", "", {"k.0": [0.5]})  # the absent layout takes its default
+    assert untyped(kv) == {**data, "layout": ""}
+    assert untyped(Limits(1, 2, 3)) == {"max_batch_size": 1, "max_input_len": 2, "max_seq_len": 3}
+    graph = typed(GraphRecord, {"file": "model.onnx", "dtype": "float16", "max_seq_len": 64, "opset": 21}, WHERE,
+                  Refused, "re-export")
+    assert graph == GraphRecord("model.onnx", "float16", 64) and graph.kv_dtype is None  # unknown keys pass by
+    assert untyped(graph) == {"file": "model.onnx", "dtype": "float16", "max_seq_len": 64}
+
+
+@pytest.mark.parametrize("limits,message", [
+    ({"max_batch_size": 1, "max_input_len": 2}, "lacks the key 'limits.max_seq_len'"),
+    ({"max_batch_size": True, "max_input_len": 2, "max_seq_len": 3}, "'limits.max_batch_size' must be an integer, "
+                                                                      "got True; rebuild the engine"),
+    ({"max_batch_size": 1, "max_input_len": 0, "max_seq_len": 3}, "limits.max_input_len must be an integer >= 1"),
+    ({"max_batch_size": 1, "max_input_len": 2, "max_seq_len": "3"}, "'limits.max_seq_len' must be an integer"),
+])
+def test_a_bad_section_is_refused_with_its_key(limits, message):
+    with pytest.raises(Refused, match=message):
+        typed(Limits, limits, WHERE, Refused, "rebuild the engine", "limits.")
+
+
+def test_an_optional_key_is_checked_where_present():
+    with pytest.raises(Refused, match="graph.kv_dtype must be one of float32, float16, int8, got 'fp8'"):
+        typed(GraphRecord, {"file": "m.onnx", "dtype": "float32", "max_seq_len": 8, "kv_dtype": "fp8"}, WHERE,
+              Refused, "re-export", "graph.")
+    with pytest.raises(Refused, match="'kv_amax' must be an object, got \\[1\\]"):
+        typed(Calibration, {"model_sha256": "a", "data_sha256": "b", "amax": {}, "kv_amax": [1]}, WHERE, Refused,
+              "calibrate again")
