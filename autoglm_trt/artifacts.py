@@ -34,6 +34,7 @@ from .record_schema import (
     Key,
     KVCache,
     Limits,
+    OrtGraphs,
     brief,
     check,
     keys_of,
@@ -362,10 +363,11 @@ class Manifest:
     def files(self) -> dict[str, str]:  # the engine's files but the manifest, and their SHA-256
         return self.data["files"]
 
-    @property
-    def ort_graphs(self) -> dict:
+    @cached_property
+    def ort_graphs(self) -> OrtGraphs:
         """An ONNX Runtime engine's graphs (``loader.write_graphs``): native (or why not), plain, passes."""
-        return self.data["onnxruntime"]
+        return typed(OrtGraphs, self.data["onnxruntime"], self.dir / MANIFEST, EngineError, "rebuild the engine",
+                     "onnxruntime.")
 
     def verify_files(self) -> list[str]:
         """Problems with the engine's files (missing, or a SHA-256 that differs from the manifest)."""

@@ -5,7 +5,7 @@ is read, so no stage writes what the next one would refuse, and a crafted or dam
 refused with the key's dotted name and what it must be.
 
 A section the stages read field by field is a typed dataclass (``GraphRecord``, ``Calibration``,
-``Limits``, ``KVCache``), and its declaration is its fields (``keys_of``): a field's type is the key's JSON
+``Limits``, ``KVCache``, ``OrtGraphs``), and its declaration is its fields (``keys_of``): a field's type is the key's JSON
 type, a field with a default may be absent, and a field's ``rule`` metadata is the key's rule.
 ``typed`` checks a section and makes the dataclass; ``untyped`` gives its JSON back."""
 
@@ -43,10 +43,11 @@ def brief(value: object, limit: int = 80) -> str:
 def check(data: dict, keys: tuple[Key, ...], where: Path, error: type[Exception], remedy: str,
           prefix: str = "") -> None:
     """Raise ``error`` for the first key of ``keys`` that ``data`` lacks or holds wrongly, saying
-    which key (dotted: ``prefix`` + its name), what it must be, and ``remedy``."""
+    which key (dotted: ``prefix`` + its name), what it must be, and ``remedy``. A key that may be
+    absent may also be null (JSON's None), which says the same."""
     for key in keys:
         name = prefix + key.name
-        if key.name not in data:
+        if data.get(key.name) is None and (key.name not in data or not key.required):
             if key.required:
                 raise error(f"{where} lacks the key '{name}'; it was not made by this version of autoglm-trt, "
                             f"or was edited: {remedy}")
@@ -184,6 +185,23 @@ class Calibration:
 
 
 CALIB_KEYS = keys_of(Calibration)
-ORT_GRAPHS_KEYS = (Key("passes_version", int), Key("passes", list), Key("requires", list),
-                   *(Key(k, str) for k in ("attention", "attention_why", "why", "plain_graph")))
+
+
+@dataclass(frozen=True)
+class OrtGraphs:
+    """An ONNX Runtime engine's ``manifest.json`` ``onnxruntime``: its graphs (``loader.write_graphs``)."""
+
+    passes_version: int  # of the passes that made the native graph
+    passes: list  # each pass in order: its name, how often it applied, or why not
+    requires: list  # the native library's features the native graph needs
+    attention: str  # what runs a decode step's attention in the native graph
+    attention_why: str
+    why: str  # why there is no native graph ("" where there is one)
+    plain_graph: str
+    native_graph: str | None = optional()
+    native_weights: str | None = optional()  # its packed weights
+    packed_at_load: dict | None = optional()  # an older build's: packed weights left to the load
+
+
+ORT_GRAPHS_KEYS = keys_of(OrtGraphs)
 TRT_KEYS = (Key("version", str), Key("gpu", dict))

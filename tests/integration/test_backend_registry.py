@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from autoglm_trt.artifacts import Manifest
+from autoglm_trt.artifacts import EngineError, Manifest
 from autoglm_trt.backends import registry
 from autoglm_trt.backends.onnxrt.backend import OnnxRuntimeBackend
 from autoglm_trt.errors import AutoGLMError
+from autoglm_trt.record_schema import OrtGraphs, typed
 
 
 class FakeBackend(OnnxRuntimeBackend):
@@ -35,7 +36,8 @@ class FakeBackend(OnnxRuntimeBackend):
         from autoglm_trt.backends.onnxrt.runner import OrtRunner
 
         kv = manifest.kv
-        runner = OrtRunner(manifest.dir, manifest.data[self.name], manifest.spec, num_blocks, kv.block_size, kv.dtype,
+        graphs = typed(OrtGraphs, manifest.section(self.name), manifest.dir, EngineError, "rebuild the engine")
+        runner = OrtRunner(manifest.dir, graphs, manifest.spec, num_blocks, kv.block_size, kv.dtype,
                            threads, spinning=spinning)
         self.runners.append(runner)
         return runner

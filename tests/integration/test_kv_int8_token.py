@@ -113,7 +113,7 @@ def test_the_native_graph_quantizes_with_one_operator_and_the_same_bits(engines,
     from autoglm_trt.backends.onnxrt.passes import decode_nodes
 
     manifest = Manifest.read(engines["token"])
-    native = onnx.load(str(engines["token"] / manifest.ort_graphs["native_graph"]), load_external_data=False)
+    native = onnx.load(str(engines["token"] / str(manifest.ort_graphs.native_graph)), load_external_data=False)
     ops = decode_nodes(native)  # a decode step's nodes
     assert ops.get("QuantizeKVRows") == 2 * manifest.spec.num_layers and "ReduceMax" not in ops
     runners = [rewritten_runner(engines["token"]), rewritten_runner(engines["token"], skip={"kv_quantize"})]

@@ -34,7 +34,7 @@ def test_the_prefill_branch_is_one_prefill_attention_a_layer(hd64_engine):
                                                   load_external_data=False).graph)]
     assert ops.count("PrefillAttention") == 2 and ops.count("PagedAttention") + ops.count("PagedAttentionInt8KV") == 2
     assert "MaskedSoftmax" not in ops and "Softmax" not in ops  # no score tensor is left in either branch
-    assert "fma" in Manifest.read(hd64_engine).ort_graphs["requires"]
+    assert "fma" in Manifest.read(hd64_engine).ort_graphs.requires
 
 
 @pytest.mark.parametrize("step_tokens", [None, 7])

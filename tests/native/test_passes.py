@@ -15,11 +15,11 @@ from autoglm_trt.backends.onnxrt import passes
 
 def test_the_manifest_records_every_pass_in_order(tiny_int8_engine, library):
     graphs = Manifest.read(tiny_int8_engine).ort_graphs
-    assert [p["name"] for p in graphs["passes"]] == [name for name, _ in passes.PASSES]
-    assert graphs["passes_version"] == passes.PASSES_VERSION
-    assert graphs["native_graph"] == "model.native.onnx" and graphs["native_weights"] == "model.native.bin"
-    assert all(p["applied"] or p["why_not"] for p in graphs["passes"])  # each says what it did or why not
-    done = {p["name"] for p in graphs["passes"] if p["applied"]}
+    assert [p["name"] for p in graphs.passes] == [name for name, _ in passes.PASSES]
+    assert graphs.passes_version == passes.PASSES_VERSION
+    assert graphs.native_graph == "model.native.onnx" and graphs.native_weights == "model.native.bin"
+    assert all(p["applied"] or p["why_not"] for p in graphs.passes)  # each says what it did or why not
+    done = {p["name"] for p in graphs.passes if p["applied"]}
     assert {"attention", "rope_qkv", "hadamard_quantize", "linears", "step_branch"} <= done
 
 
@@ -58,7 +58,7 @@ def test_a_native_graph_made_by_other_passes_gives_way_to_the_plain_graph(tiny_e
 def test_a_native_graph_this_library_cannot_run_gives_way_to_the_plain_graph(tiny_engine, library, monkeypatch):
     from autoglm_trt import native
 
-    requires = Manifest.read(tiny_engine).ort_graphs["requires"]
+    requires = Manifest.read(tiny_engine).ort_graphs.requires
     if "fma" not in requires:
         pytest.skip("this machine's library has no fused multiply-add, so the engine needs none")
     monkeypatch.setattr(native, "float_kernel", lambda library: "portable C")  # a library without FMA

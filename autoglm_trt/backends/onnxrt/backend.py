@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ...artifacts import ExportRecord, Manifest
+from ...record_schema import untyped
 from ..base import BackendTraits, EngineSettings, StepRunner
 
 
@@ -42,9 +43,9 @@ class OnnxRuntimeBackend:
 
         graphs = write_graphs(out_dir, record.spec, kv_dtype, dynamic_int8=dynamic_int8,
                               bf16_attention=eight_bit_activations)
-        done = [f"{p['name']} x{p['applied']}" for p in graphs["passes"] if p["applied"]]
-        log("native graph: " + (", ".join(done) if graphs["native_graph"] else f"none ({graphs['why']})"))
-        return {self.name: graphs, **({"vision": report["vision"]} if "vision" in report else {})}
+        done = [f"{p['name']} x{p['applied']}" for p in graphs.passes if p["applied"]]
+        log("native graph: " + (", ".join(done) if graphs.native_graph else f"none ({graphs.why})"))
+        return {self.name: untyped(graphs), **({"vision": report["vision"]} if "vision" in report else {})}
 
     def problems(self, manifest: Manifest) -> list[str]:
         ok, why = self.available()

@@ -17,11 +17,11 @@ def decode_graph(manifest: Manifest, report: dict | None) -> dict:
 
     graphs = manifest.ort_graphs
     why = native_graph_here(graphs, passes.Target.here())
-    name = graphs["plain_graph"] if why else graphs["native_graph"]
+    name = graphs.plain_graph if why else str(graphs.native_graph)
     counts = passes.decode_nodes(onnx.load(str(manifest.dir / name), load_external_data=False))
     return {"graph": name, "why_plain": why, "nodes": sum(counts.values()), "nodes_by_op": counts,
-            "saved_nodes": (report or {}).get("nodes_after"), "passes": graphs["passes"],
-            "passes_version": graphs["passes_version"]}
+            "saved_nodes": (report or {}).get("nodes_after"), "passes": graphs.passes,
+            "passes_version": graphs.passes_version}
 
 
 def inspect_lines(manifest: Manifest, decode: dict) -> list[str]:
@@ -62,9 +62,9 @@ def native_report(manifest: Manifest) -> list[str]:
     graphs, target = manifest.ort_graphs, passes.Target.here()
     library = target.library
     why = native_graph_here(graphs, target)
-    name = graphs["plain_graph"] if why else graphs["native_graph"]
+    name = graphs.plain_graph if why else str(graphs.native_graph)
     ops = {n.op_type for n in all_nodes(onnx.load(str(manifest.dir / name), load_external_data=False).graph)}
-    attention = not why and graphs["attention"] == "native"
+    attention = not why and graphs.attention == "native"
     kernel = float_kernel(library) if library is not None else None
     float_native = any(op.startswith("FloatLinear") for op in ops)
     return [
@@ -72,7 +72,7 @@ def native_report(manifest: Manifest) -> list[str]:
                               else f"none ({target.why})"),
         f"graph: {name}" + (f" (the plain graph: {why})" if why else " (native operators)"),
         "decode attention: " + (f"native PagedAttention operator ({library})" if attention
-                                else f"the graph's own nodes, slower ({why or graphs['attention_why']})"),
+                                else f"the graph's own nodes, slower ({why or graphs.attention_why})"),
         *_quantized_lines(precision(manifest.precision), ops, library),
         "float linears: " + (f"native FloatLinear operator ({kernel} kernel; ONNX Runtime's MatMul's sums)" if float_native
                              else "ONNX Runtime's MatMul" + (" (this CPU has no fused multiply-add)"

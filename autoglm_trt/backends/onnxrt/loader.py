@@ -14,6 +14,7 @@ plain graph reads (docs/native.md says what that costs on disk).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import numpy as np
 import onnx
 
 from ...model.spec import ModelSpec
+from ...record_schema import OrtGraphs
 from . import passes, weights_arena
 from .session import make_session
 
@@ -72,7 +74,7 @@ def optimize(model_path: Path, out_dir: Path, threads: int = 0, rewritten: onnx.
 
 
 def write_graphs(out_dir: Path, spec: ModelSpec, kv_dtype: str, target: passes.Target | None = None,
-                 dynamic_int8: bool = False, bf16_attention: bool = False) -> dict:
+                 dynamic_int8: bool = False, bf16_attention: bool = False) -> OrtGraphs:
     """After ``optimize``: the plain graph, and the native graph and its packed weights where
     ``target`` (this machine's library by default) has one; the manifest's record of them.
     ``dynamic_int8`` (``int8-dyn``): blocked INT8 weights run with activations quantized per block;
@@ -82,17 +84,13 @@ def write_graphs(out_dir: Path, spec: ModelSpec, kv_dtype: str, target: passes.T
     native = passes.rewrite(out_dir / OPT_GRAPH, spec, kv_dtype, target, dynamic_int8=dynamic_int8,
                             bf16_attention=bf16_attention)
     onnx.save(plain.model, str(out_dir / PLAIN_GRAPH))  # its weights stay in model.opt.onnx.data
-    record: dict = {"passes_version": passes.PASSES_VERSION, "plain_graph": PLAIN_GRAPH,
-                    "passes": [r.as_dict() for r in native.results],
-                    "attention": native.attention, "attention_why": native.attention_why, "native_graph": None,
-                    "native_weights": None, "requires": [], "why": ""}
+    record = OrtGraphs(passes.PASSES_VERSION, [r.as_dict() for r in native.results], [], native.attention,
+                       native.attention_why, "", PLAIN_GRAPH)
     if not native.native:
-        record["why"] = target.why or "no pass found anything to rewrite"
-        return record
+        return dataclasses.replace(record, why=target.why or "no pass found anything to rewrite")
     save_native(native, out_dir)
-    record.update(native_graph=NATIVE_GRAPH, native_weights=NATIVE_WEIGHTS if native.packed else None,
-                  requires=native.requires())
-    return record
+    return dataclasses.replace(record, native_graph=NATIVE_GRAPH, requires=native.requires(),
+                               native_weights=NATIVE_WEIGHTS if native.packed else None)
 
 
 def save_native(rewritten: passes.Rewritten, out_dir: Path) -> None:

@@ -32,30 +32,31 @@ import onnx
 from ...graph import names
 from ...kvcache.host_pools import KVPools, SlotMap
 from ...model.spec import ModelSpec
+from ...record_schema import OrtGraphs
 from . import loader, passes
 from .passes.common import SLOTS
 from .session import make_session
 
 
-def native_graph_here(graphs: dict, target: passes.Target) -> str:
+def native_graph_here(graphs: OrtGraphs, target: passes.Target) -> str:
     """Why this machine cannot run an engine's saved native graph ("" when it can)."""
-    if graphs["native_graph"] is None:
-        return graphs["why"] or "the engine has no native graph"
-    if graphs.get("packed_at_load") is not None:  # what an older build wrote for packed weights over 1 GiB
+    if graphs.native_graph is None:
+        return graphs.why or "the engine has no native graph"
+    if graphs.packed_at_load is not None:  # what an older build wrote for packed weights over 1 GiB
         return ("the engine saved no packed weights for its native graph (an older autoglm-trt left them to be made "
                 "at load); rebuild the engine for the native operators")
-    if graphs["passes_version"] != passes.PASSES_VERSION:
-        return (f"the engine's native graph was made by passes version {graphs['passes_version']}, this autoglm-trt "
+    if graphs.passes_version != passes.PASSES_VERSION:
+        return (f"the engine's native graph was made by passes version {graphs.passes_version}, this autoglm-trt "
                 f"has version {passes.PASSES_VERSION}; rebuild the engine for the native operators")
     if target.library is None:
         return target.why
-    if lacks := target.lacks(graphs["requires"]):
+    if lacks := target.lacks(graphs.requires):
         return (f"the engine's native graph needs {', '.join(lacks)}, which this machine's native library lacks; "
                 "rebuild the engine on this machine for the native operators")
     return ""
 
 
-def open_session(engine_dir: Path, graphs: dict, threads: int, rewritten: passes.Rewritten | None = None,
+def open_session(engine_dir: Path, graphs: OrtGraphs, threads: int, rewritten: passes.Rewritten | None = None,
                  spinning: bool = True) -> tuple[Any, str]:
     """A session over the engine's native graph where it can run here (``native_graph_here``), else
     over its plain graph; and which attention decode steps run: "native" or "graph (<why>)".
@@ -73,20 +74,21 @@ def open_session(engine_dir: Path, graphs: dict, threads: int, rewritten: passes
                                        external_data_dir=engine_dir, custom_ops=target.library,
                                        initializers=rewritten.packed, spinning=spinning)
                 return session, rewritten.attention
-            model = onnx.load(str(engine_dir / graphs["native_graph"]), load_external_data=False)
+            native = engine_dir / str(graphs.native_graph)
+            model = onnx.load(str(native), load_external_data=False)
             packed = loader.read_packed(model, engine_dir)
-            session = make_session(engine_dir / graphs["native_graph"], threads=threads, custom_ops=target.library,
+            session = make_session(native, threads=threads, custom_ops=target.library,
                                    initializers=packed, spinning=spinning)
-            return session, graphs["attention"]
+            return session, graphs.attention
         except Exception as exc:  # noqa: BLE001 - the native library is an optimization: fall back, say why
             why = f"the native library {target.library} did not load: {exc}"
-    return make_session(engine_dir / graphs["plain_graph"], threads=threads, spinning=spinning), f"graph ({why})"
+    return make_session(engine_dir / graphs.plain_graph, threads=threads, spinning=spinning), f"graph ({why})"
 
 
 class OrtRunner:
     MAX_BINDINGS = 64  # decode batch sizes kept bound
 
-    def __init__(self, engine_dir: Path, graphs: dict, spec: ModelSpec, num_blocks: int, block_size: int,
+    def __init__(self, engine_dir: Path, graphs: OrtGraphs, spec: ModelSpec, num_blocks: int, block_size: int,
                  kv_dtype: str, threads: int = 0, rewritten: passes.Rewritten | None = None, spinning: bool = True):
         import onnxruntime as ort
 
