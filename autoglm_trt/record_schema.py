@@ -115,7 +115,8 @@ def keys_of(cls: type) -> tuple[Key, ...]:
 def typed(cls: type[T], data: dict, where: Path, error: type[Exception], remedy: str, prefix: str = "") -> T:
     """``data``, a section declared by the dataclass ``cls``, checked (``check``) and made ``cls``."""
     check(data, keys_of(typing.cast(type, cls)), where, error, remedy, prefix)
-    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})  # type: ignore[arg-type]
+    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                  if data.get(f.name) is not None})  # absent or null: the field's default
 
 
 def untyped(section: object) -> dict:

@@ -139,8 +139,7 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
     made = {"source": export.identity(), "version": VERSION, "settings": _identity(settings),
             "data_sha256": windows.sha256, "images_sha256": [image_digest(i) for i in images],
             "gram_data_sha256": more.sha256 if more else None, "gate_data_sha256": held.sha256 if held else None}
-    if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).made_by("int4"), made):
-        log(f"reusing the INT4 model in {out_dir} (its export, data and settings match)")
+    if _cached(out_dir, made, "its export, data and settings", log):
         return out_dir
     t0 = time.perf_counter()
     rows, shown = (windows.windows, None) if not images else with_image_windows(opened, windows.windows, images)
@@ -161,13 +160,10 @@ def int4_export(export_dir: Path, out_dir: Path, data: Path, settings: Int4Setti
             plan, gate = _write(Path(scratch), tmp, export_dir, weights, plan, export.max_seq_len, held, settings,
                                 threads, log)
             log(f"INT4 graph written in {time.perf_counter() - t1:.1f} s")
-            record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq", dtype=settings.dtype)
-            record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
-                              "weights": _weights_text(settings, len(plan.int8_linears) - len(int8_linears)),
-                              "int8_linears": list(plan.int8_linears), "rounding": rounding, "awq": report,
-                              "gate": gate}
-            copy_tokenizer_files(export_dir, tmp)
-            ExportRecord.write(tmp, record)
+            _finish(tmp, export, settings, {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
+                                            "weights": _weights_text(settings, len(plan.int8_linears) - len(int8_linears)),
+                                            "int8_linears": list(plan.int8_linears), "rounding": rounding,
+                                            "awq": report, "gate": gate})
     return out_dir
 
 
@@ -196,8 +192,7 @@ def _nearest(opened: OpenedExport, out_dir: Path, settings: Int4Settings, log: C
     int8_linears = tuple(sorted(n for n in inputs if kind_of(n) in settings.int8_kinds))
     made = {"source": export.identity(), "version": VERSION, "settings": _identity(settings), "data_sha256": None,
             "images_sha256": [], "gram_data_sha256": None, "gate_data_sha256": None}
-    if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).made_by("int4"), made):
-        log(f"reusing the INT4 model in {out_dir} (its export and settings match)")
+    if _cached(out_dir, made, "its export and settings", log):
         return out_dir
     t0 = time.perf_counter()
     log(f"rounding {len(inputs)} linears' weights to INT4 to nearest (no calibration)"
@@ -212,14 +207,28 @@ def _nearest(opened: OpenedExport, out_dir: Path, settings: Int4Settings, log: C
     with staged_directory(out_dir, True) as tmp:
         write_int8_graph(tmp, GRAPH, spec, weights, plan, export.max_seq_len, settings.dtype)
         log(f"INT4 graph written in {time.perf_counter() - t0:.1f} s")
-        record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq", dtype=settings.dtype)
-        record["int4"] = {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
-                          "weights": _weights_text(settings, 0), "int8_linears": list(int8_linears),
-                          "rounding": "to nearest (--int4-rounding nearest: no calibration, no AWQ scales)",
-                          "awq": {}, "gate": None}
-        copy_tokenizer_files(opened.dir, tmp)
-        ExportRecord.write(tmp, record)
+        _finish(tmp, export, settings, {**made, "linears": len(inputs), "seconds": round(time.perf_counter() - t0, 1),
+                                        "weights": _weights_text(settings, 0), "int8_linears": list(int8_linears),
+                                        "rounding": "to nearest (--int4-rounding nearest: no calibration, no AWQ "
+                                                    "scales)", "awq": {}, "gate": None})
     return out_dir
+
+
+def _cached(out_dir: Path, made: dict, what: str, log: Callable[[str], None]) -> bool:
+    """Whether ``out_dir`` holds the INT4 model that ``made`` describes already (and if so, says so)."""
+    if (out_dir / EXPORT_RECORD).is_file() and _same(ExportRecord.read(out_dir).made_by("int4"), made):
+        log(f"reusing the INT4 model in {out_dir} ({what} match)")
+        return True
+    return False
+
+
+def _finish(tmp: Path, export: ExportRecord, settings: Int4Settings, made: dict) -> None:
+    """The INT4 model's record (``export``'s, for its graph, with how it was ``made``) and the
+    tokenizer files, into its staged directory ``tmp``."""
+    record = export.derived(file=GRAPH, data_file=GRAPH + ".data", precision="int4-awq", dtype=settings.dtype)
+    record["int4"] = made
+    copy_tokenizer_files(export.dir, tmp)
+    ExportRecord.write(tmp, record)
 
 
 def _identity(settings: Int4Settings) -> dict:

@@ -67,6 +67,8 @@ def test_a_bad_section_is_refused_with_its_key(limits, message):
 def test_an_optional_key_is_checked_where_present():
     older = {"file": "m.onnx", "dtype": "float32", "max_seq_len": 8, "kv_dtype": None}  # null: as if absent
     assert typed(GraphRecord, older, WHERE, Refused, "re-export").kv_dtype is None
+    kv = {"block_size": 16, "num_blocks": 8, "bytes": 4096, "dtype": "int8", "layout": None}
+    assert typed(KVCache, kv, WHERE, Refused, "rebuild the engine").layout == ""  # its default
     with pytest.raises(Refused, match="'graph.file' must be a string, got None"):  # a required one may not be null
         typed(GraphRecord, {**older, "file": None}, WHERE, Refused, "re-export", "graph.")
     with pytest.raises(Refused, match="graph.kv_dtype must be one of float32, float16, int8, got 'fp8'"):
