@@ -366,6 +366,8 @@ class Manifest:
     @cached_property
     def ort_graphs(self) -> OrtGraphs:
         """An ONNX Runtime engine's graphs (``loader.write_graphs``): native (or why not), plain, passes."""
+        if not isinstance(self.data.get("onnxruntime"), dict):
+            raise EngineError(f"{self.dir} is a {self.backend} engine, which has no ONNX Runtime graphs")
         return typed(OrtGraphs, self.data["onnxruntime"], self.dir / MANIFEST, EngineError, "rebuild the engine",
                      "onnxruntime.")
 

@@ -5,9 +5,10 @@ is read, so no stage writes what the next one would refuse, and a crafted or dam
 refused with the key's dotted name and what it must be.
 
 A section the stages read field by field is a typed dataclass (``GraphRecord``, ``Calibration``,
-``Limits``, ``KVCache``, ``OrtGraphs``), and its declaration is its fields (``keys_of``): a field's type is the key's JSON
-type, a field with a default may be absent, and a field's ``rule`` metadata is the key's rule.
-``typed`` checks a section and makes the dataclass; ``untyped`` gives its JSON back."""
+``Limits``, ``KVCache``, ``OrtGraphs``), and its declaration is its fields (``keys_of``): a field's
+type is the key's JSON type, a field with a default may be absent or null (it then takes the
+default), and a field's ``rule`` metadata is the key's rule. ``typed`` checks a section and makes
+the dataclass; ``untyped`` gives its JSON back."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Key:
     """One key: its JSON type (``int`` refuses a bool), whether it must be present, a rule (what is
-    wrong with a value, or None) and, for an object, the keys it holds in turn."""
+    wrong with a value, or None), for an object the keys it holds in turn, and whether null says
+    the same as absent (a typed section's optional field: ``keys_of``)."""
 
     name: str
     kind: type | tuple[type, ...]
     required: bool = True
     rule: Callable[[Any], str | None] | None = None
     keys: tuple[Key, ...] = ()
+    nullable: bool = False
 
 
 def brief(value: object, limit: int = 80) -> str:
@@ -43,11 +46,10 @@ def brief(value: object, limit: int = 80) -> str:
 def check(data: dict, keys: tuple[Key, ...], where: Path, error: type[Exception], remedy: str,
           prefix: str = "") -> None:
     """Raise ``error`` for the first key of ``keys`` that ``data`` lacks or holds wrongly, saying
-    which key (dotted: ``prefix`` + its name), what it must be, and ``remedy``. A key that may be
-    absent may also be null (JSON's None), which says the same."""
+    which key (dotted: ``prefix`` + its name), what it must be, and ``remedy``."""
     for key in keys:
         name = prefix + key.name
-        if data.get(key.name) is None and (key.name not in data or not key.required):
+        if key.name not in data or key.nullable and data[key.name] is None:
             if key.required:
                 raise error(f"{where} lacks the key '{name}'; it was not made by this version of autoglm-trt, "
                             f"or was edited: {remedy}")
@@ -108,7 +110,8 @@ def keys_of(cls: type) -> tuple[Key, ...]:
         kinds = tuple(k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None))
         kinds = tuple(typing.get_origin(k) or k for k in kinds)  # dict[str, X] is a JSON object
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        keys.append(Key(f.name, kinds[0] if len(kinds) == 1 else kinds, required, f.metadata.get("rule")))
+        keys.append(Key(f.name, kinds[0] if len(kinds) == 1 else kinds, required, f.metadata.get("rule"),
+                        nullable=not required))
     return tuple(keys)
 
 

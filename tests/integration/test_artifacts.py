@@ -242,7 +242,12 @@ def test_a_record_is_written_as_it_is_read(tiny_engine, tmp_path):
         ExportRecord.write(engine, {**export, "graph": {**export["graph"], "dtype": "bfloat16"}})
     with pytest.raises(ArtifactError, match="graph.file names '../x.onnx', which is not inside"):
         ExportRecord.write(engine, {**export, "graph": {**export["graph"], "file": "../x.onnx"}})
+    for key in ("vision", "source"):  # null only where a typed section's field may be absent
+        with pytest.raises(ArtifactError, match=f"'{key}' must be an object, got None"):
+            ExportRecord.write(engine, {**export, key: None})
     assert not (engine / "export.json").exists()
+    ExportRecord.write(engine, {**export, "graph": {**export["graph"], "kv_dtype": None}})
+    assert ExportRecord.read(engine).kv_dtype == ExportRecord.read(engine).dtype
     ExportRecord.write(engine, export)
     with pytest.raises(EngineError, match="lacks the key 'kv_cache'"):
         Manifest.write(engine, {k: v for k, v in manifest.items() if k != "kv_cache"})

@@ -36,7 +36,8 @@ class FakeBackend(OnnxRuntimeBackend):
         from autoglm_trt.backends.onnxrt.runner import OrtRunner
 
         kv = manifest.kv
-        graphs = typed(OrtGraphs, manifest.section(self.name), manifest.dir, EngineError, "rebuild the engine")
+        graphs = typed(OrtGraphs, manifest.section(self.name), manifest.dir / "manifest.json", EngineError,
+                       "rebuild the engine", f"{self.name}.")
         runner = OrtRunner(manifest.dir, graphs, manifest.spec, num_blocks, kv.block_size, kv.dtype,
                            threads, spinning=spinning)
         self.runners.append(runner)

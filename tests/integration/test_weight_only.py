@@ -91,8 +91,8 @@ def test_the_engine_computes_what_its_graph_says(wo_engines):
 
     graph = onnx.load(str(wo / "model.opt.onnx"), load_external_data=False)
     assert "MatMulNBits" in {n.op_type for n in graph.graph.node}
-    if manifest.data["onnxruntime"]["native_graph"]:
-        native = onnx.load(str(wo / manifest.data["onnxruntime"]["native_graph"]), load_external_data=False)
+    if manifest.ort_graphs.native_graph:
+        native = onnx.load(str(wo / manifest.ort_graphs.native_graph), load_external_data=False)
         ops = {n.op_type for n in all_nodes(native.graph)}
         assert any(op.startswith("Int8WeightLinear") for op in ops), ops
     windows = np.random.default_rng(0).integers(3, manifest.spec.vocab_size, (2, 24))
@@ -104,7 +104,7 @@ def test_the_engine_computes_what_its_graph_says(wo_engines):
     err, quant_err = np.abs(got - want).max(), np.abs(ref - want).max()
     assert err < 1e-4 * np.abs(want).max(), (err, np.abs(want).max())
     assert quant_err > 20 * err
-    if manifest.data["onnxruntime"]["native_graph"]:
+    if manifest.ort_graphs.native_graph:
         from conftest import run_cli
 
         doctor = run_cli("doctor", str(wo))

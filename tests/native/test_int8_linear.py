@@ -106,6 +106,25 @@ def test_kernel_equals_exact_integer_arithmetic(kernel_library, rows, k, n, b):
     np.testing.assert_array_equal(y, want)
 
 
+def test_inputs_past_which_the_integer_sums_could_overflow_fail_the_run_with_the_reason(kernel_library):
+    """255 x 128 x K must stay below 2^31 on every build: K = 65,536 runs exactly, 65,540 is refused."""
+    w_scale = np.random.default_rng(7).uniform(1e-3, 1e-2, 16).astype(np.float32)
+    for k in (65536, 65540):
+        w = np.full((k, 16), -128, np.int8)
+        x = np.zeros((1, 1, k), np.float32)
+        x[..., ::4] = -100.0  # each block of 4 rotated to four equal values, all quantized to 0 (zero point 128)
+        session = _linear_session(kernel_library, k, 16, 4, 0.03, 128, w, w_scale)
+        if k > 65536:
+            with pytest.raises(Exception, match="Int8Linear: inputs of 65540 features are more than 65536"):
+                session.run(None, {"x": x})
+            continue
+        q, y = session.run(None, {"x": x})
+        assert (q == 0).all()
+        acc = (q.astype(np.int64) - 128) @ w.astype(np.int64)
+        assert (acc == 2**30).all()  # 128 x 128 x 65,536: exact in 32 bits
+        np.testing.assert_array_equal(y, acc.astype(np.float32) * (np.float32(0.03) * w_scale))
+
+
 @pytest.mark.parametrize("rows,n", [(1, 3072), (7, 64), (2, 48)])
 def test_the_split_form_gives_the_two_halves_bit_for_bit(kernel_library, rows, n):
     """Int8LinearSplit's outputs are Int8Linear's halves exactly; halves that would cut a tile of

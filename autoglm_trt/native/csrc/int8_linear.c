@@ -8,9 +8,10 @@
  * them much more slowly than this operator does on this project's machines. The
  * packed layout lets one 64-byte load feed 16 outputs x 4 inputs; each thread takes runs of
  * adjacent tiles (``tile_runs.h``). A batch (a decode step of
- * several sequences, a prefill) goes 8 rows at a time, 8 chains of accumulation over each tile,
- * the last group of rows prefetching the next tile: on the SmolLM2 INT8 engine's linears that
- * measured faster than 16 rows at a time, and than 4 without the prefetch.
+ * several sequences, a prefill) goes 8 rows at a time with VNNI (2 with AVX2), a chain of
+ * accumulation per row over each tile, the last group of rows prefetching the next tile: on the
+ * SmolLM2 INT8 engine's linears that measured faster than 16 rows at a time, and than 4 without
+ * the prefetch. The 32-bit sums hold any K up to MAX_K (|sum| <= 255 x 128 x K < 2^31).
  *
  * Inputs:
  *   0 x             float32 [..., K]
@@ -149,15 +150,16 @@ static void tile(const uint8_t *const *x, int rows, const int8_t *w, int64_t k4,
     }
     if (k < k4) a = acc_dot(a, x[0] + 4 * k, w_load(w + 64 * k));
     acc_store(sums, acc_add(a, b));
-  } else if (rows <= 2 || ROWS == 2) {
+  } else if (rows <= 2 || ROWS < 4) { /* no tile reads past x[ROWS - 1] */
     tile_2(x, rows, w, k4, sums, pf);
-  } else if (rows <= 4) {
+  } else if (rows <= 4 || ROWS < 8) {
     tile_4(x, rows, w, k4, sums, pf);
   } else {
     tile_8(x, rows, w, k4, sums, pf);
   }
 }
 
+#define MAX_K 65536  /* inputs whose integer sums fit 32 bits on every build */
 #define SUM_ROWS CHUNK_ROWS /* AMX takes a work item's rows at once, at most a chunk (chunks.h) */
 
 typedef struct {
@@ -278,7 +280,9 @@ static const char *run_linear(OrtKernelContext *ctx, const Constants *constants,
   const int64_t kp = packed ? 4 * wd[1] : 0;
   const float s = *(const float *)scale;
   const char *weights =
-      k < 1 || !valid_block(b, k) || hd[1] != b
+      k > MAX_K ? reason("inputs of %lld features are more than %d, past which the integer sums could overflow",
+                         (long long)k, MAX_K)
+      : k < 1 || !valid_block(b, k) || hd[1] != b
           ? reason("a Hadamard block of %lld x %lld does not fit inputs of %lld features", (long long)hd[0],
                    (long long)hd[1], (long long)k)
       : !(s > 0.0f) ? "the activation scale must be positive"

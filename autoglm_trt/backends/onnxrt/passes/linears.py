@@ -46,6 +46,7 @@ FLOAT_OP = "FloatLinear"
 WEIGHT_OP = "Int8WeightLinear"
 INT4_OP = "Int4WeightLinear"
 BLOCK_OP = "Int8BlockLinear"
+INT8_MAX_K = 65536  # Int8Linear's inputs at most (csrc/int8_linear.c MAX_K: its integer sums fit 32 bits)
 LINEAR_OPS = (OP, FLOAT_OP, WEIGHT_OP, INT4_OP, BLOCK_OP)  # and their Split, SiluMul and SkipNorm forms
 # Where the graph says the packed weights lie: the weights folder itself, which ONNX Runtime checks
 # exists but never reads, because the session is handed each array in place (``add_initializer``);
@@ -202,7 +203,7 @@ def rewrite(model: onnx.ModelProto, weights_dir: Path, pack: bool = True,
                                                 name=f"{mm.name}.float_linear", domain=DOMAIN)
             continue
         rot = fusable(mm)
-        if rot is None or not int8_matrix(mm.input[1]):
+        if rot is None or not int8_matrix(mm.input[1]) or inits[mm.input[1]].dims[0] > INT8_MAX_K:
             continue
         packed_name, sums_name = f"{mm.input[1]}.packed", f"{mm.input[1]}.col_sums"
         weights[mm.input[1]] = inits[mm.input[1]]
