@@ -1,12 +1,13 @@
 """Every native operator under random and extreme inputs (``fuzz_driver.py``), in a process of its
 own: with the installed library, and with a build under AddressSanitizer and UBSan, under which
-the other native tests run once too. A crash, a hang, a sanitizer's report or an error that does
-not name its operator fails."""
+the other native tests run once too, as they do under a Clang build. A crash, a hang, a
+sanitizer's report or an error that does not name its operator fails."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,16 +83,38 @@ def test_no_sanitizer_report_under_fuzzing(sanitized):
     fuzz(out, 400, seed=11, env=env)
 
 
-def test_operator_tests_pass_under_sanitizers(sanitized):
-    """The arithmetic tests of the operators, against the sanitizer build (``library`` and
-    ``kernel_library`` give it: ``$AUTOGLM_TRT_TEST_LIBRARY``)."""
-    _, env = sanitized
+def operator_tests(env: dict[str, str]) -> str:
+    """The arithmetic tests of the operators in a process of its own, against the library that
+    ``$AUTOGLM_TRT_TEST_LIBRARY`` names in ``env`` (``library`` and ``kernel_library`` give it);
+    their output, once they passed."""
     # -s: a sanitizer's report goes out as it is written (the process ends before pytest would show it)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
                            "-k", "not doctor and not compiled_loop",  # those compare the installed library with others
                            *(str(HERE / name) for name in OPERATOR_TESTS)],
                           capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
     tail = (done.stdout + done.stderr)[-4000:]
-    assert done.returncode == 0, tail
-    assert "AddressSanitizer" not in done.stderr + done.stdout and "runtime error" not in done.stderr + done.stdout, tail
-    assert re.search(r"\d+ passed", done.stdout), tail
+    assert done.returncode == 0 and re.search(r"\d+ passed", done.stdout), tail
+    return done.stdout + done.stderr
+
+
+def test_operator_tests_pass_under_sanitizers(sanitized):
+    _, env = sanitized
+    out = operator_tests(env)
+    assert "AddressSanitizer" not in out and "runtime error" not in out, out[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="no clang on PATH (apt-get install clang; .ci/run installs it)")
+def test_every_build_compiles_with_clang_and_the_best_passes_the_operator_tests(tmp_path):
+    """The library is C11 that GCC and Clang both compile, to the same sums: every build of this
+    CPU with Clang, and the operators' arithmetic tests against the best of them."""
+    from autoglm_trt.native import library as native_library
+    from autoglm_trt.native import variant_of
+    from autoglm_trt.native.build import compile_library
+    from autoglm_trt.native.variants import COMMON_FLAGS, SOURCES, for_machine
+
+    built = {}
+    for variant in for_machine():
+        built[variant.name] = tmp_path / f"libautoglm-{variant.name}.so"
+        compile_library(built[variant.name], variant.flags, SOURCES, COMMON_FLAGS, cc="clang")
+    best, _ = native_library()
+    operator_tests({**os.environ, "AUTOGLM_TRT_TEST_LIBRARY": str(built[variant_of(best) if best else "generic"])})

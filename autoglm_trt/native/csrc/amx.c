@@ -21,6 +21,7 @@
 #include <string.h>
 
 #if defined(__AVX512VNNI__) && defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -34,14 +35,20 @@ typedef struct { /* LDTILECFG's 64-byte operand, palette 1 */
   uint8_t rows[16];
 } TileConfig;
 
+/* CPUID leaf 7's EDX bit ``bit`` (22: AMX-BF16, 24: AMX-TILE, 25: AMX-INT8), as the CPU reports it:
+ * what ``__builtin_cpu_supports`` reads, for compilers that do not know these names (Clang 14) */
+static int leaf7_edx(int bit) {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> bit & 1u);
+}
+
 int amx_ready(void) {
   static atomic_int state; /* 0: not asked yet, 1: ready, 2: not here */
   int s = atomic_load_explicit(&state, memory_order_acquire);
   if (s == 0) {
     const char *env = getenv("AUTOGLM_TRT_AMX");
-    __builtin_cpu_init();
     const int wanted = env == NULL || strcmp(env, "0") != 0;
-    s = wanted && __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("amx-tile") &&
+    s = wanted && leaf7_edx(25) && leaf7_edx(24) &&
                 syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
             ? 1
             : 2;
@@ -54,7 +61,7 @@ int amx_bf16_ready(void) {
   static atomic_int state; /* 0: not asked yet, 1: ready, 2: not here */
   int s = atomic_load_explicit(&state, memory_order_acquire);
   if (s == 0) {
-    s = amx_ready() && __builtin_cpu_supports("amx-bf16") ? 1 : 2;
+    s = amx_ready() && leaf7_edx(22) ? 1 : 2;
     atomic_store_explicit(&state, s, memory_order_release);
   }
   return s == 1;

@@ -34,7 +34,7 @@
  * Inputs:
  *   0 x      float32 [..., K]
  *   1 tiles  Int4WeightLinear: uint8 [N16, KB, 8, 32], KB = ceil(K / 32), tile t's block b at
- *            [t, b] (``nibble_of`` below); the 8-bit ones: int8 [N16, KB, 16, 32], tile t's block
+ *            [t, b] (``nibble_of``, ``block_tiles_c.h``); the 8-bit ones: int8 [N16, KB, 16, 32], tile t's block
  *            b at [t, b], pair of inputs p at [t, b, p], byte 2 c + e the weight of output 16 t + c
  *            and input 32 b + 2 p + e. Past K anything (x is 0 there).
  *   2 scales float16 [N16, KB, 16]
@@ -80,25 +80,7 @@ typedef struct {
  * weight of output c (of the tile) and input 8 i + e (of the block), in its high nibble that of
  * input 8 i + 4 + e: each nibble plane of a vector is 16 outputs' 32-bit lanes of 4 inputs' weights,
  * in the inputs' own order, the operand vpdpbusd multiplies by a broadcast quad of inputs; one AND
- * takes each plane out */
-static inline int nibble_of(const uint8_t *block, int c, int input) {
-  const int byte = block[64 * (input / 8) + 4 * c + input % 4];
-  return input % 8 < 4 ? byte & 0x0F : byte >> 4;
-}
-/* float16 to float32, exactly (zero, subnormals, infinities, NaN included) */
-static inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1F, man = h & 0x3FF;
-  if (exp == 0) { /* zero or subnormal: man x 2^-24, exact in float32 */
-    const float v = ldexpf((float)man, -24);
-    return sign ? -v : v;
-  }
-  const uint32_t bits = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | man << 13;
-  float v;
-  memcpy(&v, &bits, 4);
-  return v;
-}
-/* output c's zero point in a block's 8 bytes of them */
-static inline int zero_of(const uint8_t *zeros, int c) { return zeros[c / 2] >> 4 * (c % 2) & 0x0F; }
+ * takes each plane out (``nibble_of`` in ``block_tiles_c.h`` reads one weight) */
 #if defined(__AVX2__)
 #include <immintrin.h>
 /* a block's 8 bytes of zero points as 16 bytes, one an output */
@@ -106,13 +88,13 @@ static inline __m128i zeros16(const uint8_t *zeros) {
   const __m128i p = _mm_loadl_epi64((const __m128i *)zeros), low = _mm_set1_epi8(0x0F);
   return _mm_unpacklo_epi8(_mm_and_si128(p, low), _mm_and_si128(_mm_srli_epi16(p, 4), low));
 }
-#endif
 /* four inputs as one 32-bit lane */
 static inline int32_t quad(const int8_t *x) {
   int32_t v;
   memcpy(&v, x, 4);
   return v;
 }
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include "block_tiles_vnni.h"
 #elif defined(__AVX2__)

@@ -2,6 +2,26 @@
  * Included once by block_linear.c, after its Job, QBLOCK and helpers; defines ROWS, XP_WORDS,
  * pack_inputs, tile and block_linear_kernel. */
 #define ROWS 4
+/* the weight of output c and input ``input`` in a tile's block of 4-bit weights, laid
+ * out as block_linear.c says */
+static inline int nibble_of(const uint8_t *block, int c, int input) {
+  const int byte = block[64 * (input / 8) + 4 * c + input % 4];
+  return input % 8 < 4 ? byte & 0x0F : byte >> 4;
+}
+/* float16 to float32, exactly (zero, subnormals, infinities, NaN included) */
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1F, man = h & 0x3FF;
+  if (exp == 0) { /* zero or subnormal: man x 2^-24, exact in float32 */
+    const float v = ldexpf((float)man, -24);
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | man << 13;
+  float v;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+/* output c's zero point in a block's 8 bytes of them */
+static inline int zero_of(const uint8_t *zeros, int c) { return zeros[c / 2] >> 4 * (c % 2) & 0x0F; }
 #define XP_WORDS(four) ((void)(four), 0)
 static void pack_inputs(const int8_t *q, int32_t *xp) { (void)q, (void)xp; } /* never called */
 static void tile(const Job *j, int64_t t, const int64_t *row, int rows, float *sums) {

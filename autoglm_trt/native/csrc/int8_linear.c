@@ -50,11 +50,13 @@
 #include "vec.h"
 
 
+#if defined(__AVX2__)
 static inline int32_t quad(const uint8_t *x) { /* four input bytes as one 32-bit lane */
   int32_t v;
   memcpy(&v, x, 4);
   return v;
 }
+#endif
 
 /* A 16-column tile's dot products, mapped once onto the build's integer instructions: ``wtile`` a
  * step's 64 bytes of weights (16 columns x 4 inputs) as loaded, ``acc16`` one row's 16 column sums
