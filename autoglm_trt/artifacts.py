@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 from .errors import AutoGLMError
 from .fileutil import sha256_file, write_json
@@ -39,6 +38,8 @@ from .record_schema import (
     check,
     keys_of,
     one_of,
+    optional,
+    rule,
     sha256_digest,
     typed,
 )
@@ -106,15 +107,28 @@ def _spec(data: dict, where: Path, error: type[ArtifactError]) -> ModelSpec:
         raise error(f"{where}: the model spec is invalid ({str(exc)[:200]})") from exc
 
 
-# manifest.json's keys (``record_schema``); its backend's section is checked by the backend's own check
-MANIFEST_KEYS = (
-    Key("backend", str, rule=one_of(lambda: BACKEND_SECTIONS)), Key("precision", str), Key("spec", dict),
-    Key("files", dict, rule=lambda files: next((f"must map each file to its SHA-256 hex digest; {brief(n)} has "
-                                                 f"{brief(d)}" for n, d in files.items()
-                                                 if not isinstance(d, str) or sha256_digest(d)), None)),
-    Key("engine_file", str), Key("limits", dict, keys=keys_of(Limits)), Key("kv_cache", dict, keys=keys_of(KVCache)),
-    Key("build_config", dict, required=False), Key("vision", dict, required=False),
-)
+def _hashes(files: dict) -> str | None:
+    return next((f"must map each file to its SHA-256 hex digest; {brief(n)} has {brief(d)}"
+                 for n, d in files.items() if not isinstance(d, str) or sha256_digest(d)), None)
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """``manifest.json``'s top level, typed (``record_schema``); its backend's own section is
+    checked by that backend's check (``BACKEND_SECTIONS``), its spec by ``model.spec``."""
+
+    backend: str = field(metadata=rule(one_of(lambda: BACKEND_SECTIONS)))
+    precision: str
+    spec: dict
+    files: dict = field(metadata=rule(_hashes))  # the engine's files but the manifest, and their SHA-256
+    engine_file: str
+    limits: Limits
+    kv_cache: KVCache
+    build_config: dict | None = optional()  # ``builder.config.BuildConfig``'s fields as the build had them
+    vision: dict | None = optional()  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)
+
+
+MANIFEST_KEYS = keys_of(EngineRecord)
 
 
 def tokenizer_files(model_dir: Path) -> list[Path]:
@@ -285,6 +299,7 @@ class Manifest:
     dir: Path
     data: dict
     spec: ModelSpec
+    record: EngineRecord
 
     @classmethod
     def read(cls, engine_dir: Path | str) -> Manifest:
@@ -297,7 +312,8 @@ class Manifest:
             raise EngineError(f"{engine_dir} was built by another version of autoglm-trt (format "
                               f"{brief(data.get('format'))}, this one reads {ENGINE_FORMAT}); rebuild it with "
                               "`autoglm-trt build`")
-        return cls(engine_dir, data, cls.checked(data, engine_dir))
+        spec = cls.checked(data, engine_dir)
+        return cls(engine_dir, data, spec, typed(EngineRecord, data, path, EngineError, "rebuild the engine"))
 
     @staticmethod
     def checked(data: dict, engine_dir: Path) -> ModelSpec:
@@ -330,38 +346,38 @@ class Manifest:
 
     @property
     def backend(self) -> str:
-        return str(self.data["backend"])
+        return self.record.backend
 
     @property
     def precision(self) -> str:
-        return str(self.data["precision"])
+        return self.record.precision
 
     @property
     def engine_path(self) -> Path:
-        return self.dir / self.data["engine_file"]
+        return self.dir / self.record.engine_file
 
-    @cached_property
+    @property
     def limits(self) -> Limits:
-        return typed(Limits, self.data["limits"], self.dir / MANIFEST, EngineError, "rebuild the engine", "limits.")
+        return self.record.limits
 
-    @cached_property
+    @property
     def kv(self) -> KVCache:
-        return typed(KVCache, self.data["kv_cache"], self.dir / MANIFEST, EngineError, "rebuild the engine", "kv_cache.")
+        return self.record.kv_cache
 
     @property
-    def build_config(self) -> dict:  # ``builder.config.BuildConfig``'s fields as the build had them
-        return self.data.get("build_config") or {}
+    def build_config(self) -> dict:
+        return self.record.build_config or {}
 
     @property
-    def vision_forms(self) -> Any:  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)
-        return self.data.get("vision", {})
+    def vision_forms(self) -> dict:
+        return self.record.vision or {}
 
     def section(self, backend: str) -> dict:  # the backend's own section, checked as the manifest was read
         return self.data[backend]
 
     @property
-    def files(self) -> dict[str, str]:  # the engine's files but the manifest, and their SHA-256
-        return self.data["files"]
+    def files(self) -> dict[str, str]:
+        return self.record.files
 
     @cached_property
     def ort_graphs(self) -> OrtGraphs:

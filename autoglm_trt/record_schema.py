@@ -91,9 +91,10 @@ def sha256_digest(value: str) -> str | None:
     return None if ok else f"must be a SHA-256 hex digest (64 lowercase hex digits), got {brief(value)}"
 
 
-def rule(check: Callable[[Any], str | None]) -> Any:
-    """A required dataclass field whose value must meet ``check`` (``keys_of``)."""
-    return field(metadata={"rule": check})
+def rule(check: Callable[[Any], str | None]) -> dict:
+    """The metadata of a dataclass field whose value must meet ``check`` (``keys_of``):
+    ``x: int = field(metadata=rule(positive))``."""
+    return {"rule": check}
 
 
 def optional(check: Callable[[Any], str | None] | None = None) -> Any:
@@ -102,29 +103,51 @@ def optional(check: Callable[[Any], str | None] | None = None) -> Any:
 
 
 @functools.cache
-def keys_of(cls: type) -> tuple[Key, ...]:
-    """The keys a typed section's fields declare, in their order."""
+def _fields(cls: type) -> tuple[tuple[dataclasses.Field, tuple[type, ...], type | None], ...]:
+    """Each field of a typed section, its JSON types, and the typed section it holds (or None)."""
     hints = typing.get_type_hints(cls)
-    keys = []
+    out: list[tuple[dataclasses.Field, tuple[type, ...], type | None]] = []
     for f in dataclasses.fields(cls):
         kinds = tuple(k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None))
-        kinds = tuple(typing.get_origin(k) or k for k in kinds)  # dict[str, X] is a JSON object
+        section = typing.cast(type, kinds[0]) if len(kinds) == 1 and dataclasses.is_dataclass(kinds[0]) else None
+        kinds = (dict,) if section else tuple(typing.get_origin(k) or k for k in kinds)  # dict[str, X]: an object
+        out.append((f, kinds, section))
+    return tuple(out)
+
+
+@functools.cache
+def keys_of(cls: type) -> tuple[Key, ...]:
+    """The keys a typed section's fields declare, in their order (a field that is a typed section
+    in turn: an object of its keys)."""
+    keys = []
+    for f, kinds, section in _fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         keys.append(Key(f.name, kinds[0] if len(kinds) == 1 else kinds, required, f.metadata.get("rule"),
-                        nullable=not required))
+                        keys_of(section) if section else (), nullable=not required))
     return tuple(keys)
 
 
 def typed(cls: type[T], data: dict, where: Path, error: type[Exception], remedy: str, prefix: str = "") -> T:
     """``data``, a section declared by the dataclass ``cls``, checked (``check``) and made ``cls``."""
     check(data, keys_of(typing.cast(type, cls)), where, error, remedy, prefix)
-    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+    return _made(cls, data)
+
+
+def _made(cls: type[T], data: dict) -> T:
+    return cls(**{f.name: _made(section, data[f.name]) if section else data[f.name]  # type: ignore[arg-type]
+                  for f, _, section in _fields(typing.cast(type, cls))
                   if data.get(f.name) is not None})  # absent or null: the field's default
 
 
 def untyped(section: object) -> dict:
-    """A typed section as its record writes it: its fields, but those absent (None)."""
-    return {k: v for k, v in dataclasses.asdict(section).items() if v is not None}  # type: ignore[call-overload]
+    """A typed section as its record writes it: its fields (a typed section's in turn), but those
+    absent (None)."""
+    out = {}
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        if value is not None:
+            out[f.name] = untyped(value) if dataclasses.is_dataclass(value) else value
+    return out
 
 
 # The declarations. manifest.json's top level is in ``artifacts`` (its backend rule reads the registry).
@@ -138,8 +161,8 @@ class GraphRecord:
     """``export.json``'s ``graph``: the decoder graph a model directory holds."""
 
     file: str
-    dtype: str = rule(one_of(GRAPH_DTYPES))
-    max_seq_len: int = rule(positive)  # the longest sequence it allows (``export --max-seq-len``)
+    dtype: str = field(metadata=rule(one_of(GRAPH_DTYPES)))
+    max_seq_len: int = field(metadata=rule(positive))  # the longest sequence it allows (``export --max-seq-len``)
     kv_dtype: str | None = optional(one_of(KV_DTYPES))  # the KV pools' dtype, if not the graph's
     precision: str | None = optional()
     version: int | None = optional()
@@ -150,9 +173,9 @@ class GraphRecord:
 class Limits:
     """``manifest.json``'s ``limits``: what one step and one sequence of the engine may hold."""
 
-    max_batch_size: int = rule(positive)
-    max_input_len: int = rule(positive)  # the longest prefill chunk
-    max_seq_len: int = rule(positive)  # prompt + generated tokens of one sequence
+    max_batch_size: int = field(metadata=rule(positive))
+    max_input_len: int = field(metadata=rule(positive))  # the longest prefill chunk
+    max_seq_len: int = field(metadata=rule(positive))  # prompt + generated tokens of one sequence
 
 
 @dataclass(frozen=True)
@@ -160,10 +183,10 @@ class KVCache:
     """``manifest.json``'s ``kv_cache``: the block pool the engine was built for. ``dtype`` is the
     graph's (``export.json`` ``graph.kv_dtype``); the manifest's copy must agree with it."""
 
-    block_size: int = rule(positive)
-    num_blocks: int = rule(positive)
-    bytes: int = rule(positive)
-    dtype: str = rule(one_of(KV_DTYPES))
+    block_size: int = field(metadata=rule(positive))
+    num_blocks: int = field(metadata=rule(positive))
+    bytes: int = field(metadata=rule(positive))
+    dtype: str = field(metadata=rule(one_of(KV_DTYPES)))
     layout: str = ""
     scales: dict | None = optional()  # INT8 KV: each layer's K and V scale per KV head
 

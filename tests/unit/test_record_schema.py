@@ -77,3 +77,23 @@ def test_an_optional_key_is_checked_where_present():
     with pytest.raises(Refused, match="'kv_amax' must be an object, got \\[1\\]"):
         typed(Calibration, {"model_sha256": "a", "data_sha256": "b", "amax": {}, "kv_amax": [1]}, WHERE, Refused,
               "calibrate again")
+
+
+def test_a_section_holds_typed_sections_in_turn():
+    from autoglm_trt.artifacts import EngineRecord
+
+    keys = {k.name: k for k in keys_of(EngineRecord)}
+    assert keys["limits"].kind is dict and keys["limits"].keys == keys_of(Limits)
+    assert keys["kv_cache"].keys == keys_of(KVCache) and not keys["vision"].required
+    manifest = {"backend": "onnxruntime", "precision": "int8", "spec": {}, "files": {"model.onnx": "0" * 64},
+                "engine_file": "model.onnx", "limits": {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 256},
+                "kv_cache": {"block_size": 16, "num_blocks": 8, "bytes": 4096, "dtype": "float32", "layout": "x"},
+                "vision": None, "build_seconds": 3.5}
+    record = typed(EngineRecord, manifest, WHERE, Refused, "rebuild the engine")
+    assert record.limits == Limits(4, 64, 256) and record.kv_cache.num_blocks == 8 and record.vision is None
+    assert untyped(record) == {k: v for k, v in manifest.items() if k not in ("vision", "build_seconds")}
+    with pytest.raises(Refused, match="kv_cache.block_size must be an integer >= 1, got 0"):
+        typed(EngineRecord, {**manifest, "kv_cache": {**manifest["kv_cache"], "block_size": 0}}, WHERE, Refused,
+              "rebuild the engine")
+    with pytest.raises(Refused, match="backend must be one of .*onnxruntime.*, got 'vllm'"):
+        typed(EngineRecord, {**manifest, "backend": "vllm"}, WHERE, Refused, "rebuild the engine")
