@@ -37,6 +37,7 @@ from .record_schema import (
     brief,
     check,
     keys_of,
+    made,
     one_of,
     optional,
     rule,
@@ -164,8 +165,7 @@ class ExportRecord:
         path = model_dir / EXPORT_RECORD
         data = read_json_object(path, "expected an export, calibration or engine directory made by autoglm-trt")
         spec = cls.checked(data, model_dir)
-        return cls(model_dir, data, spec, typed(GraphRecord, data["graph"], path, ArtifactError,
-                                                "delete the directory and make it again", "graph."))
+        return cls(model_dir, data, spec, made(GraphRecord, data["graph"]))  # checked with the record
 
     @staticmethod
     def checked(data: dict, model_dir: Path) -> ModelSpec:
@@ -313,7 +313,7 @@ class Manifest:
                               f"{brief(data.get('format'))}, this one reads {ENGINE_FORMAT}); rebuild it with "
                               "`autoglm-trt build`")
         spec = cls.checked(data, engine_dir)
-        return cls(engine_dir, data, spec, typed(EngineRecord, data, path, EngineError, "rebuild the engine"))
+        return cls(engine_dir, data, spec, made(EngineRecord, data))  # checked with the record
 
     @staticmethod
     def checked(data: dict, engine_dir: Path) -> ModelSpec:

@@ -130,11 +130,12 @@ def keys_of(cls: type) -> tuple[Key, ...]:
 def typed(cls: type[T], data: dict, where: Path, error: type[Exception], remedy: str, prefix: str = "") -> T:
     """``data``, a section declared by the dataclass ``cls``, checked (``check``) and made ``cls``."""
     check(data, keys_of(typing.cast(type, cls)), where, error, remedy, prefix)
-    return _made(cls, data)
+    return made(cls, data)
 
 
-def _made(cls: type[T], data: dict) -> T:
-    return cls(**{f.name: _made(section, data[f.name]) if section else data[f.name]  # type: ignore[arg-type]
+def made(cls: type[T], data: dict) -> T:
+    """``cls`` of ``data``, a section already checked against ``keys_of(cls)``."""
+    return cls(**{f.name: made(section, data[f.name]) if section else data[f.name]  # type: ignore[arg-type]
                   for f, _, section in _fields(typing.cast(type, cls))
                   if data.get(f.name) is not None})  # absent or null: the field's default
 
