@@ -29,6 +29,7 @@ from .record_schema import (
     ORT_GRAPHS_KEYS,
     TRT_KEYS,
     Calibration,
+    ExportedModel,
     GraphRecord,
     Key,
     KVCache,
@@ -36,12 +37,12 @@ from .record_schema import (
     OrtGraphs,
     brief,
     check,
+    file_digests,
     keys_of,
     made,
     one_of,
     optional,
     rule,
-    sha256_digest,
     typed,
 )
 
@@ -108,11 +109,6 @@ def _spec(data: dict, where: Path, error: type[ArtifactError]) -> ModelSpec:
         raise error(f"{where}: the model spec is invalid ({str(exc)[:200]})") from exc
 
 
-def _hashes(files: dict) -> str | None:
-    return next((f"must map each file to its SHA-256 hex digest; {brief(n)} has {brief(d)}"
-                 for n, d in files.items() if not isinstance(d, str) or sha256_digest(d)), None)
-
-
 @dataclass(frozen=True)
 class EngineRecord:
     """``manifest.json``'s top level, typed (``record_schema``); its backend's own section is
@@ -121,7 +117,7 @@ class EngineRecord:
     backend: str = field(metadata=rule(one_of(lambda: BACKEND_SECTIONS)))
     precision: str
     spec: dict
-    files: dict = field(metadata=rule(_hashes))  # the engine's files but the manifest, and their SHA-256
+    files: dict = field(metadata=rule(file_digests))  # the engine's files but the manifest, and their SHA-256
     engine_file: str
     limits: Limits
     kv_cache: KVCache
@@ -151,13 +147,13 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
 
 @dataclass(frozen=True)
 class ExportRecord:
-    """``export.json`` of an export, calibration or engine directory: its model spec and graph typed,
-    the rest (``made_by``, ``vision``) read where it is used."""
+    """``export.json`` of an export, calibration or engine directory: its keys typed (``record``),
+    its model spec parsed, the record as read (``data``)."""
 
     dir: Path
     data: dict
     spec: ModelSpec
-    graph: GraphRecord
+    record: ExportedModel
 
     @classmethod
     def read(cls, model_dir: Path | str) -> ExportRecord:
@@ -165,7 +161,7 @@ class ExportRecord:
         path = model_dir / EXPORT_RECORD
         data = read_json_object(path, "expected an export, calibration or engine directory made by autoglm-trt")
         spec = cls.checked(data, model_dir)
-        return cls(model_dir, data, spec, made(GraphRecord, data["graph"]))  # checked with the record
+        return cls(model_dir, data, spec, made(ExportedModel, data))  # checked with the record
 
     @staticmethod
     def checked(data: dict, model_dir: Path) -> ModelSpec:
@@ -182,6 +178,10 @@ class ExportRecord:
         """``data`` as ``model_dir``'s export record, checked as ``read`` checks it."""
         ExportRecord.checked(data, model_dir)
         write_json(model_dir / EXPORT_RECORD, data)
+
+    @property
+    def graph(self) -> GraphRecord:
+        return self.record.graph
 
     @property
     def graph_file(self) -> Path:
@@ -211,34 +211,35 @@ class ExportRecord:
 
     @property
     def source_sha256(self) -> dict:
-        return dict(self.data.get("source", {}).get("sha256", {}))
+        source = self.record.source
+        return dict(source.sha256 or {}) if source is not None else {}
 
     def vision(self) -> VisionSpec | None:
         """An image-text model's vision tower (``export.json`` ``vision``), or None."""
-        v = self.data.get("vision")
+        v = self.record.vision
         if v is None:
             return None
-        path = self.dir / EXPORT_RECORD
         try:
-            return VisionSpec.from_json(v["spec"])
+            return VisionSpec.from_json(v.spec)
         except (KeyError, TypeError) as exc:
-            raise ArtifactError(f"{path}: vision.spec is malformed ({exc}); re-export the model") from exc
+            raise ArtifactError(f"{self.dir / EXPORT_RECORD}: vision.spec is malformed ({exc}); re-export the "
+                                "model") from exc
 
     def vision_files(self) -> list[Path]:
         """The vision encoder's graph, its weights and its position table (each inside the directory)."""
-        if self.vision() is None:
+        v = self.record.vision
+        if v is None or self.vision() is None:
             return []
-        v = self.data["vision"]
         where = f"{self.dir / EXPORT_RECORD} vision"
-        graph = inside(self.dir, v.get("graph"), f"{where}.graph")
-        files = [graph, inside(self.dir, v.get("positions"), f"{where}.positions")]
+        graph = inside(self.dir, v.graph, f"{where}.graph")
+        files = [graph, inside(self.dir, v.positions, f"{where}.positions")]
         data = graph.with_name(graph.name + ".data")
         return files + ([data] if data.is_file() else [])
 
     def made_by(self, step: str) -> dict:
         """What the build step ``step`` (one of ``MADE_BY``) that made this model recorded; else {}."""
         assert step in MADE_BY, step
-        return self.data.get(step) or {}
+        return getattr(self.record, step) or {}
 
     @property
     def spec_data(self) -> dict:  # the model's spec as recorded (``model.spec.spec_from_dict``)

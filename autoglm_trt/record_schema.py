@@ -4,8 +4,9 @@ key's JSON type, whether it must be there, a rule its value must meet, and an ob
 is read, so no stage writes what the next one would refuse, and a crafted or damaged record is
 refused with the key's dotted name and what it must be.
 
-A section the stages read field by field is a typed dataclass (``GraphRecord``, ``Calibration``,
-``Limits``, ``KVCache``, ``OrtGraphs``), and its declaration is its fields (``keys_of``): a field's
+Each record, and each section the stages read field by field, is a typed dataclass
+(``ExportedModel``, ``Calibration``, ``artifacts.EngineRecord`` and the sections they hold), and its
+declaration is its fields (``keys_of``): a field's
 type is the key's JSON type, a field with a default may be absent or null (it then takes the
 default), and a field's ``rule`` metadata is the key's rule. ``typed`` checks a section and makes
 the dataclass; ``untyped`` gives its JSON back."""
@@ -91,15 +92,22 @@ def sha256_digest(value: str) -> str | None:
     return None if ok else f"must be a SHA-256 hex digest (64 lowercase hex digits), got {brief(value)}"
 
 
+def file_digests(files: dict) -> str | None:
+    """A rule: the value maps each file name to its SHA-256 hex digest."""
+    return next((f"must map each file to its SHA-256 hex digest; {brief(n)} has {brief(d)}"
+                 for n, d in files.items() if not isinstance(d, str) or sha256_digest(d)), None)
+
+
 def rule(check: Callable[[Any], str | None]) -> dict:
     """The metadata of a dataclass field whose value must meet ``check`` (``keys_of``):
     ``x: int = field(metadata=rule(positive))``."""
     return {"rule": check}
 
 
-def optional(check: Callable[[Any], str | None] | None = None) -> Any:
-    """A dataclass field that may be absent (None), and meets ``check`` where present."""
-    return field(default=None, metadata={"rule": check})
+def optional(check: Callable[[Any], str | None] | None = None, null: bool = True) -> Any:
+    """A dataclass field that may be absent (None), and meets ``check`` where present; ``null``:
+    whether a JSON null says the same as absent (else it is refused as a value of the wrong type)."""
+    return field(default=None, metadata={"rule": check, "null": null})
 
 
 @functools.cache
@@ -123,7 +131,7 @@ def keys_of(cls: type) -> tuple[Key, ...]:
     for f, kinds, section in _fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         keys.append(Key(f.name, kinds[0] if len(kinds) == 1 else kinds, required, f.metadata.get("rule"),
-                        keys_of(section) if section else (), nullable=not required))
+                        keys_of(section) if section else (), nullable=not required and f.metadata.get("null", True)))
     return tuple(keys)
 
 
@@ -192,13 +200,40 @@ class KVCache:
     scales: dict | None = optional()  # INT8 KV: each layer's K and V scale per KV head
 
 
-EXPORT_KEYS = (
-    Key("spec", dict),
-    Key("graph", dict, keys=keys_of(GraphRecord)),
-    Key("source", dict, required=False, keys=(Key("sha256", dict, required=False),)),
-    Key("vision", dict, required=False, keys=(Key("spec", dict), Key("graph", str), Key("positions", str))),
-    *(Key(step, dict, required=False) for step in MADE_BY),
-)
+@dataclass(frozen=True)
+class SourceRecord:
+    """``export.json``'s ``source``: the checkpoint exported, and its files' SHA-256 (what a build
+    compares with the checkpoint it is given)."""
+
+    checkpoint: str | None = optional()
+    sha256: dict | None = optional(file_digests)
+
+
+@dataclass(frozen=True)
+class VisionRecord:
+    """``export.json``'s ``vision``: an image-text model's vision tower (``model.vision.VisionSpec``)
+    and its files."""
+
+    spec: dict
+    graph: str
+    positions: str  # the position table of its patches
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    """``export.json``: the model an export, calibration or engine directory holds. ``source`` and
+    ``vision`` may be absent but not null; a build step that made the model (one of ``MADE_BY``)
+    records what it did under its name."""
+
+    spec: dict  # ``model.spec.ModelSpec``'s fields, checked by ``model.spec``
+    graph: GraphRecord
+    source: SourceRecord | None = optional(null=False)
+    vision: VisionRecord | None = optional(null=False)
+    weight_only: dict | None = optional()
+    int4: dict | None = optional()
+
+
+EXPORT_KEYS = keys_of(ExportedModel)
 
 
 @dataclass(frozen=True)
@@ -232,4 +267,21 @@ class OrtGraphs:
 
 
 ORT_GRAPHS_KEYS = keys_of(OrtGraphs)
-TRT_KEYS = (Key("version", str), Key("gpu", dict))
+
+
+@dataclass(frozen=True)
+class GpuRecord:
+    name: str
+    compute_capability: str  # "major.minor"
+
+
+@dataclass(frozen=True)
+class TensorRTBuild:
+    """A TensorRT engine's ``manifest.json`` ``tensorrt``: what built its plan, for which GPU (a plan
+    runs only with that TensorRT version on GPUs of that compute capability)."""
+
+    version: str
+    gpu: GpuRecord
+
+
+TRT_KEYS = keys_of(TensorRTBuild)

@@ -10,10 +10,16 @@ import pytest
 from autoglm_trt.record_schema import (
     CALIB_KEYS,
     EXPORT_KEYS,
+    MADE_BY,
     Calibration,
+    ExportedModel,
+    GpuRecord,
     GraphRecord,
     KVCache,
     Limits,
+    SourceRecord,
+    TensorRTBuild,
+    VisionRecord,
     keys_of,
     typed,
     untyped,
@@ -97,3 +103,39 @@ def test_a_section_holds_typed_sections_in_turn():
               "rebuild the engine")
     with pytest.raises(Refused, match="backend must be one of .*onnxruntime.*, got 'vllm'"):
         typed(EngineRecord, {**manifest, "backend": "vllm"}, WHERE, Refused, "rebuild the engine")
+
+
+def test_an_export_record_is_typed_to_its_vision_and_source():
+    keys = {k.name: k for k in EXPORT_KEYS}
+    assert set(MADE_BY) <= set(keys) and not any(keys[step].required for step in MADE_BY)
+    assert keys["vision"].keys == keys_of(VisionRecord) and not keys["vision"].nullable  # absent, never null
+    assert keys["weight_only"].nullable
+    graph = {"file": "model.onnx", "dtype": "float32", "max_seq_len": 64}
+    data = {"spec": {"family": "glm4v"}, "graph": graph, "parity": {"max_abs_diff": 0.0},
+            "source": {"checkpoint": "/ckpt", "sha256": {"config.json": "a" * 64}},
+            "vision": {"spec": {"depth": 2}, "graph": "vision.onnx", "positions": "vision_positions.npy"},
+            "int4": {"version": 2}}
+    record = typed(ExportedModel, data, WHERE, Refused, "re-export")
+    assert record == ExportedModel({"family": "glm4v"}, GraphRecord("model.onnx", "float32", 64),
+                                   SourceRecord("/ckpt", {"config.json": "a" * 64}),
+                                   VisionRecord({"depth": 2}, "vision.onnx", "vision_positions.npy"), None,
+                                   {"version": 2})
+    assert untyped(record) == {k: v for k, v in data.items() if k != "parity"}
+    assert typed(ExportedModel, {"spec": {}, "graph": graph, "weight_only": None}, WHERE, Refused,
+                 "re-export").weight_only is None
+    for bad, message in [({"source": None}, "'source' must be an object, got None"),
+                         ({"source": {"sha256": {"model.safetensors": "x"}}},
+                          "source.sha256 must map each file to its SHA-256 hex digest; 'model.safetensors' has 'x'"),
+                         ({"vision": {"spec": {}, "graph": "vision.onnx"}}, "lacks the key 'vision.positions'"),
+                         ({"int4": []}, "'int4' must be an object, got \\[\\]")]:
+        with pytest.raises(Refused, match=message):
+            typed(ExportedModel, {**data, **bad}, WHERE, Refused, "re-export")
+
+
+def test_a_tensorrt_section_names_its_gpu():
+    built = typed(TensorRTBuild, {"version": "10.13.0", "gpu": {"name": "NVIDIA H200", "compute_capability": "9.0"}},
+                  WHERE, Refused, "rebuild the engine", "tensorrt.")
+    assert built == TensorRTBuild("10.13.0", GpuRecord("NVIDIA H200", "9.0"))
+    with pytest.raises(Refused, match="lacks the key 'tensorrt.gpu.compute_capability'"):
+        typed(TensorRTBuild, {"version": "10.13.0", "gpu": {"name": "NVIDIA H200"}}, WHERE, Refused,
+              "rebuild the engine", "tensorrt.")

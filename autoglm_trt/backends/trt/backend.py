@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ...artifacts import ExportRecord, Manifest
+from ...record_schema import TensorRTBuild, made
 from ..base import BackendTraits, EngineSettings, StepRunner
 
 
@@ -53,14 +54,14 @@ class TensorRTBackend:
         from .probe import cuda_device
 
         problems = []
-        built = manifest.section(self.name)
-        if trt.__version__ != built["version"]:
-            problems.append(f"engine built with TensorRT {built['version']}, this machine has {trt.__version__}; "
+        built = made(TensorRTBuild, manifest.section(self.name))  # checked as the manifest was read
+        if trt.__version__ != built.version:
+            problems.append(f"engine built with TensorRT {built.version}, this machine has {trt.__version__}; "
                             "rebuild the engine here (plans are not portable across TensorRT versions)")
         gpu = cuda_device()
-        if gpu and gpu["compute_capability"] != built["gpu"].get("compute_capability"):
-            problems.append(f"engine built for {built['gpu'].get('name')} (compute capability "
-                            f"{built['gpu'].get('compute_capability')}), this GPU is {gpu['name']} "
+        if gpu and gpu["compute_capability"] != built.gpu.compute_capability:
+            problems.append(f"engine built for {built.gpu.name} (compute capability "
+                            f"{built.gpu.compute_capability}), this GPU is {gpu['name']} "
                             f"({gpu['compute_capability']}); rebuild the engine on this GPU")
         return problems
 
