@@ -110,6 +110,16 @@ def _spec(data: dict, where: Path, error: type[ArtifactError]) -> ModelSpec:
 
 
 @dataclass(frozen=True)
+class BuildSource:
+    """``manifest.json``'s ``source``: what the engine was built from (``autoglm-trt build``'s source,
+    the model directory it resolved to, the checkpoint's file hashes that export recorded)."""
+
+    path: str
+    model_dir: str | None = optional()
+    checkpoint_sha256: dict | None = optional(file_digests)
+
+
+@dataclass(frozen=True)
 class EngineRecord:
     """``manifest.json``'s top level, typed (``record_schema``); its backend's own section is
     checked by that backend's check (``BACKEND_SECTIONS``), its spec by ``model.spec``."""
@@ -121,6 +131,8 @@ class EngineRecord:
     engine_file: str
     limits: Limits
     kv_cache: KVCache
+    source: BuildSource | None = optional()
+    versions: dict | None = optional()  # the libraries' versions the build ran with
     build_config: dict | None = optional()  # ``builder.config.BuildConfig``'s fields as the build had them
     vision: dict | None = optional()  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)
 

@@ -3,34 +3,41 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+from ..artifacts import EngineError, Manifest
 from ..backends.registry import backend
+from ..fileutil import sha256_file
 
 
-def summary(manifest: dict, report: dict | None) -> str:
+def summary(manifest: Manifest, report: dict | None) -> str:
     """Human-readable summary for ``inspect``."""
-    s = manifest["spec"]
+    s, record, limits, kv = manifest.spec, manifest.record, manifest.limits, manifest.kv
     lines = [
-        f"backend      {manifest['backend']}   precision {manifest['precision']}   file {manifest['engine_file']}",
-        f"model        {s['family']}: {s['num_layers']} layers, hidden {s['hidden_size']}, heads {s['num_heads']}/"
-        f"{s['num_kv_heads']} KV, vocab {s['vocab_size']}",
-        f"limits       batch {manifest['limits']['max_batch_size']}, input {manifest['limits']['max_input_len']}, "
-        f"sequence {manifest['limits']['max_seq_len']}",
-        f"KV cache     {manifest['kv_cache']['num_blocks']} blocks x {manifest['kv_cache']['block_size']} tokens, "
-        f"{manifest['kv_cache']['dtype']}, {manifest['kv_cache']['bytes'] / 2**20:.0f} MiB",
-        f"source       {manifest['source']['path']}",
-        "versions     " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()),
+        f"backend      {record.backend}   precision {record.precision}   file {record.engine_file}",
+        f"model        {s.family}: {s.num_layers} layers, hidden {s.hidden_size}, heads {s.num_heads}/"
+        f"{s.num_kv_heads} KV, vocab {s.vocab_size}",
+        f"limits       batch {limits.max_batch_size}, input {limits.max_input_len}, sequence {limits.max_seq_len}",
+        f"KV cache     {kv.num_blocks} blocks x {kv.block_size} tokens, {kv.dtype}, {kv.bytes / 2**20:.0f} MiB",
+        f"source       {record.source.path if record.source else 'not recorded'}",
+        "versions     " + (", ".join(f"{k} {v}" for k, v in record.versions.items()) if record.versions
+                           else "not recorded"),
     ]
     if report:
-        lines += backend(manifest["backend"]).build_lines(report)
+        lines += backend(record.backend).build_lines(report)
     return "\n".join(lines)
 
 
-def load_report(engine_dir: Path) -> dict | None:
-    p = Path(engine_dir) / "fusion_report.json"
-    if not p.is_file():
+def load_report(manifest: Manifest) -> dict | None:
+    """The engine's fusion report (``fusion_report.json``), or None where the build wrote none. A
+    report whose SHA-256 differs from the manifest's record of it is refused: it was edited or is
+    corrupt, and what it would say of the engine is not what the build found."""
+    name = "fusion_report.json"
+    p = manifest.dir / name
+    if name not in manifest.files:
         return None
+    if not p.is_file() or sha256_file(p) != manifest.files[name]:
+        raise EngineError(f"{p} is missing, or differs from the one the build wrote (its SHA-256 is not the "
+                          "manifest's); `autoglm-trt doctor` lists what else differs: rebuild the engine")
     try:
         report = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):

@@ -219,12 +219,12 @@ def inspect_cmd(engine_dir: Path, as_json: bool) -> None:
     from ..builder.report import load_report, summary
 
     manifest = Manifest.read(engine_dir)
-    report = load_report(engine_dir)
+    report = load_report(manifest)
     record, lines = backend(manifest.backend).inspect(manifest, report)
     if as_json:
         click.echo(json.dumps({"manifest": manifest.data, "fusion_report": report, "decode_graph": record}, indent=1))
         return
-    click.echo(summary(manifest.data, report))
+    click.echo(summary(manifest, report))
     for line in lines:
         click.echo(line)
 

@@ -60,6 +60,8 @@ def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
     (lambda m: m["kv_cache"].update(dtype="float64"), "kv_cache.dtype must be one of"),
     (lambda m: m.update(backend="cuda"), "backend must be one of"),
     (lambda m: m.update(format="autoglm-trt/engine/1"), "rebuild it with `autoglm-trt build`"),  # an older engine
+    (lambda m: m.update(versions=5), "'versions' must be an object, got 5"),
+    (lambda m: m["source"].pop("path"), "lacks the key 'source.path'"),
 ])
 def test_crafted_manifests_are_refused(tiny_engine, tmp_path, edit, message):
     bad = tmp_path / "engine"
@@ -71,6 +73,17 @@ def test_crafted_manifests_are_refused(tiny_engine, tmp_path, edit, message):
     with pytest.raises(EngineError, match=message):
         Engine.load(bad)
     one_line_error(r, message)
+
+
+def test_inspect_says_what_a_manifest_does_not_record(tiny_engine, tmp_path):
+    """``source`` and ``versions`` are optional keys of a manifest: inspect summarises one without them."""
+    edited_copy(tiny_engine, tmp_path / "engine", "manifest.json", lambda m: [m.pop("source"), m.pop("versions")])
+    r = run_cli("inspect", str(tmp_path / "engine"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "source       not recorded" in r.stdout and "versions     not recorded" in r.stdout
+    (tmp_path / "engine" / "fusion_report.json").write_text('{"nodes_before": 1, "fusions": []}')
+    one_line_error(run_cli("inspect", str(tmp_path / "engine")), "fusion_report.json is missing, or differs from "
+                                                                   "the one the build wrote")
 
 
 def test_malformed_build_records_are_refused_by_name(tiny_engine, tmp_path):
