@@ -95,7 +95,8 @@ def read_json_object(path: Path, what: str, error: type[ArtifactError] = Artifac
         raise error(f"{path} is {path.stat().st_size} bytes, too large for a record made by autoglm-trt")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # a lone surrogate ("\ud800") is no text
+    except (ValueError, UnicodeError, RecursionError) as exc:  # ValueError: also a number of > 4,300 digits
         raise error(f"{path} is corrupt ({str(exc)[:200]}); make it again") from exc
     if not isinstance(data, dict):
         raise error(f"{path} must hold a JSON object, got {type(data).__name__}")
@@ -233,7 +234,7 @@ class ExportRecord:
             return None
         try:
             return VisionSpec.from_json(v.spec)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(f"{self.dir / EXPORT_RECORD}: vision.spec is malformed ({exc}); re-export the "
                                 "model") from exc
 
@@ -403,10 +404,10 @@ class Manifest:
     def verify_files(self) -> list[str]:
         """Problems with the engine's files (missing, or a SHA-256 that differs from the manifest)."""
         problems = []
-        graphs = self.data.get("onnxruntime", {})
+        graphs = self.section(self.backend)  # its graphs, where the backend's section names them (checked at read)
         for key in ("plain_graph", "native_graph", "native_weights"):
-            if graphs.get(key) is not None and graphs[key] not in self.data["files"]:
-                problems.append(f"onnxruntime.{key} {brief(graphs[key])} is not one of the engine's hashed files")
+            if isinstance(graphs.get(key), str) and graphs[key] not in self.data["files"]:
+                problems.append(f"{self.backend}.{key} {brief(graphs[key])} is not one of the engine's hashed files")
         for name, digest in self.data["files"].items():
             p = self.dir / name
             if not p.is_file():

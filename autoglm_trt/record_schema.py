@@ -98,6 +98,19 @@ def file_digests(files: dict) -> str | None:
                  for n, d in files.items() if not isinstance(d, str) or sha256_digest(d)), None)
 
 
+def items_of(kind: type, what: str) -> Callable[[Any], str | None]:
+    """A rule: each element of a list (each value of an object) is of ``kind`` (an ``int`` or
+    ``float`` a number, never a bool), described as ``what``."""
+    kinds = (int, float) if kind in (int, float) else (kind,)
+
+    def rule(value: list | dict) -> str | None:
+        bad = [v for v in (value.values() if isinstance(value, dict) else value)
+               if not isinstance(v, kinds) or isinstance(v, bool)]
+        return f"must hold only {what}, got {brief(bad[0])}" if bad else None
+
+    return rule
+
+
 def rule(check: Callable[[Any], str | None]) -> dict:
     """The metadata of a dataclass field whose value must meet ``check`` (``keys_of``):
     ``x: int = field(metadata=rule(positive))``."""
@@ -240,11 +253,11 @@ EXPORT_KEYS = keys_of(ExportedModel)
 class Calibration:
     """``calib.json``: what it was made from, and the ranges the build reads."""
 
-    model_sha256: str  # the export's ``export.json`` (``ExportRecord.identity``)
-    data_sha256: str
-    amax: dict  # each quantized tensor's range
-    kv_amax: dict | None = optional()  # K's and V's largest magnitude per layer and KV head
-    float_linears: list | None = optional()  # the linears the sensitivity gate kept in float
+    model_sha256: str = field(metadata=rule(sha256_digest))  # the export's ``export.json`` (``ExportRecord.identity``)
+    data_sha256: str = field(metadata=rule(sha256_digest))
+    amax: dict = field(metadata=rule(items_of(float, "numbers")))  # each quantized tensor's range
+    kv_amax: dict | None = optional(items_of(list, "lists"))  # K's and V's largest magnitude per layer and KV head
+    float_linears: list | None = optional(items_of(dict, "objects"))  # the linears the gate kept in float, and why
 
 
 CALIB_KEYS = keys_of(Calibration)
@@ -255,8 +268,8 @@ class OrtGraphs:
     """An ONNX Runtime engine's ``manifest.json`` ``onnxruntime``: its graphs (``loader.write_graphs``)."""
 
     passes_version: int  # of the passes that made the native graph
-    passes: list  # each pass in order: its name, how often it applied, or why not
-    requires: list  # the native library's features the native graph needs
+    passes: list = field(metadata=rule(items_of(dict, "objects")))  # each pass: its name, how often it applied
+    requires: list = field(metadata=rule(items_of(str, "feature names")))  # what the native graph needs of the library
     attention: str  # what runs a decode step's attention in the native graph
     attention_why: str
     why: str  # why there is no native graph ("" where there is one)

@@ -17,18 +17,22 @@ def summary(manifest: Manifest, report: dict | None) -> str:
         f"model        {s.family}: {s.num_layers} layers, hidden {s.hidden_size}, heads {s.num_heads}/"
         f"{s.num_kv_heads} KV, vocab {s.vocab_size}",
         f"limits       batch {limits.max_batch_size}, input {limits.max_input_len}, sequence {limits.max_seq_len}",
-        f"KV cache     {kv.num_blocks} blocks x {kv.block_size} tokens, {kv.dtype}, {kv.bytes / 2**20:.0f} MiB",
+        f"KV cache     {kv.num_blocks} blocks x {kv.block_size} tokens, {kv.dtype}, {(kv.bytes + 2**19) // 2**20} MiB",
         f"source       {record.source.path if record.source else 'not recorded'}",
-        "versions     " + (", ".join(f"{k} {v}" for k, v in record.versions.items()) if record.versions
+        "versions     " + (", ".join(f"{k} {v}" for k, v in record.versions.items()) if record.versions is not None
                            else "not recorded"),
     ]
     if report:
-        lines += backend(record.backend).build_lines(report)
+        try:
+            lines += backend(record.backend).build_lines(report)
+        except (KeyError, TypeError, AttributeError, ValueError):  # hashed by an edited manifest, or older
+            lines.append("fusions      the fusion report is not in the form this version writes")
     return "\n".join(lines)
 
 
 def load_report(manifest: Manifest) -> dict | None:
-    """The engine's fusion report (``fusion_report.json``), or None where the build wrote none. A
+    """The engine's fusion report (``fusion_report.json``), or None where the manifest hashes none or
+    it holds no JSON object. A
     report whose SHA-256 differs from the manifest's record of it is refused: it was edited or is
     corrupt, and what it would say of the engine is not what the build found."""
     name = "fusion_report.json"

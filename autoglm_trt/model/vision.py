@@ -129,4 +129,15 @@ class VisionSpec:
 
     @classmethod
     def from_json(cls, data: dict) -> VisionSpec:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        """As ``to_json`` wrote it (KeyError: a field is missing; ValueError: one is not an integer
+        >= 1, >= 0 for a token id, or for ``rope_theta`` a number > 0)."""
+        values = {f.name: data[f.name] for f in fields(cls)}
+        for name, v in values.items():
+            if name == "rope_theta":
+                ok, want = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"), "a number > 0"
+            else:
+                least = 0 if name.endswith("_id") else 1
+                ok, want = isinstance(v, int) and not isinstance(v, bool) and v >= least, f"an integer >= {least}"
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {repr(v)[:80]}")
+        return cls(**values)

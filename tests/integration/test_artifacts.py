@@ -62,6 +62,9 @@ def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
     (lambda m: m.update(format="autoglm-trt/engine/1"), "rebuild it with `autoglm-trt build`"),  # an older engine
     (lambda m: m.update(versions=5), "'versions' must be an object, got 5"),
     (lambda m: m["source"].pop("path"), "lacks the key 'source.path'"),
+    (lambda m: m["onnxruntime"].update(requires=[{}]), "onnxruntime.requires must hold only feature names, got {}"),
+    (lambda m: m["onnxruntime"].update(passes=[5]), "onnxruntime.passes must hold only objects, got 5"),
+    (lambda m: m["source"].update(path="\ud800"), "is corrupt"),  # a lone surrogate: no text
 ])
 def test_crafted_manifests_are_refused(tiny_engine, tmp_path, edit, message):
     bad = tmp_path / "engine"
@@ -73,6 +76,13 @@ def test_crafted_manifests_are_refused(tiny_engine, tmp_path, edit, message):
     with pytest.raises(EngineError, match=message):
         Engine.load(bad)
     one_line_error(r, message)
+
+
+def test_a_number_past_pythons_digit_limit_is_a_corrupt_record(tiny_engine, tmp_path):
+    shutil.copytree(tiny_engine, tmp_path / "engine")
+    path = tmp_path / "engine" / "manifest.json"
+    path.write_text(path.read_text().replace('"max_seq_len": ', '"max_seq_len": ' + "9" * 5000 + ", \"x\": ", 1))
+    one_line_error(run_cli("inspect", str(tmp_path / "engine")), "manifest.json is corrupt (Exceeds the limit")
 
 
 def test_inspect_says_what_a_manifest_does_not_record(tiny_engine, tmp_path):
@@ -270,7 +280,7 @@ def test_a_record_is_written_as_it_is_read(tiny_engine, tmp_path):
     Manifest.write(engine, manifest)
     assert Manifest.read(engine).data == manifest and ExportRecord.read(engine).data == export
     with pytest.raises(ArtifactError, match="'amax' must be an object, got \\[\\]; calibrate again"):
-        CalibRecord.write(tmp_path, {"model_sha256": "a", "data_sha256": "b", "amax": []})
+        CalibRecord.write(tmp_path, {"model_sha256": "a" * 64, "data_sha256": "b" * 64, "amax": []})
     assert not (tmp_path / "calib.json").exists()
 
 

@@ -81,7 +81,7 @@ def test_an_optional_key_is_checked_where_present():
         typed(GraphRecord, {"file": "m.onnx", "dtype": "float32", "max_seq_len": 8, "kv_dtype": "fp8"}, WHERE,
               Refused, "re-export", "graph.")
     with pytest.raises(Refused, match="'kv_amax' must be an object, got \\[1\\]"):
-        typed(Calibration, {"model_sha256": "a", "data_sha256": "b", "amax": {}, "kv_amax": [1]}, WHERE, Refused,
+        typed(Calibration, {"model_sha256": "a" * 64, "data_sha256": "b" * 64, "amax": {}, "kv_amax": [1]}, WHERE, Refused,
               "calibrate again")
 
 
@@ -139,3 +139,29 @@ def test_a_tensorrt_section_names_its_gpu():
     with pytest.raises(Refused, match="lacks the key 'tensorrt.gpu.compute_capability'"):
         typed(TensorRTBuild, {"version": "10.13.0", "gpu": {"name": "NVIDIA H200"}}, WHERE, Refused,
               "rebuild the engine", "tensorrt.")
+
+
+def test_a_calibrations_ranges_are_numbers():
+    good = {"model_sha256": "a" * 64, "data_sha256": "b" * 64, "amax": {"layers.0.qkv": 1.5, "lm_head": 2},
+            "kv_amax": {"new_key.0": [0.5]}, "float_linears": [{"linear": "layers.0.down", "reason": "rank 1"}]}
+    assert typed(Calibration, good, WHERE, Refused, "calibrate again").amax["lm_head"] == 2
+    for bad, message in [({"amax": {"layers.0.qkv": "x"}}, "amax must hold only numbers, got 'x'"),
+                         ({"amax": {"layers.0.qkv": True}}, "amax must hold only numbers, got True"),
+                         ({"kv_amax": {"new_key.0": "x"}}, "kv_amax must hold only lists, got 'x'"),
+                         ({"float_linears": [5]}, "float_linears must hold only objects, got 5"),
+                         ({"model_sha256": "zz"}, "model_sha256 must be a SHA-256 hex digest")]:
+        with pytest.raises(Refused, match=message):
+            typed(Calibration, {**good, **bad}, WHERE, Refused, "calibrate again")
+
+
+def test_a_vision_spec_holds_positive_numbers():
+    from autoglm_trt.model.vision import VisionSpec
+
+    spec = VisionSpec(32, 8, 10000.0, 2, 14, 2, 64, 7, 5, 6)
+    assert VisionSpec.from_json(spec.to_json()) == spec
+    for name, value, message in [("merge_size", "x", "merge_size must be an integer >= 1, got 'x'"),
+                                 ("patch_size", 0, "patch_size must be an integer >= 1, got 0"),
+                                 ("image_token_id", -1, "image_token_id must be an integer >= 0"),
+                                 ("rope_theta", "x", "rope_theta must be a number > 0")]:
+        with pytest.raises(ValueError, match=message):
+            VisionSpec.from_json({**spec.to_json(), name: value})

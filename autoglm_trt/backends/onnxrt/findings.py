@@ -39,7 +39,8 @@ def inspect_lines(manifest: Manifest, decode: dict) -> list[str]:
              f"passes       version {decode['passes_version']}: " + (", ".join(done) or "none applied"),
              f"decode step  {decode['nodes']} nodes as ONNX Runtime runs them here ({decode['graph']}"
              + (f", as {decode['why_plain']}" if decode["why_plain"] else "")
-             + f"; the optimized graph has {decode['saved_nodes']}): " + ", ".join(f"{op} x{n}" for op, n in ops[:8])]
+             + (f"; the optimized graph has {decode['saved_nodes']}" if decode["saved_nodes"] is not None else "")
+             + "): " + ", ".join(f"{op} x{n}" for op, n in ops[:8])]
     built = manifest.vision_forms
     if built:
         graph, why, _ = vision_graph(manifest)
