@@ -32,9 +32,8 @@ def summary(manifest: Manifest, report: dict | None) -> str:
 
 def load_report(manifest: Manifest) -> dict | None:
     """The engine's fusion report (``fusion_report.json``), or None where the manifest hashes none or
-    it holds no JSON object. A
-    report whose SHA-256 differs from the manifest's record of it is refused: it was edited or is
-    corrupt, and what it would say of the engine is not what the build found."""
+    it holds no JSON object. A report whose SHA-256 differs from the manifest's record of it is
+    refused: it was edited or is corrupt, and what it would say is not what the build found."""
     name = "fusion_report.json"
     p = manifest.dir / name
     if name not in manifest.files:
