@@ -28,6 +28,7 @@ from .record_schema import (
     MADE_BY,
     ORT_GRAPHS_KEYS,
     TRT_KEYS,
+    BuildSettings,
     Calibration,
     ExportedModel,
     GraphRecord,
@@ -134,7 +135,7 @@ class EngineRecord:
     kv_cache: KVCache
     source: BuildSource | None = optional()
     versions: dict | None = optional()  # the libraries' versions the build ran with
-    build_config: dict | None = optional()  # ``builder.config.BuildConfig``'s fields as the build had them
+    build_config: BuildSettings | None = optional()
     vision: dict | None = optional()  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)
 
 
@@ -342,7 +343,7 @@ class Manifest:
             raise EngineError(f"{path}: engine_file {brief(data['engine_file'])} is not one of the engine's hashed "
                               f"files; {remedy}")
         graph_kv = _graph_kv_dtype(engine_dir)
-        if data["kv_cache"]["dtype"] != graph_kv and graph_kv is not None:
+        if data["kv_cache"]["dtype"] != graph_kv:
             raise EngineError(f"{path}: kv_cache.dtype {data['kv_cache']['dtype']} differs from the engine graph's "
                               f"({graph_kv}, {EXPORT_RECORD}); the engine was edited or is corrupt: {remedy}")
         backend = data["backend"]
@@ -379,8 +380,8 @@ class Manifest:
         return self.record.kv_cache
 
     @property
-    def build_config(self) -> dict:
-        return self.record.build_config or {}
+    def build_config(self) -> BuildSettings:
+        return self.record.build_config or BuildSettings()
 
     @property
     def vision_forms(self) -> dict:
@@ -417,12 +418,14 @@ class Manifest:
         return problems
 
 
-def _graph_kv_dtype(engine_dir: Path) -> str | None:
-    """The KV dtype the engine's graph was made with (its ``export.json``), or None if unreadable."""
+def _graph_kv_dtype(engine_dir: Path) -> str:
+    """The KV dtype the engine's graph was made with (its ``export.json``, which every engine holds)."""
     try:
         return ExportRecord.read(engine_dir).kv_dtype
-    except ArtifactError:
-        return None
+    except EngineError:
+        raise
+    except ArtifactError as exc:  # the engine's record of its graph, refused as the engine's
+        raise EngineError(str(exc)) from exc
 
 
 def _ort_graphs(graphs: dict, engine_dir: Path, path: Path) -> None:

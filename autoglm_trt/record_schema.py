@@ -77,6 +77,10 @@ def positive(value: int) -> str | None:
     return None if value >= 1 else f"must be an integer >= 1, got {value}"
 
 
+def not_negative(value: int) -> str | None:
+    return None if value >= 0 else f"must be an integer >= 0, got {value}"
+
+
 def one_of(choices: Collection[str] | Callable[[], Collection[str]]) -> Callable[[object], str | None]:
     """A rule: the value is one of ``choices`` (or of what ``choices()`` gives when checked)."""
 
@@ -175,6 +179,7 @@ def untyped(section: object) -> dict:
 # The declarations. manifest.json's top level is in ``artifacts`` (its backend rule reads the registry).
 GRAPH_DTYPES = ("float32", "float16")
 KV_DTYPES = ("float32", "float16", "int8")
+VISION_DTYPES = ("bfloat16", "float16", "float32")  # the vision encoder's compute dtypes (``graph.vision_trt``)
 MADE_BY = ("weight_only", "int4")  # the build steps that record how they made a model (``made_by``)
 
 
@@ -211,6 +216,16 @@ class KVCache:
     dtype: str = field(metadata=rule(one_of(KV_DTYPES)))
     layout: str = ""
     scales: dict | None = optional()  # INT8 KV: each layer's K and V scale per KV head
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """``manifest.json``'s ``build_config`` (``builder.config.BuildConfig``'s fields as the build had
+    them): the ones read after the build are typed here, the rest pass by."""
+
+    max_pixels: int | None = optional(positive)  # an image-text engine's largest image
+    max_images: int | None = optional(not_negative)  # images per request
+    vision_dtype: str | None = optional(one_of(VISION_DTYPES))
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..record_schema import VISION_DTYPES
 from .vision import MICROSOFT
 
-VISION_DTYPES = ("bfloat16", "float16", "float32")
 HALF = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16}
 
 

@@ -265,9 +265,40 @@ def _rope_from_config(config: dict, fam: Family, head_dim: int) -> RopeSpec:
 
 
 def spec_from_dict(d: dict) -> ModelSpec:
-    """Inverse of ``ModelSpec.to_json``."""
+    """Inverse of ``ModelSpec.to_json`` (ValueError: a field is not what ``to_json`` writes)."""
     d = dict(d)
     d["rope"] = RopeSpec(**d["rope"])
     d["eos_token_ids"] = tuple(d["eos_token_ids"])
     d["mrope_section"] = tuple(d.get("mrope_section", ()))
-    return ModelSpec(**d)
+    spec = ModelSpec(**d)
+    why = _malformed(spec)
+    if why is not None:
+        raise ValueError(why)
+    return spec
+
+
+def _malformed(s: ModelSpec) -> str | None:
+    """What is wrong with a spec read from a record (a field of the wrong type or range), or None."""
+
+    def whole(v: object, least: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+    def number(v: object) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf")
+
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+             "max_position_embeddings")
+    checks = [("family", s.family, isinstance(s.family, str) and s.family in FAMILIES, f"one of {', '.join(FAMILIES)}"),
+              *((n, getattr(s, n), whole(getattr(s, n), 1), "an integer >= 1") for n in sizes),
+              ("rms_norm_eps", s.rms_norm_eps, number(s.rms_norm_eps), "a number > 0"),
+              ("tie_word_embeddings", s.tie_word_embeddings, isinstance(s.tie_word_embeddings, bool), "true or false"),
+              ("bos_token_id", s.bos_token_id, s.bos_token_id is None or whole(s.bos_token_id, 0),
+               "null or an integer >= 0"),
+              ("eos_token_ids", s.eos_token_ids, all(whole(t, 0) for t in s.eos_token_ids), "integers >= 0"),
+              ("mrope_section", s.mrope_section, all(whole(t, 1) for t in s.mrope_section), "integers >= 1"),
+              ("rope.theta", s.rope.theta, number(s.rope.theta), "a number > 0"),
+              ("rope.rotary_dim", s.rope.rotary_dim, whole(s.rope.rotary_dim, 0), "an integer >= 0"),
+              ("rope.rope_type", s.rope.rope_type, s.rope.rope_type in SUPPORTED_ROPE_TYPES,
+               f"one of {', '.join(SUPPORTED_ROPE_TYPES)}"),
+              ("rope.scaling", s.rope.scaling, isinstance(s.rope.scaling, dict), "an object")]
+    return next((f"{name} must be {want}, got {_brief(value)}" for name, value, ok, want in checks if not ok), None)

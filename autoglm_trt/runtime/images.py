@@ -120,9 +120,9 @@ class ImageOptions:
 def image_options(manifest: Manifest, options: ImageOptions) -> ImageOptions:
     """``options`` with what it leaves unset taken from the engine's build config."""
     built = manifest.build_config
-    return dataclasses.replace(options, max_pixels=options.max_pixels or built.get("max_pixels"),
-                               max_images=built.get("max_images", MAX_IMAGES) if options.max_images is None
-                               else options.max_images)
+    max_images = options.max_images if options.max_images is not None else built.max_images
+    return dataclasses.replace(options, max_pixels=options.max_pixels or built.max_pixels,
+                               max_images=MAX_IMAGES if max_images is None else max_images)
 
 
 class EncoderCache:

@@ -65,6 +65,11 @@ def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
     (lambda m: m["onnxruntime"].update(requires=[{}]), "onnxruntime.requires must hold only feature names, got {}"),
     (lambda m: m["onnxruntime"].update(passes=[5]), "onnxruntime.passes must hold only objects, got 5"),
     (lambda m: m["source"].update(path="\ud800"), "is corrupt"),  # a lone surrogate: no text
+    (lambda m: m["spec"].update(num_layers="x"), "num_layers must be an integer >= 1"),
+    (lambda m: m["spec"].update(family=5), "family must be one of"),
+    (lambda m: m["spec"]["rope"].update(theta=0), "rope.theta must be a number > 0"),
+    (lambda m: m["build_config"].update(max_images="x"), "'build_config.max_images' must be an integer, got 'x'"),
+    (lambda m: m["build_config"].update(vision_dtype="int4"), "build_config.vision_dtype must be one of"),
 ])
 def test_crafted_manifests_are_refused(tiny_engine, tmp_path, edit, message):
     bad = tmp_path / "engine"
@@ -94,6 +99,10 @@ def test_inspect_says_what_a_manifest_does_not_record(tiny_engine, tmp_path):
     (tmp_path / "engine" / "fusion_report.json").write_text('{"nodes_before": 1, "fusions": []}')
     one_line_error(run_cli("inspect", str(tmp_path / "engine")), "fusion_report.json is missing, or differs from "
                                                                    "the one the build wrote")
+    edited_copy(tiny_engine, tmp_path / "export", "export.json", lambda e: e.update(source=None))
+    with pytest.raises(EngineError, match="'source' must be an object, got None"):  # the engine's own record
+        Manifest.read(tmp_path / "export")
+    one_line_error(run_cli("inspect", str(tmp_path / "export")), "'source' must be an object, got None")
 
 
 def test_malformed_build_records_are_refused_by_name(tiny_engine, tmp_path):

@@ -88,7 +88,7 @@ class TensorRTBackend:
         return []
 
     def vision_runs(self, manifest: Manifest) -> str:
-        dtype = manifest.build_config.get("vision_dtype", "float32")
+        dtype = manifest.build_config.vision_dtype or "float32"
         return f"vision.plan on TensorRT ({dtype} linears and attention)"
 
 
