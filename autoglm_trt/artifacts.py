@@ -22,6 +22,7 @@ from .errors import AutoGLMError
 from .fileutil import sha256_file, write_json
 from .model.spec import ModelSpec, spec_from_dict
 from .model.vision import VisionSpec
+from .precisions import PRECISIONS
 from .record_schema import (
     CALIB_KEYS,
     EXPORT_KEYS,
@@ -127,7 +128,7 @@ class EngineRecord:
     checked by that backend's check (``BACKEND_SECTIONS``), its spec by ``model.spec``."""
 
     backend: str = field(metadata=rule(one_of(lambda: BACKEND_SECTIONS)))
-    precision: str
+    precision: str = field(metadata=rule(one_of(PRECISIONS)))
     spec: dict
     files: dict = field(metadata=rule(file_digests))  # the engine's files but the manifest, and their SHA-256
     engine_file: str

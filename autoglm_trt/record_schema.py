@@ -115,6 +115,13 @@ def items_of(kind: type, what: str) -> Callable[[Any], str | None]:
     return rule
 
 
+def pass_entries(value: list) -> str | None:
+    """A rule: each rewrite pass as ``loader.write_graphs`` records it, its name and how often it applied."""
+    bad = [p for p in value if not isinstance(p, dict) or not isinstance(p.get("name"), str)
+           or not isinstance(p.get("applied"), int) or isinstance(p.get("applied"), bool)]
+    return f"must hold a name and a count of applications per pass, got {brief(bad[0])}" if bad else None
+
+
 def rule(check: Callable[[Any], str | None]) -> dict:
     """The metadata of a dataclass field whose value must meet ``check`` (``keys_of``):
     ``x: int = field(metadata=rule(positive))``."""
@@ -283,7 +290,7 @@ class OrtGraphs:
     """An ONNX Runtime engine's ``manifest.json`` ``onnxruntime``: its graphs (``loader.write_graphs``)."""
 
     passes_version: int  # of the passes that made the native graph
-    passes: list = field(metadata=rule(items_of(dict, "objects")))  # each pass: its name, how often it applied
+    passes: list = field(metadata=rule(pass_entries))  # each pass in order: its name, how often it applied
     requires: list = field(metadata=rule(items_of(str, "feature names")))  # what the native graph needs of the library
     attention: str  # what runs a decode step's attention in the native graph
     attention_why: str

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from ..artifacts import EngineError, Manifest
+from ..artifacts import EngineError, Manifest, read_json_object
 from ..backends.registry import backend
 from ..fileutil import sha256_file
 
@@ -31,8 +29,8 @@ def summary(manifest: Manifest, report: dict | None) -> str:
 
 
 def load_report(manifest: Manifest) -> dict | None:
-    """The engine's fusion report (``fusion_report.json``), or None where the manifest hashes none or
-    it holds no JSON object. A report whose SHA-256 differs from the manifest's record of it is
+    """The engine's fusion report (``fusion_report.json``), or None where the manifest hashes none. A
+    report whose SHA-256 differs from the manifest's record of it, or that is no JSON object, is
     refused: it was edited or is corrupt, and what it would say is not what the build found."""
     name = "fusion_report.json"
     p = manifest.dir / name
@@ -41,8 +39,4 @@ def load_report(manifest: Manifest) -> dict | None:
     if not p.is_file() or sha256_file(p) != manifest.files[name]:
         raise EngineError(f"{p} is missing, or differs from the one the build wrote (its SHA-256 is not the "
                           "manifest's); `autoglm-trt doctor` lists what else differs: rebuild the engine")
-    try:
-        report = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return None
-    return report if isinstance(report, dict) else None
+    return read_json_object(p, "rebuild the engine", EngineError)

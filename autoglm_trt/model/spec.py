@@ -267,6 +267,10 @@ def _rope_from_config(config: dict, fam: Family, head_dim: int) -> RopeSpec:
 def spec_from_dict(d: dict) -> ModelSpec:
     """Inverse of ``ModelSpec.to_json`` (ValueError: a field is not what ``to_json`` writes)."""
     d = dict(d)
+    for key, kind, what in (("rope", dict, "an object"), ("eos_token_ids", (list, tuple), "a list"),
+                            ("mrope_section", (list, tuple), "a list")):
+        if not isinstance(d.get(key, []), kind):
+            raise ValueError(f"{key} must be {what}, got {_brief(d[key])}")
     d["rope"] = RopeSpec(**d["rope"])
     d["eos_token_ids"] = tuple(d["eos_token_ids"])
     d["mrope_section"] = tuple(d.get("mrope_section", ()))

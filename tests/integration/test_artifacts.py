@@ -4,6 +4,7 @@ artifact, checked through the library and the command line."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import signal
@@ -63,7 +64,10 @@ def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
     (lambda m: m.update(versions=5), "'versions' must be an object, got 5"),
     (lambda m: m["source"].pop("path"), "lacks the key 'source.path'"),
     (lambda m: m["onnxruntime"].update(requires=[{}]), "onnxruntime.requires must hold only feature names, got {}"),
-    (lambda m: m["onnxruntime"].update(passes=[5]), "onnxruntime.passes must hold only objects, got 5"),
+    (lambda m: m["onnxruntime"].update(passes=[5]), "onnxruntime.passes must hold a name and a count"),
+    (lambda m: m["onnxruntime"].update(passes=[{"name": "rope_qkv"}]), "onnxruntime.passes must hold a name and a"),
+    (lambda m: m.update(precision="int3"), "precision must be one of fp32, fp16, int8"),
+    (lambda m: m["spec"].update(eos_token_ids=None), "eos_token_ids must be a list, got None"),
     (lambda m: m["source"].update(path="\ud800"), "is corrupt"),  # a lone surrogate: no text
     (lambda m: m["spec"].update(num_layers="x"), "num_layers must be an integer >= 1"),
     (lambda m: m["spec"].update(family=5), "family must be one of"),
@@ -99,6 +103,18 @@ def test_inspect_says_what_a_manifest_does_not_record(tiny_engine, tmp_path):
     (tmp_path / "engine" / "fusion_report.json").write_text('{"nodes_before": 1, "fusions": []}')
     one_line_error(run_cli("inspect", str(tmp_path / "engine")), "fusion_report.json is missing, or differs from "
                                                                    "the one the build wrote")
+    report = tmp_path / "engine" / "fusion_report.json"
+    report.write_text('{"nodes_before": ' + "9" * 5000 + "}")
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    manifest["files"]["fusion_report.json"] = hashlib.sha256(report.read_bytes()).hexdigest()
+    manifest["onnxruntime"]["native_graph"] = "tokenizer.json"  # a hashed file of the engine, but no graph
+    (tmp_path / "engine" / "manifest.json").write_text(json.dumps(manifest))
+    one_line_error(run_cli("inspect", str(tmp_path / "engine")), "fusion_report.json is corrupt (Exceeds the limit")
+    report.write_text("{}")
+    manifest["files"]["fusion_report.json"] = hashlib.sha256(b"{}").hexdigest()
+    (tmp_path / "engine" / "manifest.json").write_text(json.dumps(manifest))
+    for command in ("inspect", "doctor"):
+        one_line_error(run_cli(command, str(tmp_path / "engine")), "tokenizer.json is missing or not an ONNX graph")
     edited_copy(tiny_engine, tmp_path / "export", "export.json", lambda e: e.update(source=None))
     with pytest.raises(EngineError, match="'source' must be an object, got None"):  # the engine's own record
         Manifest.read(tmp_path / "export")

@@ -4,13 +4,24 @@ attention, each kind of linear and the prefill's softmax, the native operator or
 
 from __future__ import annotations
 
-from ...artifacts import Manifest
+from ...artifacts import EngineError, Manifest
 from ...precisions import Precision, precision
+
+
+def engine_graph(manifest: Manifest, name: str):
+    """The engine's graph ``name`` (its structure, no weights), or EngineError where it is missing or no ONNX."""
+    import onnx
+
+    path = manifest.dir / name
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - a missing file, or protobuf's several errors for a file that is no ONNX
+        raise EngineError(f"{path} is missing or not an ONNX graph ({type(exc).__name__}); rebuild the engine, "
+                          "`autoglm-trt doctor` lists what else differs") from exc
 
 
 def decode_graph(manifest: Manifest, report: dict | None) -> dict:
     """Node counts of one decode step: of the graph the runner would load here."""
-    import onnx
 
     from . import passes
     from .runner import native_graph_here
@@ -18,7 +29,7 @@ def decode_graph(manifest: Manifest, report: dict | None) -> dict:
     graphs = manifest.ort_graphs
     why = native_graph_here(graphs, passes.Target.here())
     name = graphs.plain_graph if why else str(graphs.native_graph)
-    counts = passes.decode_nodes(onnx.load(str(manifest.dir / name), load_external_data=False))
+    counts = passes.decode_nodes(engine_graph(manifest, name))
     return {"graph": name, "why_plain": why, "nodes": sum(counts.values()), "nodes_by_op": counts,
             "saved_nodes": (report or {}).get("nodes_after"), "passes": graphs.passes,
             "passes_version": graphs.passes_version}
@@ -53,7 +64,6 @@ def inspect_lines(manifest: Manifest, decode: dict) -> list[str]:
 
 def native_report(manifest: Manifest) -> list[str]:
     """``doctor``'s lines: the library's build, the graph, and what runs attention and the linears."""
-    import onnx
 
     from ...native import float_kernel, variant_of
     from . import passes
@@ -64,7 +74,7 @@ def native_report(manifest: Manifest) -> list[str]:
     library = target.library
     why = native_graph_here(graphs, target)
     name = graphs.plain_graph if why else str(graphs.native_graph)
-    ops = {n.op_type for n in all_nodes(onnx.load(str(manifest.dir / name), load_external_data=False).graph)}
+    ops = {n.op_type for n in all_nodes(engine_graph(manifest, name).graph)}
     attention = not why and graphs.attention == "native"
     kernel = float_kernel(library) if library is not None else None
     float_native = any(op.startswith("FloatLinear") for op in ops)
