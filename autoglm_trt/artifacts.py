@@ -30,6 +30,7 @@ from .record_schema import (
     ORT_GRAPHS_KEYS,
     TRT_KEYS,
     BuildSettings,
+    BuildSource,
     Calibration,
     ExportedModel,
     GraphRecord,
@@ -110,16 +111,6 @@ def _spec(data: dict, where: Path, error: type[ArtifactError]) -> ModelSpec:
         return spec_from_dict(data["spec"])
     except (TypeError, KeyError, ValueError) as exc:
         raise error(f"{where}: the model spec is invalid ({str(exc)[:200]})") from exc
-
-
-@dataclass(frozen=True)
-class BuildSource:
-    """``manifest.json``'s ``source``: what the engine was built from (``autoglm-trt build``'s source,
-    the model directory it resolved to, the checkpoint's file hashes that export recorded)."""
-
-    path: str
-    model_dir: str | None = optional()
-    checkpoint_sha256: dict | None = optional(file_digests)
 
 
 @dataclass(frozen=True)
@@ -334,7 +325,7 @@ class Manifest:
     @staticmethod
     def checked(data: dict, engine_dir: Path) -> ModelSpec:
         """The spec of ``data``, ``engine_dir``'s manifest, once its keys, files and backend section
-        are checked (the engine's export record read for its KV dtype)."""
+        are checked (the engine's export record read for its spec and KV dtype)."""
         path, remedy = engine_dir / MANIFEST, "rebuild the engine"
         check(data, MANIFEST_KEYS, path, EngineError, remedy)
         for name in data["files"]:
@@ -343,14 +334,19 @@ class Manifest:
         if data["engine_file"] not in data["files"]:
             raise EngineError(f"{path}: engine_file {brief(data['engine_file'])} is not one of the engine's hashed "
                               f"files; {remedy}")
-        graph_kv = _graph_kv_dtype(engine_dir)
+        spec = _spec(data, path, EngineError)
+        graph = _engine_export(engine_dir)
+        if data["spec"] != graph.spec_data:
+            raise EngineError(f"{path}: spec differs from the engine graph's ({EXPORT_RECORD}); the engine was edited "
+                              f"or is corrupt: {remedy}")
+        graph_kv = graph.kv_dtype
         if data["kv_cache"]["dtype"] != graph_kv:
             raise EngineError(f"{path}: kv_cache.dtype {data['kv_cache']['dtype']} differs from the engine graph's "
                               f"({graph_kv}, {EXPORT_RECORD}); the engine was edited or is corrupt: {remedy}")
         backend = data["backend"]
         check(data, (Key(backend, dict),), path, EngineError, remedy)  # the backend's own section
         BACKEND_SECTIONS[backend](data[backend], engine_dir, path)
-        return _spec(data, path, EngineError)
+        return spec
 
     @staticmethod
     def write(engine_dir: Path, data: dict) -> None:
@@ -419,10 +415,10 @@ class Manifest:
         return problems
 
 
-def _graph_kv_dtype(engine_dir: Path) -> str:
-    """The KV dtype the engine's graph was made with (its ``export.json``, which every engine holds)."""
+def _engine_export(engine_dir: Path) -> ExportRecord:
+    """The record of the graph the engine was made from (its ``export.json``, which every engine holds)."""
     try:
-        return ExportRecord.read(engine_dir).kv_dtype
+        return ExportRecord.read(engine_dir)
     except EngineError:
         raise
     except ArtifactError as exc:  # the engine's record of its graph, refused as the engine's

@@ -236,6 +236,16 @@ class BuildSettings:
 
 
 @dataclass(frozen=True)
+class BuildSource:
+    """``manifest.json``'s ``source``: what the engine was built from (``autoglm-trt build``'s source,
+    the model directory it resolved to, the checkpoint's file hashes that export recorded)."""
+
+    path: str
+    model_dir: str | None = optional()
+    checkpoint_sha256: dict | None = optional(file_digests)
+
+
+@dataclass(frozen=True)
 class SourceRecord:
     """``export.json``'s ``source``: the checkpoint exported, and its files' SHA-256 (what a build
     compares with the checkpoint it is given)."""

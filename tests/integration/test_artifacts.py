@@ -72,6 +72,7 @@ def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
     (lambda m: m["spec"].update(num_layers="x"), "num_layers must be an integer >= 1"),
     (lambda m: m["spec"].update(family=5), "family must be one of"),
     (lambda m: m["spec"]["rope"].update(theta=0), "rope.theta must be a number > 0"),
+    (lambda m: m["spec"].update(num_layers=31), "spec differs from the engine graph's"),
     (lambda m: m["build_config"].update(max_images="x"), "'build_config.max_images' must be an integer, got 'x'"),
     (lambda m: m["build_config"].update(vision_dtype="int4"), "build_config.vision_dtype must be one of"),
 ])
