@@ -38,6 +38,7 @@ from .record_schema import (
     KVCache,
     Limits,
     OrtGraphs,
+    VisionForms,
     brief,
     check,
     file_digests,
@@ -128,7 +129,7 @@ class EngineRecord:
     source: BuildSource | None = optional()
     versions: dict | None = optional()  # the libraries' versions the build ran with
     build_config: BuildSettings | None = optional()
-    vision: dict | None = optional()  # the encoder graphs an ONNX Runtime build made (``backends.onnxrt.vision``)
+    vision: VisionForms | None = optional()  # the encoder graphs an ONNX Runtime build made
 
 
 MANIFEST_KEYS = keys_of(EngineRecord)
@@ -330,10 +331,11 @@ class Manifest:
         check(data, MANIFEST_KEYS, path, EngineError, remedy)
         for name in data["files"]:
             inside(engine_dir, name, f"{path} files", EngineError)
-        inside(engine_dir, data["engine_file"], f"{path} engine_file", EngineError)
-        if data["engine_file"] not in data["files"]:
-            raise EngineError(f"{path}: engine_file {brief(data['engine_file'])} is not one of the engine's hashed "
-                              f"files; {remedy}")
+        vision = made(VisionForms, data["vision"]).files() if data.get("vision") is not None else {}
+        for key, name in {"engine_file": data["engine_file"], **vision}.items():  # every file it names: hashed
+            inside(engine_dir, name, f"{path} {key}", EngineError)
+            if name not in data["files"]:
+                raise EngineError(f"{path}: {key} {brief(name)} is not one of the engine's hashed files; {remedy}")
         spec = _spec(data, path, EngineError)
         graph = _engine_export(engine_dir)
         if data["spec"] != graph.spec_data:
@@ -381,8 +383,8 @@ class Manifest:
         return self.record.build_config or BuildSettings()
 
     @property
-    def vision_forms(self) -> dict:
-        return self.record.vision or {}
+    def vision_forms(self) -> VisionForms | None:
+        return self.record.vision
 
     def section(self, backend: str) -> dict:  # the backend's own section, checked as the manifest was read
         return self.data[backend]

@@ -235,6 +235,35 @@ class BuildSettings:
     vision_dtype: str | None = optional(one_of(VISION_DTYPES))
 
 
+VISION_LINEARS = ("float32", "int8")  # the forms of an encoder's linears (``builder.vision``)
+
+
+def form_files(value: dict) -> str | None:
+    """An object of a graph file per form of the encoder's linears."""
+    if not value or any(k not in VISION_LINEARS or not isinstance(v, str) for k, v in value.items()):
+        return f"must name a graph file for some of the forms {', '.join(VISION_LINEARS)}, got {brief(value)}"
+    return None
+
+
+@dataclass(frozen=True)
+class VisionForms:
+    """An image-text ONNX Runtime engine's ``manifest.json`` ``vision``: the encoder forms the build
+    made (``builder.vision``), each a graph file of the engine (``backends.onnxrt.vision`` picks the
+    one this machine runs)."""
+
+    linears: str = field(metadata=rule(one_of(VISION_LINEARS)))  # the build's choice of linears
+    attention: str = field(metadata=rule(one_of(("float32", "bfloat16"))))  # and of attention
+    graphs: dict = field(metadata=rule(form_files))  # each form's graph, float32 attention
+    native_graphs: dict | None = optional(form_files)  # each with the native bfloat16 attention
+    int8_linears: int | None = optional(not_negative)
+
+    def files(self) -> dict[str, str]:
+        """Each graph file it names, by its dotted key."""
+        return {f"vision.{kind}.{form}": name for kind, forms in (("graphs", self.graphs),
+                                                                  ("native_graphs", self.native_graphs or {}))
+                for form, name in forms.items()}
+
+
 @dataclass(frozen=True)
 class BuildSource:
     """``manifest.json``'s ``source``: what the engine was built from (``autoglm-trt build``'s source,

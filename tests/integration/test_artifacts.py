@@ -122,6 +122,22 @@ def test_inspect_says_what_a_manifest_does_not_record(tiny_engine, tmp_path):
     one_line_error(run_cli("inspect", str(tmp_path / "export")), "'source' must be an object, got None")
 
 
+def test_a_vision_graph_the_manifest_names_must_be_a_hashed_file_of_the_engine(glm4v_engine, tmp_path):
+    """An image-text engine's ``vision`` names its encoder graphs: one that is not among the hashed
+    files (doctor would check nothing, and load fail) or not of its form is refused as it is read."""
+    edited_copy(glm4v_engine, tmp_path / "named", "manifest.json",
+                lambda m: m["vision"]["graphs"].update(int8="vision.int8.onnx"))
+    message = "vision.graphs.int8 'vision.int8.onnx' is not one of the engine's hashed files; rebuild the engine"
+    with pytest.raises(EngineError, match=message):
+        Manifest.read(tmp_path / "named")
+    for command in ("doctor", "inspect"):
+        one_line_error(run_cli(command, str(tmp_path / "named")), message)
+    edited_copy(glm4v_engine, tmp_path / "form", "manifest.json",
+                lambda m: m["vision"].update(native_graphs={"float32": ["vision.onnx"]}))
+    one_line_error(run_cli("doctor", str(tmp_path / "form")), "vision.native_graphs must name a graph file")
+    assert Manifest.read(glm4v_engine).vision_forms.files() == {"vision.graphs.float32": "vision.onnx"}
+
+
 def test_malformed_build_records_are_refused_by_name(tiny_engine, tmp_path):
     """A manifest's build_config and an export's record of the build step that made it are objects;
     anything else is refused with the key and what to do, not a TypeError where they are read."""

@@ -1,6 +1,7 @@
 """Which encoder graph an ONNX Runtime engine runs here (``backends.onnxrt.vision.vision_graph``):
 from the manifest's record of the build's forms and this machine's CPU and native library, each
-choice with its reason; a malformed record or a file outside the engine refused with one."""
+choice with its reason; a malformed record (``record_schema.VisionForms``) or a file outside the
+engine refused with one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from autoglm_trt.artifacts import EngineError
 from autoglm_trt.backends.onnxrt import vision as choice
+from autoglm_trt.record_schema import VisionForms, typed
 
 BOTH = {"linears": "int8", "attention": "bfloat16",
         "graphs": {"float32": "vision.onnx", "int8": "vision.int8.onnx"},
@@ -19,7 +21,8 @@ BOTH = {"linears": "int8", "attention": "bfloat16",
 class _Manifest:
     def __init__(self, tmp_path, vision):
         self.dir = tmp_path
-        self.vision_forms = vision if vision is not None else {}
+        self.vision_forms = None if vision is None else typed(VisionForms, vision, tmp_path / "manifest.json",
+                                                              EngineError, "rebuild the engine", "vision.")
 
 
 @pytest.fixture
@@ -58,12 +61,23 @@ def test_the_switch_and_an_engine_built_without_the_forms(tmp_path, machine, mon
         assert (name, lib) == ("vision.onnx", None) and "the build's vision_attention" in reason
 
 
+FLOAT = {"linears": "float32", "attention": "float32"}
+
+
 @pytest.mark.parametrize("vision,message", [
-    ("int8", "vision must be an object"),
-    ({"graphs": ["vision.onnx"]}, "vision must be an object"),
-    ({"graphs": {"int8": "../elsewhere.onnx"}}, "not inside"),
-    ({"graphs": {"float32": "vision.onnx"}, "native_graphs": {"float32": "/etc/passwd"}}, "not inside"),
-    ({"graphs": {"float32": "vision.onnx"}, "native_graphs": {"float32": 7}}, "must be a file name"),
+    ({**FLOAT, "graphs": ["vision.onnx"]}, "'vision.graphs' must be an object"),
+    ({**FLOAT, "graphs": {}}, "vision.graphs must name a graph file for some of the forms float32, int8, got {}"),
+    ({**FLOAT, "graphs": {"fp8": "vision.onnx"}}, "vision.graphs must name a graph file"),
+    ({**FLOAT, "graphs": {"float32": "vision.onnx"}, "native_graphs": {"float32": 7}},
+     "vision.native_graphs must name a graph file"),
+    ({**FLOAT, "linears": "fp8", "graphs": {"float32": "vision.onnx"}},
+     "vision.linears must be one of float32, int8, got 'fp8'"),
+    ({"linears": "float32", "graphs": {"float32": "vision.onnx"}}, "'vision.attention'"),
+    ({**FLOAT, "graphs": {"float32": "vision.onnx"}, "int8_linears": -1},
+     "vision.int8_linears must be an integer >= 0, got -1"),
+    ({**FLOAT, "graphs": {"float32": "../elsewhere.onnx"}}, "not inside"),
+    ({"linears": "float32", "attention": "bfloat16", "graphs": {"float32": "vision.onnx"},
+      "native_graphs": {"float32": "/etc/passwd"}}, "not inside"),
 ])
 def test_a_malformed_record_is_refused_with_the_reason(tmp_path, machine, vision, message):
     machine(True, True, True)

@@ -53,11 +53,10 @@ def inspect_lines(manifest: Manifest, decode: dict) -> list[str]:
              + (f"; the optimized graph has {decode['saved_nodes']}" if decode["saved_nodes"] is not None else "")
              + "): " + ", ".join(f"{op} x{n}" for op, n in ops[:8])]
     built = manifest.vision_forms
-    if built:
+    if built is not None:
         graph, why, _ = vision_graph(manifest)
-        made = {**built.get("graphs", {}), **{f"{k}, native attention": v
-                                               for k, v in built.get("native_graphs", {}).items()}}
-        lines.append(f"vision       {built.get('linears')} linears and {built.get('attention', 'float32')} attention "
+        made = {**built.graphs, **{f"{k}, native attention": v for k, v in (built.native_graphs or {}).items()}}
+        lines.append(f"vision       {built.linears} linears and {built.attention} attention "
                      "at build (" + ", ".join(f"{k}: {v}" for k, v in made.items()) + f"); here {graph}: {why}")
     return lines
 

@@ -22,12 +22,9 @@ def vision_graph(manifest: Manifest) -> tuple[str, str, Path | None]:
     sums bytes exactly (VNNI, or not x86: ``graph.vision_int8``), else float32; its attention the
     native bfloat16 one where the build made it (``vision_attention``) and the native library runs
     it here (AVX512-BF16), else ONNX Runtime's float32 MultiHeadAttention."""
-    built = manifest.vision_forms
-    graphs = built.get("graphs", {}) if isinstance(built, dict) else None
-    natives = built.get("native_graphs", {}) if isinstance(built, dict) else None
-    if not isinstance(graphs, dict) or not isinstance(natives, dict):
-        raise EngineError(f"{manifest.dir}/manifest.json: vision must be an object whose graphs and native_graphs "
-                          f"are objects of file names, got {str(built)[:200]}; rebuild the engine")
+    built = manifest.vision_forms  # checked as the manifest was read (``record_schema.VisionForms``)
+    graphs = built.graphs if built is not None else {}
+    natives = (built.native_graphs or {}) if built is not None else {}
     linears, why = "float32", "float32 linears (the build's vision_linears)"
     if "int8" in graphs:
         if os.environ.get(ENV_VISION_INT8) == "0":
