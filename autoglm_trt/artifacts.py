@@ -145,11 +145,9 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
     image-text model's), copied into ``dst``: what travels with a model from stage to stage."""
     import shutil
 
-    for f in tokenizer_files(src):
+    vision = ExportRecord.read(src).vision_files() if (Path(src) / EXPORT_RECORD).is_file() else []
+    for f in [*tokenizer_files(src), *vision]:
         shutil.copy2(f, Path(dst) / f.name)
-    if (Path(src) / EXPORT_RECORD).is_file():
-        for f in ExportRecord.read(src).vision_files():
-            shutil.copy2(f, Path(dst) / f.name)
 
 
 @dataclass(frozen=True)
@@ -331,8 +329,8 @@ class Manifest:
         check(data, MANIFEST_KEYS, path, EngineError, remedy)
         for name in data["files"]:
             inside(engine_dir, name, f"{path} files", EngineError)
-        vision = made(VisionForms, data["vision"]).files() if data.get("vision") is not None else {}
-        for key, name in {"engine_file": data["engine_file"], **vision}.items():  # every file it names: hashed
+        named = {"engine_file": data["engine_file"], **(made(VisionForms, v).files() if (v := data.get("vision")) else {})}
+        for key, name in named.items():  # every file it names: inside the engine, and hashed
             inside(engine_dir, name, f"{path} {key}", EngineError)
             if name not in data["files"]:
                 raise EngineError(f"{path}: {key} {brief(name)} is not one of the engine's hashed files; {remedy}")
@@ -341,10 +339,13 @@ class Manifest:
         if data["spec"] != graph.spec_data:
             raise EngineError(f"{path}: spec differs from the engine graph's ({EXPORT_RECORD}); the engine was edited "
                               f"or is corrupt: {remedy}")
-        graph_kv = graph.kv_dtype
-        if data["kv_cache"]["dtype"] != graph_kv:
-            raise EngineError(f"{path}: kv_cache.dtype {data['kv_cache']['dtype']} differs from the engine graph's "
-                              f"({graph_kv}, {EXPORT_RECORD}); the engine was edited or is corrupt: {remedy}")
+        kv = data["kv_cache"]
+        if kv["dtype"] != graph.kv_dtype:
+            raise EngineError(f"{path}: kv_cache.dtype {kv['dtype']} differs from the engine graph's "
+                              f"({graph.kv_dtype}, {EXPORT_RECORD}); the engine was edited or is corrupt: {remedy}")
+        if kv["bytes"] % kv["num_blocks"]:  # the builder writes num_blocks x the bytes of one block
+            raise EngineError(f"{path}: kv_cache.bytes {kv['bytes']} is not the same whole number of bytes for each of "
+                              f"its {kv['num_blocks']} blocks; the engine was edited or is corrupt: {remedy}")
         backend = data["backend"]
         check(data, (Key(backend, dict),), path, EngineError, remedy)  # the backend's own section
         BACKEND_SECTIONS[backend](data[backend], engine_dir, path)

@@ -59,6 +59,9 @@ def one_line_error(r: subprocess.CompletedProcess, text: str) -> None:
     (lambda m: m["limits"].update(max_seq_len=True), "'limits.max_seq_len' must be an integer, got True"),
     (lambda m: m["onnxruntime"].pop("passes"), "lacks the key 'onnxruntime.passes'"),
     (lambda m: m["kv_cache"].update(dtype="float64"), "kv_cache.dtype must be one of"),
+    (lambda m: m["kv_cache"].update(bytes=m["kv_cache"]["num_blocks"] - 1),  # 0 bytes a block
+     "kv_cache.bytes 63 is not the same whole number of bytes for each of its 64 blocks"),
+    (lambda m: m["kv_cache"].update(bytes=m["kv_cache"]["bytes"] + 1), "is not the same whole number of bytes"),
     (lambda m: m.update(backend="cuda"), "backend must be one of"),
     (lambda m: m.update(format="autoglm-trt/engine/1"), "rebuild it with `autoglm-trt build`"),  # an older engine
     (lambda m: m.update(versions=5), "'versions' must be an object, got 5"),
