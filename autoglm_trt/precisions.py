@@ -7,15 +7,24 @@ compares its name; a new precision is one row here and the code its ``model`` na
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from .errors import AutoGLMError
+
+
+class Form(Enum):
+    """What an engine's graph is made from the float export by."""
+
+    FLOAT = "float"  # the float graph itself
+    INT8 = "int8"  # calibrated Q/DQ: INT8 weights and activations
+    WEIGHT_ONLY = "weight_only"  # INT8 weights alone
+    INT4 = "int4"  # INT4 weights: AWQ's scales, GPTQ's rounding
 
 
 @dataclass(frozen=True)
 class Precision:
     name: str
-    model: str  # what the engine's graph is made from the float export by: "float", "int8" (calibrated
-    # Q/DQ), "weight_only" (INT8 weights alone), "int4" (AWQ's scales, GPTQ's rounding)
+    model: Form
     export_dtype: str = "float32"  # the float export it is made from
     float16_export: bool = False  # whether a float16 export will do (the weights alone are read, widened)
     dynamic_int8: bool = False  # activations quantized per block at run time by the INT8 linears
@@ -26,20 +35,20 @@ class Precision:
 
     @property
     def quantized(self) -> bool:
-        return self.model != "float"
+        return self.model is not Form.FLOAT
 
 
 TABLE = (
-    Precision("fp32", "float", help="float32 throughout"),
-    Precision("fp16", "float", export_dtype="float16", help="float16 weights and activations"),
-    Precision("int8", "int8", eight_bit_activations=True, calibrated_kv=True,
+    Precision("fp32", Form.FLOAT, help="float32 throughout"),
+    Precision("fp16", Form.FLOAT, export_dtype="float16", help="float16 weights and activations"),
+    Precision("int8", Form.INT8, eight_bit_activations=True, calibrated_kv=True,
               help="INT8 weights and activations (calibrated)"),
-    Precision("int8-wo", "weight_only", float16_export=True,
+    Precision("int8-wo", Form.WEIGHT_ONLY, float16_export=True,
               help="INT8 weights, activations kept in float (16 bits per block of 32 on the CPU; on TensorRT one "
                    "weight scale per output channel; no calibration; the closest to fp32)"),
-    Precision("int8-dyn", "weight_only", float16_export=True, dynamic_int8=True, eight_bit_activations=True,
+    Precision("int8-dyn", Form.WEIGHT_ONLY, float16_export=True, dynamic_int8=True, eight_bit_activations=True,
               help="int8-wo's weights, activations quantized per block of 32 at run time (ONNX Runtime only)"),
-    Precision("int4-awq", "int4", eight_bit_activations=True,
+    Precision("int4-awq", Form.INT4, eight_bit_activations=True,
               help="INT4 weights (AWQ scales), activations quantized per block at run time"),
 )
 PRECISIONS = {p.name: p for p in TABLE}

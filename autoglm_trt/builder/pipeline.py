@@ -38,7 +38,7 @@ from ..graph.kv_int8 import int8_kv_graph
 from ..kvcache.layout import POOL_LAYOUT
 from ..model.checkpoint import Checkpoint
 from ..model.spec import ModelSpec
-from ..precisions import Precision, precision
+from ..precisions import Form, Precision, precision
 from ..record_schema import untyped
 from .config import BuildConfig
 from .profiles import profile_shapes
@@ -109,7 +109,7 @@ def _model_dir(req: BuildRequest, cache: Path, log: Callable[[str], None]) -> Pa
     dtype = p.export_dtype
     if (source / EXPORT_RECORD).is_file():
         have = ExportRecord.read(source).dtype
-        float16 = p.float16_export or (p.model == "int4" and req.int4_rounding == "nearest")
+        float16 = p.float16_export or (p.model is Form.INT4 and req.int4_rounding == "nearest")
         if have != dtype and not (float16 and have == "float16"):
             raise AutoGLMError(f"{source} is a {have} export; precision {req.precision} needs a {dtype} export "
                                f"(autoglm-trt export CHECKPOINT -o DIR --dtype {dtype}) or the checkpoint itself")
@@ -137,16 +137,16 @@ def _quantized(req: BuildRequest, backend: Backend, float_dir: Path, cache: Path
     """The model the engine is built from: the float export, its INT8 calibration, its
     weight-only INT8 model or its INT4 model (made or reused in the cache)."""
     p, traits = precision(req.precision), backend.traits
-    if p.model == "int8":
+    if p.model is Form.INT8:
         return _calibrated(req, backend, float_dir, cache, log)
-    if p.model == "weight_only":
+    if p.model is Form.WEIGHT_ONLY:
         from .weight_only import weight_only_export
 
         if req.calib is not None:
             log(f"{req.precision} quantizes weights alone: --calib is read only for an INT8 KV cache's ranges")
         return weight_only_export(float_dir, cache / "int8-wo", log, int8_embedding=traits.int8_embedding,
                                   dtype=traits.graph_dtype, int8_channels=traits.int8_channels)
-    if p.model == "int4":
+    if p.model is Form.INT4:
         from ..calib.pipeline import DEFAULT_DATA
         from .int4_awq import int4_export
 
@@ -242,7 +242,7 @@ def _kv_amax(req: BuildRequest, record: ExportRecord, log: Callable[[str], None]
 
 def _refuse_before_work(req: BuildRequest, cfg: BuildConfig, backend: Backend) -> None:
     """What the backend cannot build, refused before any export or calibration."""
-    if precision(req.precision).model == "int4":
+    if precision(req.precision).model is Form.INT4:
         int4_block(req, backend)
     if cfg.kv_scales == "token" and not backend.traits.token_kv_scales:
         others = [b.name for b in having(lambda b: b.traits.token_kv_scales)]
@@ -292,7 +292,7 @@ def build_engine(req: BuildRequest, log: Callable[[str], None] = print) -> dict:
         copy_tokenizer_files(model_dir, tmp)
         ExportRecord.write(tmp, record.derived(file=engine_file, kv_dtype=kv_dtype))
         write_json(tmp / "fusion_report.json", report)
-        if p.model == "int8":
+        if p.model is Form.INT8:
             shutil.copy2(model_dir / "calib.json", tmp / "calib.json")
             shutil.copy2(model_dir / "calibration.cache", tmp / "calibration.cache")
         manifest = {**_manifest(req, backend, engine_file, record, cfg, profiles, report), **sections}

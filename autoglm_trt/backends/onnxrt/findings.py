@@ -5,7 +5,7 @@ attention, each kind of linear and the prefill's softmax, the native operator or
 from __future__ import annotations
 
 from ...artifacts import EngineError, Manifest
-from ...precisions import Precision, precision
+from ...precisions import Form, Precision, precision
 
 
 def engine_graph(manifest: Manifest, name: str):
@@ -99,21 +99,21 @@ def _quantized_lines(p: Precision, ops: set[str], library) -> list[str]:
         return library is not None and any(op.startswith(prefix) for op in ops)
 
     per_block = "activations quantized per block of 32 at run time"
-    if p.model == "weight_only" and not p.dynamic_int8:
+    if p.model is Form.WEIGHT_ONLY and not p.dynamic_int8:
         return ["INT8 weights: " + (f"native Int8WeightLinear operator ({block_kernel(library)} kernel; activations "
                                     "quantized per block of 32 to 16 bits at run time)" if native("Int8WeightLinear")
                                     else f"ONNX Runtime's MatMulNBits ({per_block})")]
-    if p.model == "weight_only":
+    if p.model is Form.WEIGHT_ONLY:
         return ["INT8 weights and activations: " + (f"native Int8BlockLinear operator ({block_kernel(library)} kernel; "
                                                     f"{per_block})" if native("Int8BlockLinear")
                                                     else f"ONNX Runtime's MatMulNBits ({per_block})")]
-    if p.model == "int4":
+    if p.model is Form.INT4:
         return ["INT4 weights: " + (f"native Int4WeightLinear operator ({block_kernel(library)} kernel; {per_block})"
                                     if native("Int4WeightLinear")
                                     else "ONNX Runtime's 4-bit MatMulNBits (activations quantized per block at run time)")
                 + "; the LM head's INT8: " + ("native Int8BlockLinear operator"
                                               if any(op.startswith("Int8BlockLinear") for op in ops) else "MatMulNBits")]
-    if p.model == "int8":
+    if p.model is Form.INT8:
         saturates = ("; this CPU has no VNNI, where its 16-bit pair sums saturate and the answers drift from the "
                      "calibrated plan's: install a C compiler and reinstall autoglm-trt for the native operators"
                      if int8_pairs_saturate() else "")

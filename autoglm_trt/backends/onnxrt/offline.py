@@ -23,7 +23,7 @@ from ...kvcache.host_pools import KVPools
 from ...kvcache.layout import blocks_needed
 from ...kvcache.step_inputs import MRope, PromptImages, SeqState, StepImages, step_inputs
 from ...model.spec import ModelSpec
-from ...precisions import precision
+from ...precisions import Form, precision
 from .session import make_session, run
 
 
@@ -93,7 +93,7 @@ class GraphRunner:
             if not path.is_file():
                 raise AutoGLMError(f"{path} is missing")
             # an INT8 Q/DQ graph as the engines compute it (exact integer products), on any CPU
-            session = make_session(path, threads=threads, float_qdq=precision(self.record.precision).model == "int8")
+            session = make_session(path, threads=threads, float_qdq=precision(self.record.precision).model is Form.INT8)
         self.session = session
         self.token_scales = names.scale_of(names.past_key(0)) in {i.name for i in session.get_inputs()}
 
