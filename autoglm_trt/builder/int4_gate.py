@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backends.onnxrt.offline import GraphRunner
-from ..backends.onnxrt.session import make_session
+from ..backends.onnxrt.session import make_session, switchable_session
 from ..calib.accuracy import final_check
 from ..calib.sensitivity import Gate, SensitivitySearch
 from ..calib.smooth import SmoothedWeights
@@ -50,7 +50,7 @@ def gated_plan(scratch: Path, out: Path, graph: str, export_dir: Path, weights: 
     path = write_int8_graph(scratch, SWITCH, spec, weights, switch_plan, max_seq_len)
     candidates = [n for n in switch_plan.switch_order if n != "lm_head" and n not in plan.int8_linears]
     reference = GraphRunner(export_dir, threads=threads).logits
-    search = SensitivitySearch(make_session(path, threads=threads), spec, switch_plan.switch_order, windows, target,
+    search = SensitivitySearch(switchable_session(path, threads), spec, switch_plan.switch_order, windows, target,
                                0.0, reference=reference, candidates=candidates, nudge=False,
                                labels=("INT4", "at INT8"))
     log(f"INT4 gate: expected perplexity ratio at most {target} against the float graph on {len(windows)} "

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backends.onnxrt.offline import GraphRunner
-from ..backends.onnxrt.session import make_session
+from ..backends.onnxrt.session import switchable_session
 from ..errors import AutoGLMError
 from ..graph.decoder import write_int8_graph
 from ..model.spec import ModelSpec
@@ -43,7 +43,7 @@ def search_and_check(tmp: Path, export_dir: Path, spec: ModelSpec, weights: Weig
     t0 = time.perf_counter()
     switch_plan = replace(plan, switchable=True)
     switch_path = write_int8_graph(tmp, "switch.onnx", spec, weights, switch_plan, max_seq_len)
-    search = SensitivitySearch(make_session(switch_path, threads=gs.threads), spec, switch_plan.switch_order,
+    search = SensitivitySearch(switchable_session(switch_path, gs.threads), spec, switch_plan.switch_order,
                                windows, gs.target_ppl_ratio, gs.target_top1, sorted(plan.bias_correction))
     plan = plan.corrected(search.choose_corrections(log))
     keep = search.run(log)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..backends.onnxrt.offline import prefill_feeds
-from ..graph.metrics import log_softmax, next_token_scores
+from ..graph.metrics import kl_rows, log_softmax, next_token_scores
 from ..graph.names import kind_of
 from ..model.spec import ModelSpec
 from ..progress import Progress
@@ -125,6 +125,7 @@ class Gate:
         self.windows, self.max_ratio, self.min_top1, self.batch = windows, max_ratio, min_top1, batch
         self.ref = [next_token_scores(ref_logits(w), w, np.float32) for w in self._batches()]
         self.ref_nll = np.concatenate([nll for _, nll in self.ref])
+        self.ref_top = [lp.argmax(-1) for lp, _ in self.ref]
 
     def _batches(self) -> list[np.ndarray]:
         return [self.windows[b : b + self.batch] for b in range(0, len(self.windows), self.batch)]
@@ -133,11 +134,11 @@ class Gate:
         """The metrics of ``fn``; passed where they meet the targets, each loosened by ``slack``
         (expected ratio, top-1)."""
         nll, agree, kl = [], [], []
-        for w, (ref_lp, _) in zip(self._batches(), self.ref):
+        for w, (ref_lp, _), ref_top in zip(self._batches(), self.ref, self.ref_top):
             lp, w_nll = next_token_scores(fn(w), w, np.float32)
             nll.append(w_nll)
-            agree.append(lp.argmax(-1) == ref_lp.argmax(-1))
-            kl.append((np.exp(ref_lp) * (ref_lp - lp)).sum(-1, dtype=np.float64))
+            agree.append(lp.argmax(-1) == ref_top)
+            kl.append(kl_rows(ref_lp, lp))
         mean_nll, mean_kl = float(np.concatenate(nll).mean()), float(np.concatenate(kl).mean())
         ppl, ref_ppl = float(np.exp(mean_nll)), float(np.exp(self.ref_nll.mean()))
         return self._verdict({"ppl": ppl, "ref_ppl": ref_ppl, "ppl_ratio": ppl / ref_ppl, "kl": mean_kl,
@@ -253,7 +254,7 @@ class SensitivitySearch:
 
         def kl(mask: np.ndarray) -> float:
             lq = log_softmax(self._run(mask)(self.rank_windows), np.float32)
-            return float((p * (ref - lq)).sum(-1, dtype=np.float64).mean())
+            return float(kl_rows(ref, lq, p).mean())
 
         progress, alone = Progress(len(self.candidates), "ranking linears"), {}
         for n in self.candidates:

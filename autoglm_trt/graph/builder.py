@@ -9,6 +9,7 @@ that runtimes can memory-map them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,29 @@ class GraphBuilder:
         outs = [base] if n_out == 1 else [f"{base}_{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=f"{base}_node", **attrs))
         return outs
+
+    @contextmanager
+    def apart(self) -> Iterator[list[onnx.NodeProto]]:
+        """The nodes added inside go to the list yielded (a branch of an ``If``), not to the graph;
+        the weights and constants they take stay the graph's, read from the branch by name."""
+        kept, self.nodes = self.nodes, []
+        try:
+            yield self.nodes
+        finally:
+            self.nodes = kept
+
+    def if_op(self, cond: str, then: tuple[list[onnx.NodeProto], str], other: tuple[list[onnx.NodeProto], str],
+              elem_type: int, hint: str) -> str:
+        """``then``'s result where the boolean scalar ``cond`` holds, else ``other``'s: each a branch's
+        nodes (``apart``) and its result, of ``elem_type``. Only the branch taken runs."""
+        out = self.fresh(hint)
+
+        def branch(nodes: list[onnx.NodeProto], result: str, label: str) -> onnx.GraphProto:
+            return helper.make_graph(nodes, f"{out}.{label}", [], [helper.make_tensor_value_info(result, elem_type, None)])
+
+        self.nodes.append(helper.make_node("If", [cond], [out], name=f"{out}_node", then_branch=branch(*then, "then"),
+                                           else_branch=branch(*other, "else")))
+        return out
 
     def rename_output(self, tensor: str, name: str) -> str:
         """Give an intermediate tensor a graph-output name; use the returned name from then on.

@@ -39,11 +39,18 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     (TensorRT's form: W8A8, W4A16, W8A16 GEMMs with half activations)."""
     scales = _scale_dtype(plan, half)
     if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
-        w4 = int4_weight_dq(g, name, _int4_weight(w, name, plan), scales)
-        if plan.switchable:  # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
-            wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
-            w4, _ = _switch(g, name, plan, w4, _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8"))
-        return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
+        qw = _int4_weight(w, name, plan)
+        if not plan.switchable:
+            w4 = int4_weight_dq(g, name, qw, scales)
+            return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
+        # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
+        with g.apart() as int4:
+            y4 = g.op("MatMul", [x, int4_weight_dq(g, name, qw, scales)], f"{name}.int4")
+        wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
+        with g.apart() as int8:
+            y8 = g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8")],
+                      f"{name}.int8")
+        return _switch(g, name, _mask_entry(g, name, plan), (int4, y4), (int8, y8))
     if plan.weight_only:
         wq, ws = (quantize_weight_per_channel(w, half_values=True) if plan.int8_channels
                   else quantize_weight_blocks(w, WEIGHT_BLOCK))
@@ -53,11 +60,18 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
         x, w = rotate_input(g, x, plan.rotate[name], name, rank), rotate_weight(w, plan.rotate[name])
     wq, ws = quantize_weight_per_channel(w)
     x = _cast(g, x, scales, name)
-    xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), _stored(ws, scales), name, plan)
-    if plan.switchable:
-        wdq, on = _switch(g, name, plan, wdq, g.weight(f"{name}.weight", w.astype(np.float32)))
-        xdq = g.op("Add", [x, g.op("Mul", [on, g.op("Sub", [xdq, x])])], f"{name}.switch_x")
-    return g.op("MatMul", [xdq, wdq], name)
+    if not plan.switchable:
+        xdq, wdq = _qdq(g, x, g.weight(f"{name}.weight_i8", wq), _stored(ws, scales), name, plan)
+        return g.op("MatMul", [xdq, wdq], name)
+    wq_name, ws = g.weight(f"{name}.weight_i8", wq), _stored(ws, scales)
+    entry = _mask_entry(g, name, plan)
+    x_sel = g.op("Add", [x, g.op("Mul", [entry, g.op("Sub", [_act_qdq(g, x, ws.dtype, name, plan), x])])],
+                 f"{name}.switch_x")
+    with g.apart() as int8:  # the weight dequantized only in a run that quantizes this linear
+        yq = g.op("MatMul", [x_sel, _weight_dq(g, wq_name, ws, name)], f"{name}.int8")
+    with g.apart() as kept:
+        yf = g.op("MatMul", [x_sel, g.weight(f"{name}.weight", w.astype(np.float32))], f"{name}.float")
+    return _switch(g, name, entry, (int8, yq), (kept, yf))
 
 
 def _scale_dtype(plan: QuantPlan, half: np.dtype | None) -> np.dtype:
@@ -84,13 +98,19 @@ def _cast(g: GraphBuilder, x: str, dtype: np.dtype, name: str) -> str:
     return g.op("Cast", [x], f"{name}.x_half", to=int(helper.np_dtype_to_tensor_dtype(dtype)))
 
 
-def _switch(g: GraphBuilder, name: str, plan: QuantPlan, quantized: str, kept: str) -> tuple[str, str]:
-    """A switchable graph's weight of linear ``name`` (``quantized`` where its ``quant_mask`` entry
-    is 1, else ``kept``: float, or INT8 in an INT4 plan) and that entry."""
+def _mask_entry(g: GraphBuilder, name: str, plan: QuantPlan) -> str:
+    """Linear ``name``'s entry of a switchable graph's ``quant_mask`` (1: quantized, 0: kept)."""
     idx = g.const(np.int64(plan.switch_order.index(name)), f"{name}.switch_idx")
-    on = g.op("Gather", ["quant_mask", idx], f"{name}.switch")
-    return g.op("Where", [g.op("Greater", [on, g.const(np.float32(0.5), "half")]), quantized, kept],
-                f"{name}.switch_w"), on
+    return g.op("Gather", ["quant_mask", idx], f"{name}.switch")
+
+
+def _switch(g: GraphBuilder, name: str, entry: str, quantized: tuple[list, str], kept: tuple[list, str]) -> str:
+    """A switchable graph's product of linear ``name``: the ``quantized`` branch's where its
+    ``quant_mask`` ``entry`` is 1, else the ``kept`` one's (float, or INT8 in an INT4 plan). Each
+    branch holds its MatMul and its weight's DequantizeLinear: a run dequantizes only the weights of
+    the linears it quantizes, and selects no whole weight matrix."""
+    on = g.op("Greater", [entry, g.const(np.float32(0.5), "half")], f"{name}.switch_on")
+    return g.if_op(on, quantized, kept, TensorProto.FLOAT, name)
 
 
 def _int4_weight(w: np.ndarray, name: str, plan: QuantPlan) -> Int4Blocks:
@@ -157,13 +177,17 @@ def quantized_rows_matmul(g: GraphBuilder, x: str, read_rows: Callable[[int, int
 def _qdq(g: GraphBuilder, x: str, wq: str, ws: np.ndarray, name: str, plan: QuantPlan) -> tuple[str, str]:
     """Q/DQ of the activation x (per tensor) and DQ of the INT8 weight ``wq`` (per output channel),
     in the type of ``ws``."""
-    x_scale = g.const(_stored(np.asarray(act_scale(plan.act_amax[name]), np.float32), ws.dtype), f"{name}.act_scale")
+    return _act_qdq(g, x, ws.dtype, name, plan), _weight_dq(g, wq, ws, name)
+
+
+def _act_qdq(g: GraphBuilder, x: str, dtype: np.dtype, name: str, plan: QuantPlan) -> str:
+    """Q/DQ of the activation x, per tensor, with its scale in ``dtype``."""
+    x_scale = g.const(_stored(np.asarray(act_scale(plan.act_amax[name]), np.float32), dtype), f"{name}.act_scale")
     if plan.switchable:  # times the graph input ``scale_nudge``: the search's second rounding
         x_scale = g.op("Mul", [x_scale, "scale_nudge"], f"{name}.act_scale_nudged")
     zero = g.const(np.int8(0), "zero_i8")
     xq = g.op("QuantizeLinear", [x, x_scale, zero], f"{name}.act_q")
-    xdq = g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")
-    return xdq, _weight_dq(g, wq, ws, name)
+    return g.op("DequantizeLinear", [xq, x_scale, zero], f"{name}.act_dq")
 
 
 def _weight_dq(g: GraphBuilder, wq: str, ws: np.ndarray, name: str) -> str:

@@ -256,7 +256,7 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     linears switched to float): the logits must equal the export's; with the linears switched to
     INT8 they must differ (the switch works)."""
     from autoglm_trt.backends.onnxrt.offline import prefill_feeds
-    from autoglm_trt.backends.onnxrt.session import make_session
+    from autoglm_trt.backends.onnxrt.session import switchable_session
     from autoglm_trt.graph.builder import GraphBuilder
     from autoglm_trt.graph.decoder import OPSET, DecoderGraph, GraphOptions
     from autoglm_trt.graph.exported_weights import ExportedWeights
@@ -277,7 +277,7 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     opts = GraphOptions("float32", meta["graph"]["max_seq_len"], plan)
     DecoderGraph(builder, spec, ExportedWeights(export), opts).build()
     onnx.save_model(builder.model("rotated", OPSET), str(tmp_path / "rot.onnx"))
-    session = make_session(tmp_path / "rot.onnx")
+    session = switchable_session(tmp_path / "rot.onnx")
     windows = token_windows(DATA, export, 2, 48, None).windows
 
     def logits(mask: float) -> np.ndarray:
@@ -289,6 +289,15 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     ref = GraphRunner(export).logits(windows)
     np.testing.assert_allclose(logits(0.0), ref, rtol=1e-4, atol=1e-4)
     assert np.abs(logits(1.0) - ref).max() > 1e-3
+    # each linear an If whose quantized branch alone dequantizes its weight
+    graph = onnx.load(str(tmp_path / "rot.onnx"), load_external_data=False).graph
+    switches = [n for n in graph.node if n.op_type == "If"]
+    assert len(switches) == len(plan.switch_order) == len(names)
+    assert not [n for n in graph.node if n.op_type in ("Where", "DequantizeLinear") and "weight" in n.input[0]]
+    for node in switches:
+        quantized, kept = (next(a.g for a in node.attribute if a.name == b) for b in ("then_branch", "else_branch"))
+        assert [n.op_type for n in quantized.node] == ["DequantizeLinear", "MatMul"]
+        assert [n.op_type for n in kept.node] == ["MatMul"] and kept.node[0].input[1].endswith(".weight")
 
 
 def test_unknown_rotation_kind_is_refused(tiny_export, tmp_path):

@@ -70,12 +70,13 @@ DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 def make_session(model: Path | bytes, threads: int | None = None, optimize: bool = True,
                  external_data_dir: Path | None = None, save_optimized: Path | None = None, device: str = "cpu",
                  custom_ops: Path | None = None, initializers: dict[str, np.ndarray] | None = None,
-                 float_qdq: bool = False, spinning: bool = True, prepacking: bool = True):
+                 float_qdq: bool = False, spinning: bool = True, prepacking: bool = True, qdq_fusion: bool = True):
     """An ``InferenceSession`` over a model file or serialized model bytes, on the CPU or (``device``
     "cuda", where onnxruntime-gpu is installed) on a GPU through the CUDA execution provider.
     ``initializers``: arrays by name, see ``session_options``; the session holds them
     (``in_place_initializers``) for as long as it lives; ``spinning``, ``prepacking``: see
-    ``session_options``."""
+    ``session_options``. ``qdq_fusion`` off: no Q/DQ node group is fused into another operator
+    (``switchable_session``)."""
     import onnxruntime as ort
 
     from ...errors import AutoGLMError
@@ -91,10 +92,22 @@ def make_session(model: Path | bytes, threads: int | None = None, optimize: bool
     so = session_options(threads, optimize, external_data_dir, save_optimized, custom_ops, values, float_qdq, spinning,
                          prepacking)
     source = model if isinstance(model, bytes) else str(model)
-    session = ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []))
+    session = ort.InferenceSession(source, so, providers=[provider] + (["CPUExecutionProvider"] if device != "cpu" else []),
+                                   disabled_optimizers=None if qdq_fusion else ["QDQSelectorActionTransformer"])
     session.in_place_initializers = dict(initializers or {})  # the session reads their memory: they live
     session.in_place_values = values  # as long as it does
     return session
+
+
+def switchable_session(path: Path, threads: int | None = None):
+    """A session over an accuracy gate's switchable graph (``graph.qdq``: each linear an ``If``
+    between its quantized and its kept product, their MatMuls and DequantizeLinear in the branches,
+    the weights outside them). No Q/DQ group is fused: that fusion does not find a branch's weights
+    outside it, and the search measures Q/DQ in float. No weight is prepacked: MLAS multiplies by a
+    prepacked weight with another kernel, whose sums round differently, and a kept branch's weight
+    is a constant where a quantized branch's is dequantized at run time. Unpacked, both branches
+    multiply alike, and what a linear's switch changes is its quantization alone."""
+    return make_session(path, threads=threads, prepacking=False, qdq_fusion=False)
 
 
 def run(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
