@@ -4,8 +4,9 @@ Input: the INT4 plan and weights ``int4_awq`` made, calibration windows (the INT
 expected perplexity ratio. Output: the linears kept at INT8 (blocks of 32, as the LM head), the
 INT4 graph with them written, and the gate's report.
 
-The plan is written once as a switchable graph: each decoder linear's weight is its INT4
-DequantizeLinear where the graph input ``quant_mask`` is 1 and its 8-bit one where it is 0.
+The plan is written once as a switchable graph: each decoder linear's product is taken with
+its INT4 weights where the graph input ``quant_mask`` is 1 and with its 8-bit ones where it is 0
+(an ``If``, ``graph.qdq``).
 ``calib.sensitivity`` ranks the linears by the KL divergence of the logits each adds alone at
 INT4 (every other linear INT8) and keeps the fewest of the top at INT8 for which the expected
 perplexity ratio against the float graph is at most the target (weight-only: there is no

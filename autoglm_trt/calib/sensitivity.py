@@ -189,6 +189,7 @@ class SensitivitySearch:
         self.corrected = list(corrected or [])
         self.bias_on = np.zeros(len(order), np.float32)  # the corrections in use (``choose_corrections``)
         self.report: dict = {}
+        self.checked: dict[tuple, dict] = {}  # (linears kept, corrections in use) -> that plan's check
 
         def run(mask: np.ndarray, nudge: float = 1.0) -> Callable[[np.ndarray], np.ndarray]:
             def fn(w: np.ndarray) -> np.ndarray:
@@ -206,11 +207,16 @@ class SensitivitySearch:
     def check(self, keep: list[str]) -> dict:
         """The gate on the plan that keeps ``keep`` in float: under the activation scales as planned
         and, unless that verdict is clear (``Gate.clear``), under all of them ``NUDGE`` times larger
-        too; then the mean of both, their verdict and ``spread``, how far each metric moved."""
-        a = self.gate.check(self._run(self.mask(keep)))
-        if not self.nudge or self.gate.clear(a):
-            return a
-        return self.gate.mean(a, self.gate.check(self._run(self.mask(keep), NUDGE)))
+        too; then the mean of both, their verdict and ``spread``, how far each metric moved. A plan
+        checked before (the search's first, every linear quantized, is the corrections' last) is
+        not run again: the same session gives the same logits."""
+        key = (tuple(sorted(keep)), self.bias_on.tobytes())
+        if key not in self.checked:
+            a = self.gate.check(self._run(self.mask(keep)))
+            if self.nudge and not self.gate.clear(a):
+                a = self.gate.mean(a, self.gate.check(self._run(self.mask(keep), NUDGE)))
+            self.checked[key] = a
+        return dict(self.checked[key])
 
     def choose_corrections(self, log: Callable[[str], None]) -> list[str]:
         """The bias corrections to keep, kind by kind: each kind's are kept when, with every linear

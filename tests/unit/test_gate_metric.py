@@ -81,3 +81,45 @@ def test_clear_verdicts_and_the_mean_of_two_roundings(setup):
     m = gate.mean(result(1.0998, 0.82), result(1.1004, 0.80))
     assert m["expected_ppl_ratio"] == pytest.approx(1.1001) and m["top1_agreement"] == pytest.approx(0.81)
     assert not m["passed"] and m["spread"]["expected_ppl_ratio"] == pytest.approx(6e-4)
+
+
+class CountingSession:
+    """A switchable session's stand-in: logits that move with each linear's ``quant_mask`` and
+    ``bias_mask`` entry (and the scale nudge), and a count of runs."""
+
+    def __init__(self, n_linears: int):
+        self.runs = 0
+        self.shift = np.random.default_rng(5).normal(0, 0.3, (2, n_linears, VOCAB)).astype(np.float32)
+
+    def run(self, outputs, feeds):
+        self.runs += 1
+        w = feeds["input_ids"]
+        base = fixed(1, (len(w), w.shape[1], VOCAB))
+        move = feeds["quant_mask"] @ self.shift[0] + feeds["bias_mask"] @ self.shift[1]
+        return [base + move * feeds["scale_nudge"]]
+
+
+def test_a_plan_checked_before_is_not_run_again(monkeypatch):
+    from autoglm_trt.calib import sensitivity
+
+    monkeypatch.setattr(sensitivity, "prefill_feeds", lambda spec, w, dtype, all_logits: {"input_ids": w})
+    order = ["a", "b", "c"]
+    session = CountingSession(len(order))
+    windows = np.random.default_rng(3).integers(0, VOCAB, (6, 9))
+    search = sensitivity.SensitivitySearch(session, None, order, windows, 1.5, 0.5, corrected=["a", "c"])
+    made = session.runs  # the reference's
+    first = search.check([])
+    ran = session.runs - made
+    assert ran in (2, 4)  # two batches of windows, under one rounding or two
+    assert search.check([]) == first and session.runs - made == ran
+    before = session.runs
+    kept = search.check(["b", "a"])
+    assert session.runs > before and kept["kl"] != first["kl"]
+    after = session.runs
+    assert search.check(["a", "b"]) == kept and session.runs == after  # the same plan, named in another order
+    search.bias_on = search.mask_of(["a"])  # another plan: other corrections in use
+    corrected = search.check([])
+    assert session.runs > after and corrected["kl"] != first["kl"]
+    after = session.runs
+    search.bias_on = np.zeros(len(order), np.float32)
+    assert search.check([]) == first and session.runs == after
