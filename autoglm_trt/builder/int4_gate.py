@@ -4,9 +4,8 @@ Input: the INT4 plan and weights ``int4_awq`` made, calibration windows (the INT
 expected perplexity ratio. Output: the linears kept at INT8 (blocks of 32, as the LM head), the
 INT4 graph with them written, and the gate's report.
 
-The plan is written once as a switchable graph: each decoder linear's product is taken with
-its INT4 weights where the graph input ``quant_mask`` is 1 and with its 8-bit ones where it is 0
-(an ``If``, ``graph.qdq``).
+The plan is written once as a switchable graph: each decoder linear's weight is its INT4
+DequantizeLinear where the graph input ``quant_mask`` is 1 and its 8-bit one where it is 0.
 ``calib.sensitivity`` ranks the linears by the KL divergence of the logits each adds alone at
 INT4 (every other linear INT8) and keeps the fewest of the top at INT8 for which the expected
 perplexity ratio against the float graph is at most the target (weight-only: there is no
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backends.onnxrt.offline import GraphRunner
-from ..backends.onnxrt.session import make_session, switchable_session
+from ..backends.onnxrt.session import make_session
 from ..calib.accuracy import final_check
 from ..calib.sensitivity import Gate, SensitivitySearch
 from ..calib.smooth import SmoothedWeights
@@ -51,7 +50,7 @@ def gated_plan(scratch: Path, out: Path, graph: str, export_dir: Path, weights: 
     path = write_int8_graph(scratch, SWITCH, spec, weights, switch_plan, max_seq_len)
     candidates = [n for n in switch_plan.switch_order if n != "lm_head" and n not in plan.int8_linears]
     reference = GraphRunner(export_dir, threads=threads).logits
-    search = SensitivitySearch(switchable_session(path, threads), spec, switch_plan.switch_order, windows, target,
+    search = SensitivitySearch(make_session(path, threads=threads), spec, switch_plan.switch_order, windows, target,
                                0.0, reference=reference, candidates=candidates, nudge=False,
                                labels=("INT4", "at INT8"))
     log(f"INT4 gate: expected perplexity ratio at most {target} against the float graph on {len(windows)} "

@@ -28,6 +28,7 @@ Q/DQ on or off, so trying a plan is one forward pass, not a graph rebuild.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -210,13 +211,13 @@ class SensitivitySearch:
         too; then the mean of both, their verdict and ``spread``, how far each metric moved. A plan
         checked before (the search's first, every linear quantized, is the corrections' last) is
         not run again: the same session gives the same logits."""
-        key = (tuple(sorted(keep)), self.bias_on.tobytes())
+        key = (tuple(sorted(keep)), self.bias_on.tobytes(), self.nudge)
         if key not in self.checked:
             a = self.gate.check(self._run(self.mask(keep)))
             if self.nudge and not self.gate.clear(a):
                 a = self.gate.mean(a, self.gate.check(self._run(self.mask(keep), NUDGE)))
             self.checked[key] = a
-        return dict(self.checked[key])
+        return copy.deepcopy(self.checked[key])
 
     def choose_corrections(self, log: Callable[[str], None]) -> list[str]:
         """The bias corrections to keep, kind by kind: each kind's are kept when, with every linear

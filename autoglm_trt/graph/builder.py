@@ -161,7 +161,7 @@ class GraphBuilder:
         The producing node's output is renamed in place when nothing has consumed the tensor yet
         (no extra node for the runtime to schedule); otherwise an Identity node is added.
         """
-        if not any(tensor in n.input for n in self.nodes):
+        if not any(_reads(n, tensor) for n in self.nodes):
             for node in reversed(self.nodes):
                 if tensor in node.output:
                     node.output[list(node.output).index(tensor)] = name
@@ -191,3 +191,9 @@ def row_chunks(read: Callable[[int, int], np.ndarray], rows: int, chunk_rows: in
     """Yield ``read(start, stop)`` over ``[0, rows)`` in pieces of ``chunk_rows``."""
     for start in range(0, rows, chunk_rows):
         yield read(start, min(rows, start + chunk_rows))
+
+
+def _reads(node: onnx.NodeProto, tensor: str) -> bool:
+    """Whether ``node`` takes ``tensor``, as an input or inside a branch (an ``If``'s)."""
+    return tensor in node.input or any(_reads(n, tensor) for a in node.attribute if a.type == onnx.AttributeProto.GRAPH
+                                       for n in a.g.node)

@@ -39,18 +39,12 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
     (TensorRT's form: W8A8, W4A16, W8A16 GEMMs with half activations)."""
     scales = _scale_dtype(plan, half)
     if plan.weight_only and plan.weight_bits == 4 and name != "lm_head" and name not in plan.int8_linears:
-        qw = _int4_weight(w, name, plan)
-        if not plan.switchable:
-            w4 = int4_weight_dq(g, name, qw, scales)
-            return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
-        # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
-        with g.apart() as int4:
-            y4 = g.op("MatMul", [x, int4_weight_dq(g, name, qw, scales)], f"{name}.int4")
-        wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
-        with g.apart() as int8:
-            y8 = g.op("MatMul", [x, _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8")],
-                      f"{name}.int8")
-        return _switch(g, name, _mask_entry(g, name, plan), (int4, y4), (int8, y8))
+        w4 = int4_weight_dq(g, name, _int4_weight(w, name, plan), scales)
+        if plan.switchable:  # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
+            wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
+            int8 = _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8")
+            w4 = _select_weight(g, _mask_entry(g, name, plan), w4, int8, name)
+        return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
     if plan.weight_only:
         wq, ws = (quantize_weight_per_channel(w, half_values=True) if plan.int8_channels
                   else quantize_weight_blocks(w, WEIGHT_BLOCK))
@@ -105,12 +99,22 @@ def _mask_entry(g: GraphBuilder, name: str, plan: QuantPlan) -> str:
 
 
 def _switch(g: GraphBuilder, name: str, entry: str, quantized: tuple[list, str], kept: tuple[list, str]) -> str:
-    """A switchable graph's product of linear ``name``: the ``quantized`` branch's where its
-    ``quant_mask`` ``entry`` is 1, else the ``kept`` one's (float, or INT8 in an INT4 plan). Each
-    branch holds its MatMul and its weight's DequantizeLinear: a run dequantizes only the weights of
-    the linears it quantizes, and selects no whole weight matrix."""
+    """The INT8 gate's product of linear ``name``: the ``quantized`` branch's where its
+    ``quant_mask`` ``entry`` is 1, else the ``kept`` (float) one's. Each branch holds its MatMul and
+    the quantized one its weight's DequantizeLinear: a run dequantizes only the weights of the
+    linears it quantizes, and selects no whole weight matrix (``switchable_session`` runs it)."""
     on = g.op("Greater", [entry, g.const(np.float32(0.5), "half")], f"{name}.switch_on")
     return g.if_op(on, quantized, kept, TensorProto.FLOAT, name)
+
+
+def _select_weight(g: GraphBuilder, entry: str, quantized: str, kept: str, name: str) -> str:
+    """The INT4 gate's weight of linear ``name``: ``quantized`` (INT4) where its ``quant_mask``
+    ``entry`` is 1, else ``kept`` (INT8 in blocks), a Where on the whole weights. Not an ``If``:
+    the gate's session fuses the graph's other weight DequantizeLinear-MatMul pairs (the head's and
+    the linears kept at INT8) into ``MatMulNBits``, as the INT4 graph it judges runs them, and that
+    fusion fails on a pair inside a branch whose weight lies outside it."""
+    return g.op("Where", [g.op("Greater", [entry, g.const(np.float32(0.5), "half")]), quantized, kept],
+                f"{name}.switch_w")
 
 
 def _int4_weight(w: np.ndarray, name: str, plan: QuantPlan) -> Int4Blocks:

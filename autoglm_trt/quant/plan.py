@@ -21,9 +21,9 @@ WEIGHT_BLOCK = 32  # inputs per weight scale of a weight-only plan (docs/native.
 class QuantPlan:
     """INT8 plan: activation amax (absolute max after calibration) per linear, by name.
 
-    With ``switchable`` (calibration's sensitivity search only), each planned linear computes
-    both paths and a graph input ``quant_mask`` (float [len(switch_order)], 1 = INT8) picks
-    one per linear, so many plans can be tried with one session; a scalar input ``scale_nudge``
+    With ``switchable`` (calibration's sensitivity search only), a graph input ``quant_mask``
+    (float [len(switch_order)], 1 = INT8) picks each planned linear's quantized or kept form
+    (``graph.qdq``), so many plans can be tried with one session; a scalar input ``scale_nudge``
     multiplies every activation scale (1: the plan's own).
     """
 

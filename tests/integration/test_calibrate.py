@@ -293,7 +293,8 @@ def test_hadamard_rotation_leaves_the_float_model_unchanged(tiny_dir, tmp_path, 
     graph = onnx.load(str(tmp_path / "rot.onnx"), load_external_data=False).graph
     switches = [n for n in graph.node if n.op_type == "If"]
     assert len(switches) == len(plan.switch_order) == len(names)
-    assert not [n for n in graph.node if n.op_type in ("Where", "DequantizeLinear") and "weight" in n.input[0]]
+    assert not [n for n in graph.node if n.op_type in ("Where", "DequantizeLinear")
+                and any(i.endswith((".weight", "weight_dq", "weight_i8")) for i in n.input)]
     for node in switches:
         quantized, kept = (next(a.g for a in node.attribute if a.name == b) for b in ("then_branch", "else_branch"))
         assert [n.op_type for n in quantized.node] == ["DequantizeLinear", "MatMul"]

@@ -106,7 +106,8 @@ def switchable_session(path: Path, threads: int | None = None):
     outside it, and the search measures Q/DQ in float. No weight is prepacked: MLAS multiplies by a
     prepacked weight with another kernel, whose sums round differently, and a kept branch's weight
     is a constant where a quantized branch's is dequantized at run time. Unpacked, both branches
-    multiply alike, and what a linear's switch changes is its quantization alone."""
+    multiply alike, and what a linear's switch changes is its quantization alone (a linear outside
+    the plan, kept in float throughout, multiplies unpacked too)."""
     return make_session(path, threads=threads, prepacking=False, qdq_fusion=False)
 
 
