@@ -42,8 +42,8 @@ def quantized_matmul(g: GraphBuilder, x: str, w: np.ndarray, name: str, plan: Qu
         w4 = int4_weight_dq(g, name, _int4_weight(w, name, plan), scales)
         if plan.switchable:  # the INT4 gate's search: INT4, or INT8 in blocks as the head and the kept kinds
             wq, ws = quantize_weight_blocks(w, WEIGHT_BLOCK)
-            int8 = _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8")
-            w4 = _select_weight(g, _mask_entry(g, name, plan), w4, int8, name)
+            w8 = _weight_dq(g, g.weight(f"{name}.int8.weight_i8", wq), ws, f"{name}.int8")
+            w4 = _select_weight(g, _mask_entry(g, name, plan), w4, w8, name)
         return g.op("MatMul", [_cast(g, x, scales, name), w4], name)
     if plan.weight_only:
         wq, ws = (quantize_weight_per_channel(w, half_values=True) if plan.int8_channels
