@@ -190,7 +190,7 @@ class SensitivitySearch:
         self.corrected = list(corrected or [])
         self.bias_on = np.zeros(len(order), np.float32)  # the corrections in use (``choose_corrections``)
         self.report: dict = {}
-        self.checked: dict[tuple, dict] = {}  # (linears kept, corrections in use) -> that plan's check
+        self.checked: dict[tuple, dict] = {}  # (linears kept, corrections in use, nudge) -> that plan's check
 
         def run(mask: np.ndarray, nudge: float = 1.0) -> Callable[[np.ndarray], np.ndarray]:
             def fn(w: np.ndarray) -> np.ndarray:
