@@ -9,7 +9,8 @@ and interleaved (best time of each kind):
   calibrate   streamed statistics + threshold search (`calibrate --no-gate`; graph writing
               excluded from the ratio, reported apart)
 Prints wall times, the ratio (statistics + search) / forward, and peak RSS over the model's
-own size; then where the statistics pass of the first sample count spends its time. Numbers go
+own size; then where the statistics pass of the first sample count spends its time, in all and
+batch by batch (the first batch, the median of the later ones). Numbers go
 to docs/benchmarks.md. ``--profile N``: only that split, for N samples (cProfile of
 ``calib.collect.collect``; ``AUTOGLM_TRT_NATIVE=0`` for the numpy path).
 """
@@ -24,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from .common import ROOT
 
 
@@ -36,10 +39,12 @@ def child_forward(export: Path, samples: int, seq_len: int, batch: int) -> dict:
     spec = ExportRecord.read(export).spec
     windows = token_windows(ROOT / "autoglm_trt" / "calib" / "data", export, samples, seq_len, spec.eos_token_ids[0]).windows
     session = make_session(export / "model.onnx")
-    t = time.perf_counter()
+    each = []
     for b in range(0, len(windows), batch):
+        t = time.perf_counter()
         session.run(["logits"], prefill_feeds(spec, windows[b : b + batch], "float32"))
-    return {"forward_s": time.perf_counter() - t}
+        each.append(time.perf_counter() - t)
+    return {"forward_s": sum(each), "batch_s": each}
 
 
 def child_calibrate(export: Path, samples: int, seq_len: int, batch: int, out: Path) -> dict:
@@ -57,6 +62,7 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
     import pstats
 
     from autoglm_trt.artifacts import ExportRecord
+    from autoglm_trt.backends.onnxrt.offline import BoundSession
     from autoglm_trt.calib import collect
     from autoglm_trt.calib.pipeline import CalibConfig
     from autoglm_trt.calib.statistics import quantizable_inputs, rotation_blocks
@@ -71,6 +77,7 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
     prof = cProfile.Profile()
     stride = CalibConfig.__dataclass_fields__["hist_row_stride"].default  # as calibrate() runs it
     plan = collect.CalibPlan(inputs, rotate, row_stride=stride, batch_size=batch)
+    runs, adds = _timed(BoundSession, "run"), _timed(collect.Accumulator, "add")
     prof.runcall(collect.collect, session, spec, windows, plan, None, False)
     stats = pstats.Stats(prof)
     total = max(v[3] for v in stats.stats.values())  # type: ignore[attr-defined]
@@ -84,7 +91,30 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
     for label, (file, func) in parts.items():
         out[label + "_s"] = round(sum(v[3] for k, v in stats.stats.items()  # type: ignore[attr-defined]
                                       if k[2].endswith(func) and k[0].endswith(file)), 2)
+    # batch by batch: the first pays for first touches and the SmoothQuant maxima and samples once
+    out["bound_run_batch_s"], out["statistics_batch_s"] = first_and_later(runs), first_and_later(adds)
     print(json.dumps(out))
+
+
+def first_and_later(times: list[float]) -> list[float]:
+    """[the first batch's time, the median of the later batches'] (seconds)."""
+    return [round(times[0], 3), round(float(np.median(times[1:])), 3) if len(times) > 1 else None]
+
+
+def _timed(cls: type, method: str) -> list[float]:
+    """Wrap ``cls.method`` (in this profiling process only) to append each call's wall time to the list returned."""
+    times: list[float] = []
+    inner = getattr(cls, method)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    setattr(cls, method, timed)
+    return times
 
 
 def run_child(*args: str) -> dict:
@@ -131,6 +161,7 @@ def main() -> None:
         cal = min(cals, key=lambda r: r["collect_s"] + r["search_s"])
         ratio = (cal["collect_s"] + cal["search_s"]) / fwd["forward_s"]
         rows.append({"samples": n, "tokens": n * args.seq_len, "forward_s": round(fwd["forward_s"], 2),
+                     "forward_batch_s": first_and_later(fwd["batch_s"]),
                      "statistics_s": round(cal["collect_s"], 2), "search_s": round(cal["search_s"], 3),
                      "ratio": round(ratio, 3), "calibrate_total_s": round(cal["total_s"], 1),
                      "peak_rss_gb": round(cal["peak_rss_gb"], 2),

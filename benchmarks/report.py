@@ -125,11 +125,14 @@ SECTIONS = (
     Section("calibration_cost", "Calibration cost", ("benchmarks.bench_calibration", "--repeats", "3"),
             "SmolLM2's 128-token windows in batches of 8: plain ONNX Runtime forward passes (logits only) against "
             "calibrate's statistics pass and threshold search, each in its own process, interleaved, the best of 3; "
-            "the ratio's goal is 1.1. Then the split of the first sample count's pass (cProfile): onnxruntime_run_s is "
+            "the ratio's goal is 1.1. forward_batch_s is [the first batch, the median of the later ones]. Then the "
+            "split of the first sample count's pass (cProfile, SmoothQuant off): onnxruntime_run_s is "
             "the same forward with every linear's input and each K/V written to the calibration's buffers "
             "(the forward reuses those in its own arena), native_statistics_s the waits on the per-batch work "
             "(rows taken, smoothed, Hadamard-rotated and binned on both cores), first_batch_s the SmoothQuant maxima "
-            "and samples."),
+            "and samples; bound_run_batch_s and statistics_batch_s are that run and that work batch by batch, as "
+            "forward_batch_s. A later batch's (bound run + statistics) / forward is the ratio that many samples tend to; "
+            "the first batch's excess is paid once."),
     Section("export_9b", "Exporting the GLM-4-9B shape", ("benchmarks.export_9b_shape",),
             "Random weights of the 9B shape written shard by shard, exported to float16: wall time and peak RSS "
             "(needs ~40 GB of disk)."),

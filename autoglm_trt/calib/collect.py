@@ -180,7 +180,7 @@ class Accumulator:
         for name, x, m in zip(self.names, outs, maxima):
             stats.chan_max[name] = m
             rows = np.linspace(0, x.size // x.shape[-1] - 1, min(SAMPLE_ROWS, x.size // x.shape[-1])).astype(np.int64)
-            stats.sample[name] = np.array(x.reshape(-1, x.shape[-1])[rows], np.float32)
+            stats.sample[name] = x.reshape(-1, x.shape[-1])[rows]  # a new array (x is the run's float32 buffer)
         if self.smoothing is not None:
             smooth = self.smoothing({n: stats.chan_max[n] for n in self.names})
             stats.smooth.update(smooth)
@@ -191,7 +191,7 @@ class Accumulator:
         for name in self.names:
             if name in self.rotate:
                 rotate = self.native.rotate if self.native is not None else rotate_rows
-                stats.sample[name] = rotate(stats.sample[name], self.rotate[name])
+                stats.sample[name] = rotate(stats.sample[name], self.rotate[name], out=stats.sample[name])
         self.v_scales = value_scales(self.spec, stats.smooth)  # the smoothing is fixed from the first batch on
         self.first = False
 

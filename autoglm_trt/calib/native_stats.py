@@ -86,11 +86,14 @@ class NativeStats:
             raise MemoryError(f"no memory for a rotation's work buffer of {block} doubles")
         return buf[:n], float(m)
 
-    def rotate(self, x: np.ndarray, block: int) -> np.ndarray:
-        """``quant.hadamard.rotate_rows(x, block)``, bit for bit, in one pass."""
+    def rotate(self, x: np.ndarray, block: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``quant.hadamard.rotate_rows(x, block, out)``, bit for bit, in one pass (``out`` may be x)."""
         x = np.ascontiguousarray(x, np.float32)
         entry = _hadamard_entry(x.shape[-1], block)
-        out = np.empty_like(x)
+        if out is None:
+            out = np.empty_like(x)
+        if out.shape != x.shape or out.dtype != _F32 or not out.flags.c_contiguous:
+            raise ValueError(f"rotate's out must be C-contiguous float32 of shape {x.shape}")
         if self._rotate(x.ctypes.data, x.size, block, entry, out.ctypes.data) != 0:
             raise MemoryError(f"no memory for a rotation's work buffer of {block} doubles")
         return out

@@ -61,7 +61,15 @@ def test_rotated_rows_are_numpys_butterfly_exactly(stats_lib, channels, block):
     np.testing.assert_array_equal(a, want.ravel())
     assert m == float(want.max())
     rows = taken_rows(x, 1, 0)  # the first batch's samples, rotated apart
-    np.testing.assert_array_equal(stats_lib.rotate(rows, block), rotate_rows(rows, block))
+    want = rotate_rows(rows, block)
+    np.testing.assert_array_equal(stats_lib.rotate(rows, block), want)
+    in_place = rows.copy()  # as the first batch rotates its samples: out is the rows themselves
+    assert stats_lib.rotate(in_place, block, out=in_place) is in_place
+    np.testing.assert_array_equal(in_place, want)
+    numpy_in_place = rows.copy()
+    np.testing.assert_array_equal(rotate_rows(numpy_in_place, block, out=numpy_in_place), want)
+    with pytest.raises(ValueError, match=r"out must be C-contiguous float32 of shape"):
+        stats_lib.rotate(rows, block, out=np.empty(rows.shape, np.float64))
     with pytest.raises(ValueError, match="no Hadamard blocks of 48"):
         stats_lib.rotate(rows, 48)
     with pytest.raises(ValueError, match="no Hadamard blocks of 0"):

@@ -90,7 +90,8 @@ static void rotate_block(float *v, int64_t b, double scale, double *work) {
 /* b doubles, 64-byte aligned (NULL when there is no memory) */
 static double *rotation_work(int64_t b) { return aligned_alloc(64, (size_t)((b + 7) / 8 * 8) * sizeof(double)); }
 
-/* out[0:n] = x[0:n] rotated block by block (n a multiple of block, a power of two); returns 0, -1
+/* out[0:n] = x[0:n] rotated block by block (n a multiple of block, a power of two; out may be x,
+ * which is then rotated in place); returns 0, -1
  * when the work buffer cannot be had, -2 when block is not a power of two dividing n (out is then
  * untouched) */
 EXPORT int AutoglmRotateRows(const float *x, int64_t n, int64_t block, double scale, float *out) {
@@ -98,7 +99,7 @@ EXPORT int AutoglmRotateRows(const float *x, int64_t n, int64_t block, double sc
   double *work = rotation_work(block);
   if (work == NULL) return -1;
   for (int64_t at = 0; at < n; at += block) {
-    memcpy(out + at, x + at, (size_t)block * sizeof(float));
+    if (out != x) memcpy(out + at, x + at, (size_t)block * sizeof(float));
     rotate_block(out + at, block, scale, work);
   }
   free(work);
