@@ -57,10 +57,14 @@ class TextTokenizer:
         return self.tok.decode([token], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, max_chars: int | None = None) -> list[int]:
         """The messages rendered by the chat template (``tools``: OpenAI's tool definitions, which
-        templates that describe tools to the model read as ``tools``) and tokenized."""
+        templates that describe tools to the model read as ``tools``) and tokenized; a rendering of
+        more than ``max_chars`` characters is refused before it is tokenized."""
         text = self.render_chat(messages, add_generation_prompt, tools)
+        if max_chars is not None and len(text) > max_chars:
+            raise RequestError(f"the chat template made {len(text)} characters of these messages and tools, more than "
+                               f"the {max_chars} this engine's prompt length can hold; send less")
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,

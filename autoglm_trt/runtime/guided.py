@@ -113,11 +113,11 @@ def shipped_grammar(name: str) -> str:
     """The text of ``autoglm_trt/grammars/<name>.lark``."""
     if not name.replace("_", "").isalnum():
         raise RequestError(f"a shipped grammar's name is letters, digits and underscores, got {name!r}")
-    found = resources.files("autoglm_trt.grammars").joinpath(f"{name}.lark")
-    if not found.is_file():
-        names = sorted(p.name[:-5] for p in resources.files("autoglm_trt.grammars").iterdir() if p.name.endswith(".lark"))
-        raise RequestError(f"no shipped grammar named {name!r}; shipped: {', '.join(names)}")
-    return found.read_text(encoding="utf-8")
+    shipped = {p.name[:-5]: p for p in resources.files("autoglm_trt.grammars").iterdir() if p.name.endswith(".lark")}
+    if name not in shipped:  # looked up among the files, never opened by a name a client made up
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        raise RequestError(f"no shipped grammar named {shown!r}; shipped: {', '.join(sorted(shipped))}")
+    return shipped[name].read_text(encoding="utf-8")
 
 
 class GuideError(RequestError):

@@ -59,7 +59,7 @@ class PromptEncoder:
             raise RequestError("a single chat message was passed as the prompt; pass a list of messages "
                                "([{'role': 'user', 'content': ...}])")
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._tok().apply_chat_template(self._messages(prompt, images), tools=tools)
+            ids = self._tok().apply_chat_template(self._messages(prompt, images), tools=tools, max_chars=self.max_chars)
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -6,7 +6,10 @@ gets a 401 before a byte of its body is read or parsed (whatever the route, know
 its Content-Length at once, else as soon as that many bytes have come), and a body that is not
 JSON by its Content-Type a 415. The body is read here, bounded, and handed to the app whole;
 the bodies of all requests in flight together are bounded too (twice the largest body, 256 MiB
-at least: past it a 429), as each holds its body until it is answered.
+at least: past it a 429), as each holds its body until it is answered. A body's bytes are
+counted as they come (a declared size that cannot fit now is a 429 at once, but is not
+reserved), and a body none of which comes for ``BODY_TIMEOUT_S`` is a 408: a client that
+declares a body and sends nothing holds nothing, and not for long.
 A body of more than ``MAX_JSON_VALUES`` values (counted from its bytes) is a 400 before it is
 parsed. Every refusal is OpenAI's error JSON. ``body_problem`` finds, in a parsed body, nesting deeper
 than ``MAX_DEPTH`` and a string that cannot be UTF-8 (a lone surrogate, which JSON's ``\\ud800``
@@ -15,6 +18,7 @@ escapes can carry).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -30,6 +34,7 @@ MIN_INFLIGHT_BYTES = 256 << 20  # bodies held by requests in flight, at least th
 # many tiny values holds the event loop
 MAX_JSON_VALUES = 100_000
 MAX_DEPTH = 64  # a request body's nesting (a JSON schema or tool arguments need a few levels)
+BODY_TIMEOUT_S = 30.0  # the longest wait for the next part of a body (nginx's client_body_timeout, shorter)
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -66,8 +71,9 @@ async def reply(send: Send, status: int, body: bytes, headers: tuple[tuple[bytes
 
 class Guard:
     def __init__(self, app: Callable, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 rejected: Callable[[int], None] = lambda status: None):
+                 rejected: Callable[[int], None] = lambda status: None, body_timeout: float = BODY_TIMEOUT_S):
         self.app, self.max_body_bytes, self.rejected = app, max_body_bytes, rejected
+        self.body_timeout = body_timeout
         self.expected = api_key.encode() if api_key is not None else None
         # the bodies of the requests in flight, in all (a request holds its body until it is answered)
         self.max_inflight_bytes = max(2 * max_body_bytes, MIN_INFLIGHT_BYTES)
@@ -96,23 +102,27 @@ class Guard:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             await self._too_large(send)
             return
-        held = 0  # bytes of this body counted in inflight_bytes
+        if declared is not None and self.inflight_bytes + int(declared) > self.max_inflight_bytes:
+            await self._busy(send)  # it could not be held whole: say so before it is sent
+            return
+        held = 0  # bytes of this body counted in inflight_bytes, as they come
         try:
-            if declared is not None:
-                if not self._hold(int(declared)):
-                    await self._busy(send)
-                    return
-                held = int(declared)
             body = bytearray()
             while True:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), self.body_timeout)
+                except TimeoutError:  # asyncio.wait_for's, from Python 3.11 on
+                    await self._refuse(send, 408, f"no part of the request body came for {self.body_timeout:g} s; "
+                                                  "send the body as the request is made",
+                                       "invalid_request_error", "body_timeout", ((b"connection", b"close"),))
+                    return
                 if message["type"] == "http.disconnect":
                     return  # nobody to answer
                 body += message.get("body", b"")
                 if len(body) > self.max_body_bytes:
                     await self._too_large(send)
                     return
-                if len(body) > held:  # a chunked body: held as it comes
+                if len(body) > held:
                     if not self._hold(len(body) - held):
                         await self._busy(send)
                         return

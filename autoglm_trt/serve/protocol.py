@@ -9,6 +9,7 @@ silently dropped. ``n`` samples share the prompt's KV blocks; the extension ``be
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -373,7 +374,7 @@ def completion_logprobs(entries: list[TokenLogprob] | None, decode: Decode, offs
     if entries is None:
         return None
     tokens = [decode(e.token) for e in entries]
-    offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{decode(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
 

@@ -214,6 +214,12 @@ class Serving:
             raise ApiError(400, str(exc), code="guide_failed") from exc
         except AutoGLMError as exc:  # the engine failed or closed under this request: not the client's fault
             raise ApiError(503 if not self.engine.alive else 500, str(exc), "server_error", "generation_failed") from exc
+        # off the event loop: n choices of thousands of tokens, with their log-probabilities, take a while
+        return await run_in_threadpool(self._response, res, rid, chat, called, parse)
+
+    def _response(self, res, rid: str, chat: bool, called: str | None,
+                  parse: tuple[ToolFormat, list[str]] | None) -> JSONResponse:
+        """A whole request's answer, made and serialized."""
         use = usage(res.prompt_tokens, sum(len(c.token_ids) for c in res.choices))
         if chat:
             body = chat_response(rid, self.model, [(c.text, c.finish_reason, chat_logprobs(c.logprobs, self._token))

@@ -29,9 +29,15 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 def call(name: str, arguments: dict) -> dict:
-    """One OpenAI tool call."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    """One OpenAI tool call. Its arguments are JSON text as a model writes it (non-ASCII as it is),
+    but escaped to ASCII where they hold a lone surrogate (JSON's ``\\ud800`` escape can carry one
+    into a parsed value, and UTF-8 cannot encode it: the response could not be written)."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(arguments)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def _object(text: str) -> dict | None:

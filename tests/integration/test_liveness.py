@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from types import SimpleNamespace
 
 import pytest
 from conftest import build_tiny_engine, run_cli
@@ -253,6 +254,27 @@ def test_prompt_encoder_bound_follows_the_longest_token(tiny_engine):
     assert tok.max_token_chars == 1 and enc.max_chars == 2 * 10 + 1024
     with pytest.raises(RequestError, match="1045 characters"):
         enc.encode("z" * 1045)
+
+
+def test_a_rendered_chat_past_the_bound_is_refused_before_tokenizing(tiny_engine, tmp_path, monkeypatch):
+    """Text outside the messages' content (here a tool's description) counts too: the template's
+    output is measured before the tokenizer reads it."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny_engine / name).is_file():
+            shutil.copy(tiny_engine / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for t in tools or [] %}{{ t.function.description }}{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tok = TextTokenizer(tmp_path)
+    enc = PromptEncoder(tok, 256, max_prompt_tokens=10)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * (enc.max_chars + 1)}}]
+    read: list[str] = []
+    encode = tok.tok.encode
+    monkeypatch.setattr(tok, "tok", SimpleNamespace(encode=lambda text, **kw: read.append(text) or encode(text, **kw)))
+    with pytest.raises(RequestError, match=f"made {enc.max_chars + 2} characters of these messages and tools"):
+        enc.encode_with_images([{"role": "user", "content": "z"}], tools=tools)
+    assert read == []
+    assert enc.encode_with_images([{"role": "user", "content": "z"}], tools=tools[:0])[0] == encode("z").ids
 
 
 @pytest.mark.parametrize("moment", ["after_scheduling", "model"])

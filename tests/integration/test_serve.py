@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -188,6 +189,31 @@ def test_api_key(chat_engine, monkeypatch):
         assert request(port, "GET", "/health")[0] == 200
         with pytest.raises(openai.AuthenticationError):
             client(port, "nope").completions.create(model="tiny-chat", prompt="hi", max_tokens=2)
+
+
+def test_a_body_that_never_comes_is_a_408_and_holds_nothing(chat_engine):
+    """Clients that declare the largest body and send none of it: the server answers others
+    meanwhile (nothing is held for them), and each gets a 408 and a closed connection once its body
+    has not come for --body-timeout."""
+    with server(chat_engine, "--body-timeout", "2", "--max-body-bytes", str(200 << 20)) as (port, _):
+        idle = []
+        for _ in range(3):  # 600 MB declared, past the 400 MB the bodies in flight may hold
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(200 << 20).encode() + b"\r\n\r\n")
+            idle.append(sock)
+        started = time.monotonic()
+        body = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2}
+        assert request(port, "POST", "/v1/completions", body, raw=json.dumps(body).encode() + b" " * (150 << 20))[0] == 200
+        for sock in idle:
+            answer = b""
+            while chunk := sock.recv(65536):  # to the end: the server closes the connection
+                answer += chunk
+            sock.close()
+            head, _, text = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), head
+            assert json.loads(text)["error"]["code"] == "body_timeout"
+        assert 1.5 < time.monotonic() - started < 30
 
 
 def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -383,7 +409,10 @@ def test_structured_output_over_the_openai_client(glm4v_engine):
         for body, message in [({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema"),
                               ({"guided_regex": "a", "guided_choice": ["b"]}, "give one output guide"),
                               ({"guided_regex": "(unclosed"}, "not usable"),
-                              ({"guided_grammar": "no_such_grammar"}, "no shipped grammar")]:
+                              ({"guided_grammar": "no_such_grammar"}, "no shipped grammar"),
+                              # longer than a file's name may be: looked up, never opened
+                              ({"guided_grammar": "a" * 300}, "no shipped grammar named '" + "a" * 64 + "...'"),
+                              ({"structured_outputs": {"grammar": "b" * 300}}, "no shipped grammar")]:
             status, err, _ = request(port, "POST", "/v1/chat/completions",
                                      {"model": "tiny-glm4v", "messages": messages, "max_tokens": 4, **body})
             assert status == 400 and message in err["error"]["message"], err

@@ -4,6 +4,7 @@ bodies held by requests in flight bounded together, and the bearer scheme in any
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import pytest
@@ -94,6 +95,45 @@ def test_bodies_in_flight_are_bounded_together(declared, sent, answered):
 
     statuses, held, after = asyncio.run(scenario())
     assert statuses == answered and held == 2 * len(big) and after == 0
+
+
+def test_a_declared_body_that_does_not_come_holds_nothing_and_times_out():
+    """Clients that declare the largest body and send none of it: nothing is held for them, so a
+    real request still gets in; each is answered 408 (and its connection closed) once no byte has
+    come for the body timeout."""
+
+    async def appended(out: list, message: dict) -> None:
+        out.append(message)
+
+    async def scenario() -> tuple[int, int, list[list[dict]]]:
+        async def app(scope, receive, send) -> None:
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        guard = Guard(app, None, max_body_bytes=100 << 20, body_timeout=0.5)
+
+        async def nothing() -> dict:  # the headers came; the body never does
+            await asyncio.Event().wait()
+            return {}
+
+        answers: list[list[dict]] = [[] for _ in range(4)]  # 4 x 100 MiB declared: past the 256 MiB in flight
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(100 << 20).encode())]}
+        idle = [asyncio.ensure_future(guard(scope, nothing, functools.partial(appended, out))) for out in answers]
+        await asyncio.sleep(0.05)
+        held = guard.inflight_bytes
+        status = await call(guard, b"x" * (90 << 20), {})
+        await asyncio.wait_for(asyncio.gather(*idle), 20)  # not forever, should they never time out
+        return held, status, answers
+
+    held, status, answers = asyncio.run(scenario())
+    assert held == 0 and status == 200
+    for out in answers:
+        start, body = out
+        assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
+        error = json.loads(body["body"])["error"]
+        assert error["code"] == "body_timeout" and "no part of the request body came for 0.5 s" in error["message"]
 
 
 def test_the_bearer_scheme_in_any_case():

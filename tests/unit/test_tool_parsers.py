@@ -93,3 +93,20 @@ def test_output_nested_deeper_than_json_reads_is_text_not_an_error():
     assert ToolFormat("glm45").parse(f"<tool_call>tap\n<arg_key>x</arg_key><arg_value>{deep}</arg_value></tool_call>",
                                      ["tap"])[1][0]["function"]["name"] == "tap"  # the value kept as text
     assert tool_calls(deep, "tap") is None and tool_calls("[" * 100_000, "*") is None
+
+
+@pytest.mark.parametrize("kind, text", [
+    ("glm4", 'f\n{"a": "\\ud800", "b": "é"}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800", "b": "é"}}</tool_call>'),
+    ("glm45", '<tool_call>f\n<arg_key>a</arg_key><arg_value>"\\ud800"</arg_value>'
+              '<arg_key>b</arg_key><arg_value>"é"</arg_value></tool_call>')])
+def test_a_lone_surrogate_in_parsed_arguments_stays_escaped(kind, text):
+    """JSON's escape can make a lone surrogate, which UTF-8 cannot carry: such arguments go out
+    escaped to ASCII (the same value to a client's JSON parser), so the response can be written."""
+    _, calls = ToolFormat(kind).parse(text, ["f"])
+    arguments = calls[0]["function"]["arguments"]
+    arguments.encode("utf-8")
+    assert json.loads(arguments) == {"a": "\ud800", "b": "é"}
+    _, plain = ToolFormat(kind).parse(text.replace("\\ud800", "x"), ["f"])
+    assert plain[0]["function"]["arguments"] == '{"a": "x", "b": "é"}'  # without one, non-ASCII as it is
+
