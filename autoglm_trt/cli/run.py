@@ -152,6 +152,10 @@ def _image_size(text: str) -> tuple[int, int]:
                    "image-text engine, max-images of the largest PNG (8-bit RGBA, uncompressed) of max-pixels "
                    "pixels as base64 data: URLs, and 1 MiB of text: 10 of 5,000,000 pixels make 268 MB; "
                    "`autoglm-trt doctor ENGINE` says the engine's].")
+@click.option("--max-image-memory", type=click.IntRange(1), default=None,
+              help="Image-text engines: bytes of image embeddings the requests in flight may hold (each keeps its "
+                   "images' until it ends); a request past it gets 429, unless it is alone [default: a quarter "
+                   "of the host's memory].")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=BODY_TIMEOUT_S, show_default=True,
               help="Seconds a request's body may pause (none of it arriving) before the request gets 408.")
 @click.option("--max-client-priority", type=click.IntRange(-(2**31), 2**31), default=0, show_default=True,
@@ -160,8 +164,8 @@ def _image_size(text: str) -> tuple[int, int]:
 def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
               max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
               spinning: bool, prefix_caching: bool, max_pixels: int | None, max_images: int | None,
-              allowed_local_media_path: Path | None, max_body_bytes: int | None, body_timeout: float,
-              max_client_priority: int) -> None:
+              allowed_local_media_path: Path | None, max_body_bytes: int | None, max_image_memory: int | None,
+              body_timeout: float, max_client_priority: int) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require
 
@@ -173,5 +177,5 @@ def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, serve
     cfg = ServeConfig(served_model_name or Path(engine_dir).resolve().name, api_key or None, max_waiting,
                       request_timeout, drain_seconds, prefix_caching,
                       ImageOptions(max_pixels, max_images, allowed_local_media_path), max_body_bytes,
-                      max_client_priority, body_timeout)
+                      max_client_priority, body_timeout, max_image_memory)
     serve(engine_dir, host, port, cfg, threads, log=_log, spinning=spinning)

@@ -52,6 +52,7 @@ class ServeConfig:
     max_body_bytes: int | None = None  # a larger body gets 413 before it is parsed (None: ``body_limit``)
     max_client_priority: int = 0  # the most urgent ``priority`` a client may ask for (lower runs first)
     body_timeout: float = BODY_TIMEOUT_S  # seconds a request body may pause before a 408
+    max_image_memory: int | None = None  # bytes of image embeddings held by requests in flight (None: RAM / 4)
 
 
 def body_limit(engine: Engine, configured: int | None = None) -> int:
@@ -70,7 +71,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="autoglm-trt", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     metrics = ServerMetrics(lambda: serving.stats())
     serving = Serving(engine, cfg.served_model_name, metrics, cfg.max_waiting, cfg.request_timeout,
-                      cfg.max_client_priority)
+                      cfg.max_client_priority, cfg.max_image_memory)
     app.state.serving = serving
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=body_limit(engine, cfg.max_body_bytes),
                        rejected=lambda status: metrics.rejected.labels(str(status)).inc(), body_timeout=cfg.body_timeout)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -91,13 +92,53 @@ class _LoopSink:
             pass
 
 
+class ImageMemory:
+    """The image embeddings held by the requests in flight, at most ``capacity`` bytes: a request's
+    images are encoded before it queues, and its sequence keeps their embeddings (for a recompute
+    after a preemption) until it ends. A request past the bound is a 429, unless nothing else holds
+    any (one request always fits). The event loop's thread alone calls it."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.held: dict[int, tuple[object, int]] = {}  # id -> (the prepared prompt, then its request; bytes)
+
+    def in_use(self) -> int:
+        """Bytes held by the requests not yet ended (those that ended are let go here)."""
+        self.held = {k: (owner, n) for k, (owner, n) in self.held.items()
+                     if not (isinstance(owner, EngineRequest) and all(r.done.is_set() for r in [owner, *owner.children]))}
+        return sum(n for _, n in self.held.values())
+
+    def admit(self, prepared: PreparedPrompt) -> None:
+        """Hold ``prepared``'s embeddings, or refuse it with a 429."""
+        n = sum(e.nbytes for e in prepared.images.embeds) if prepared.images is not None else 0
+        if n == 0:
+            return
+        used = self.in_use()
+        if used and used + n > self.capacity:
+            raise ApiError(429, f"the requests in flight hold {used:,} bytes of image embeddings, and this one's "
+                                f"{n:,} would pass the {self.capacity:,} this server holds (serve --max-image-memory); "
+                                "retry shortly", "rate_limit_error", "image_memory", headers={"Retry-After": "1"})
+        self.held[id(prepared)] = (prepared, n)
+
+    def submitted(self, prepared: PreparedPrompt, req: EngineRequest | None) -> None:
+        """``prepared`` became ``req`` (None: it was not queued, and holds nothing)."""
+        owner = self.held.pop(id(prepared), None)
+        if owner is not None and req is not None:
+            self.held[id(req)] = (req, owner[1])
+
+
+def default_image_memory() -> int:
+    """A quarter of the host's memory (``serve --max-image-memory``'s default)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 class Serving:
     def __init__(self, engine: Engine, model: str, metrics: ServerMetrics, max_waiting: int,
-                 request_timeout: float | None, max_client_priority: int = 0):
+                 request_timeout: float | None, max_client_priority: int = 0, max_image_memory: int | None = None):
         self.engine, self.model, self.metrics = engine, model, metrics
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.max_client_priority = max_client_priority
@@ -107,6 +148,7 @@ class Serving:
         self.image_requests = 0  # requests with images not yet submitted: waiting for a worker, or in prepare
         self._image_workers: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
         self._guided: anyio.CapacityLimiter | None = None  # threads submitting requests with a guide
+        self.image_memory = ImageMemory(max_image_memory if max_image_memory is not None else default_image_memory())
 
     def stats(self) -> dict:
         """The engine's stats, with ``images_preparing`` counting the requests with images that wait
@@ -156,12 +198,17 @@ class Serving:
                            param="stream")
         # a stream's sink carries its text; a plain request's only its end (the others are awaited after)
         sink = _LoopSink(asyncio.get_running_loop(), body.stream, phases, arrived)
-        if params.guide is not None:  # compiled on the engine's grammar workers: this waits, off the event loop
-            if self._guided is None:
-                self._guided = anyio.CapacityLimiter(GUIDED_SUBMITS)
-            req = await anyio.to_thread.run_sync(self.engine.submit, prepared, params, sink, limiter=self._guided)
-        else:
-            req = self.engine.submit(prepared, params, sink)
+        self.image_memory.admit(prepared)
+        req = None
+        try:
+            if params.guide is not None:  # compiled on the engine's grammar workers: this waits, off the event loop
+                if self._guided is None:
+                    self._guided = anyio.CapacityLimiter(GUIDED_SUBMITS)
+                req = await anyio.to_thread.run_sync(self.engine.submit, prepared, params, sink, limiter=self._guided)
+            else:
+                req = self.engine.submit(prepared, params, sink)
+        finally:
+            self.image_memory.submitted(prepared, req)
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:

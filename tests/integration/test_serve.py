@@ -352,6 +352,20 @@ def test_image_url_parts_over_the_openai_client(glm4v_engine):
         assert request(port, "GET", "/health")[0] == 200
 
 
+def test_a_screenshot_larger_than_the_image_memory_is_served_alone(glm4v_engine):
+    """--max-image-memory smaller than one screenshot's embeddings: a request alone is still served,
+    and what it held is let go when it ends (the next is served too); text is never counted."""
+    from conftest import image_message, random_image
+
+    body = {"model": "tiny-glm4v", "messages": image_message("Tap. ", random_image(108, 240, 5)), "max_tokens": 3}
+    with server(glm4v_engine, "--max-image-memory", "1") as (port, _):
+        for stream in (False, True, False):
+            status, answer, _ = request(port, "POST", "/v1/chat/completions", {**body, "stream": stream})
+            assert status == 200, answer
+        text = {"model": "tiny-glm4v", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert request(port, "POST", "/v1/chat/completions", text)[0] == 200
+
+
 def test_logprobs_in_openai_shapes_whole_and_streamed(chat_engine):
     """Chat ``logprobs``/``top_logprobs`` and the completions API's ``logprobs``: one entry per generated
     token, equal to the engine's, the alternatives sorted; a stream's chunks carry the same entries."""
