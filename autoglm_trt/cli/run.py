@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import AutoGLMError
-from ..serve.guard import BODY_TIMEOUT_S
+from ..serve.guard import CLIENT_TIMEOUT_S
 from . import _log, cli
 
 
@@ -156,8 +156,9 @@ def _image_size(text: str) -> tuple[int, int]:
               help="Image-text engines: bytes of image embeddings the requests in flight may hold (each keeps its "
                    "images' until it ends); a request past it gets 429, unless it is alone [default: a quarter "
                    "of the host's memory].")
-@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=BODY_TIMEOUT_S, show_default=True,
-              help="Seconds a request's body may pause (none of it arriving) before the request gets 408.")
+@click.option("--client-timeout", type=click.FloatRange(min=0, min_open=True), default=CLIENT_TIMEOUT_S, show_default=True,
+              help="Seconds a client may pause sending its request's body (then 408) or reading its answer "
+                   "(then its request is cancelled and its connection closed).")
 @click.option("--max-client-priority", type=click.IntRange(-(2**31), 2**31), default=0, show_default=True,
               help="The most urgent 'priority' a client may ask for (lower runs first): 0 lets clients only "
                    "lower their own; a request asking for more gets 400.")
@@ -165,7 +166,7 @@ def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, serve
               max_waiting: int, request_timeout: float | None, drain_seconds: float, threads: int,
               spinning: bool, prefix_caching: bool, max_pixels: int | None, max_images: int | None,
               allowed_local_media_path: Path | None, max_body_bytes: int | None, max_image_memory: int | None,
-              body_timeout: float, max_client_priority: int) -> None:
+              client_timeout: float, max_client_priority: int) -> None:
     """Serve ENGINE_DIR over HTTP with the OpenAI API (completions, chat, streaming), /health and /metrics."""
     from ..errors import require
 
@@ -177,5 +178,5 @@ def serve_cmd(engine_dir: Path, host: str, port: int, api_key: str | None, serve
     cfg = ServeConfig(served_model_name or Path(engine_dir).resolve().name, api_key or None, max_waiting,
                       request_timeout, drain_seconds, prefix_caching,
                       ImageOptions(max_pixels, max_images, allowed_local_media_path), max_body_bytes,
-                      max_client_priority, body_timeout, max_image_memory)
+                      max_client_priority, client_timeout, max_image_memory)
     serve(engine_dir, host, port, cfg, threads, log=_log, spinning=spinning)

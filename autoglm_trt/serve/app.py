@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import AutoGLMError, BusyError
 from ..runtime import Engine, ImageOptions
-from .guard import BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, Guard, default_max_body_bytes, error_json
+from .guard import CLIENT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, Guard, default_max_body_bytes, error_json
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import ApiError, Serving
@@ -51,7 +51,7 @@ class ServeConfig:
     images: ImageOptions | None = None  # an image-text engine's image limits
     max_body_bytes: int | None = None  # a larger body gets 413 before it is parsed (None: ``body_limit``)
     max_client_priority: int = 0  # the most urgent ``priority`` a client may ask for (lower runs first)
-    body_timeout: float = BODY_TIMEOUT_S  # seconds a request body may pause before a 408
+    client_timeout: float = CLIENT_TIMEOUT_S  # seconds a client may pause sending its body (408) or reading its answer
     max_image_memory: int | None = None  # bytes of image embeddings held by requests in flight (None: RAM / 4)
 
 
@@ -74,7 +74,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
                       cfg.max_client_priority, cfg.max_image_memory)
     app.state.serving = serving
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=body_limit(engine, cfg.max_body_bytes),
-                       rejected=lambda status: metrics.rejected.labels(str(status)).inc(), body_timeout=cfg.body_timeout)
+                       rejected=lambda status: metrics.rejected.labels(str(status)).inc(), client_timeout=cfg.client_timeout)
 
     def check(request: Request, draining_ok: bool = False) -> None:
         if serving.draining and not draining_ok:

@@ -8,8 +8,10 @@ JSON by its Content-Type a 415. The body is read here, bounded, and handed to th
 the bodies of all requests in flight together are bounded too (twice the largest body, 256 MiB
 at least: past it a 429), as each holds its body until it is answered. A body's bytes are
 counted as they come (a declared size that cannot fit now is a 429 at once, but is not
-reserved), and a body none of which comes for ``BODY_TIMEOUT_S`` is a 408: a client that
-declares a body and sends nothing holds nothing, and not for long.
+reserved), and a body none of which comes for ``CLIENT_TIMEOUT_S`` is a 408: a client that
+declares a body and sends nothing holds nothing, and not for long. A client that stops reading
+its answer for as long is gone (``_Client``): its request is cancelled and its connection
+closed, so it does not hold its body's place either.
 A body of more than ``MAX_JSON_VALUES`` values (counted from its bytes) is a 400 before it is
 parsed. Every refusal is OpenAI's error JSON. ``body_problem`` finds, in a parsed body, nesting deeper
 than ``MAX_DEPTH`` and a string that cannot be UTF-8 (a lone surrogate, which JSON's ``\\ud800``
@@ -34,7 +36,10 @@ MIN_INFLIGHT_BYTES = 256 << 20  # bodies held by requests in flight, at least th
 # many tiny values holds the event loop
 MAX_JSON_VALUES = 100_000
 MAX_DEPTH = 64  # a request body's nesting (a JSON schema or tool arguments need a few levels)
-BODY_TIMEOUT_S = 30.0  # the longest wait for the next part of a body (nginx's client_body_timeout, shorter)
+# the longest a client may pause sending its body, or reading its answer (nginx's client_body_timeout
+# and send_timeout, shorter)
+CLIENT_TIMEOUT_S = 30.0
+MIN_READ_RATE = 64 << 10  # bytes a second: a large answer's message may take as much longer to be read
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -71,9 +76,9 @@ async def reply(send: Send, status: int, body: bytes, headers: tuple[tuple[bytes
 
 class Guard:
     def __init__(self, app: Callable, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 rejected: Callable[[int], None] = lambda status: None, body_timeout: float = BODY_TIMEOUT_S):
+                 rejected: Callable[[int], None] = lambda status: None, client_timeout: float = CLIENT_TIMEOUT_S):
         self.app, self.max_body_bytes, self.rejected = app, max_body_bytes, rejected
-        self.body_timeout = body_timeout
+        self.client_timeout = client_timeout
         self.expected = api_key.encode() if api_key is not None else None
         # the bodies of the requests in flight, in all (a request holds its body until it is answered)
         self.max_inflight_bytes = max(2 * max_body_bytes, MIN_INFLIGHT_BYTES)
@@ -110,9 +115,9 @@ class Guard:
             body = bytearray()
             while True:
                 try:
-                    message = await asyncio.wait_for(receive(), self.body_timeout)
+                    message = await asyncio.wait_for(receive(), self.client_timeout)
                 except TimeoutError:  # asyncio.wait_for's, from Python 3.11 on
-                    await self._refuse(send, 408, f"no part of the request body came for {self.body_timeout:g} s; "
+                    await self._refuse(send, 408, f"no part of the request body came for {self.client_timeout:g} s; "
                                                   "send the body as the request is made",
                                        "invalid_request_error", "body_timeout", ((b"connection", b"close"),))
                     return
@@ -133,7 +138,12 @@ class Guard:
                 await self._refuse(send, 400, f"the body holds some {values:,} JSON values; this server reads at most "
                                               f"{MAX_JSON_VALUES:,}", "invalid_request_error", "too_many_values")
                 return
-            await self.app(scope, _replay(bytes(body), receive), send)
+            client = _Client(bytes(body), receive, send, self.client_timeout)
+            del body
+            try:
+                await self.app(scope, client.receive, client.send)
+            except ClientGone:  # the server closes the connection, its answer unfinished
+                return
         finally:
             self.inflight_bytes -= held
 
@@ -163,18 +173,38 @@ class Guard:
         await reply(send, status, error_json(message, type_, code), headers)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives the body read already, then what the client sends next (its disconnect)."""
-    given = False
+class ClientGone(Exception):
+    """The client stopped reading its answer: raised by the app's ``send``, caught by ``Guard``."""
 
-    async def again() -> dict:
-        nonlocal given
-        if not given:
-            given = True
+
+class _Client:
+    """The client of one request as the app sees it: ``receive`` gives the body read already, then
+    what the client sends next (its disconnect). A message of the answer that the client does not
+    take in within the timeout (it stopped reading: the connection's buffers are full) makes it
+    gone: that ``send`` and every later one raise ``ClientGone``, which ends the app's handling of
+    the request (a stream's generator is closed, which cancels its request), and the server closes
+    the connection left with its answer unfinished. A message of n bytes has ``timeout + n /
+    MIN_READ_RATE`` seconds: a slow client still gets a large answer whole."""
+
+    def __init__(self, body: bytes, receive: Receive, send: Send, timeout: float):
+        self.body: bytes | None = body
+        self._receive, self._send, self.timeout = receive, send, timeout
+        self.gone = False
+
+    async def receive(self) -> dict:
+        if self.body is not None:
+            body, self.body = self.body, None  # given once, and not kept here
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        return await self._receive()
 
-    return again
+    async def send(self, message: dict) -> None:
+        if not self.gone:
+            try:
+                await asyncio.wait_for(self._send(message), self.timeout + len(message.get("body", b"")) / MIN_READ_RATE)
+                return
+            except TimeoutError:
+                self.gone = True
+        raise ClientGone(f"the client read none of its answer for {self.timeout:g} s")
 
 
 def body_problem(value: Any) -> str | None:

@@ -194,8 +194,8 @@ def test_api_key(chat_engine, monkeypatch):
 def test_a_body_that_never_comes_is_a_408_and_holds_nothing(chat_engine):
     """Clients that declare the largest body and send none of it: the server answers others
     meanwhile (nothing is held for them), and each gets a 408 and a closed connection once its body
-    has not come for --body-timeout."""
-    with server(chat_engine, "--body-timeout", "2", "--max-body-bytes", str(200 << 20)) as (port, _):
+    has not come for --client-timeout."""
+    with server(chat_engine, "--client-timeout", "2", "--max-body-bytes", str(200 << 20)) as (port, _):
         idle = []
         for _ in range(3):  # 600 MB declared, past the 400 MB the bodies in flight may hold
             sock = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -246,6 +246,51 @@ def test_disconnect_cancels_and_frees_blocks(slow_engine):
         m = metrics(port)
         assert m["autoglm_requests_running"] == 0
         assert m['autoglm_requests_finished_total{finish_reason="cancelled"}'] == 1
+
+
+def test_a_client_that_stops_reading_is_let_go(slow_engine):
+    """The app behind its guard, called as the server calls it, by a client that takes in its
+    stream's first chunk and nothing after: the stuck send raises through Starlette and FastAPI to
+    the guard, which returns; the request is cancelled mid-generation and frees its blocks."""
+    import asyncio
+
+    from autoglm_trt.serve.app import ServeConfig, create_app
+
+    body = json.dumps({"model": "slow", "prompt": "go", "max_tokens": 1500, "stream": True, "ignore_eos": True})
+
+    async def scenario(app) -> list[bytes]:
+        got: list[bytes] = []
+
+        async def receive() -> dict:  # the body, then a client that stays connected and says nothing
+            if not got:
+                got.append(b"")
+                return {"type": "http.request", "body": body.encode(), "more_body": False}
+            await asyncio.Event().wait()
+            return {}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and len(got) > 2:
+                await asyncio.Event().wait()  # its buffers are full: it reads no more
+            got.append(message.get("body", b"start"))
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "scheme": "http", "root_path": ""}
+        await asyncio.wait_for(app(scope, receive, send), 60)
+        return got[1:]
+
+    with Engine.load(slow_engine) as engine:
+        app = create_app(engine, ServeConfig("slow", client_timeout=0.5))
+        started = time.monotonic()
+        sent = asyncio.run(scenario(app))
+        assert sent[0] == b"start" and sent[1].startswith(b"data: ") and len(sent) == 2
+        serving = app.state.serving
+        assert wait_for(lambda: engine.stats()["running"] == 0 and serving.inflight == 0)
+        assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"] and time.monotonic() - started < 30
+        registry = serving.metrics.registry
+        assert registry.get_sample_value("autoglm_requests_finished_total", {"finish_reason": "cancelled"}) == 1
+        assert registry.get_sample_value("autoglm_generation_tokens_total") in (None, 0.0)  # it never finished
 
 
 def test_full_queue_answers_429(slow_engine):

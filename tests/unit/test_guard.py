@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ from autoglm_trt.serve.guard import (
     DEFAULT_MAX_BODY_BYTES,
     MIN_INFLIGHT_BYTES,
     TEXT_ROOM_BYTES,
+    ClientGone,
     Guard,
     body_problem,
     default_max_body_bytes,
@@ -111,7 +113,7 @@ def test_a_declared_body_that_does_not_come_holds_nothing_and_times_out():
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
 
-        guard = Guard(app, None, max_body_bytes=100 << 20, body_timeout=0.5)
+        guard = Guard(app, None, max_body_bytes=100 << 20, client_timeout=0.5)
 
         async def nothing() -> dict:  # the headers came; the body never does
             await asyncio.Event().wait()
@@ -134,6 +136,68 @@ def test_a_declared_body_that_does_not_come_holds_nothing_and_times_out():
         assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
         error = json.loads(body["body"])["error"]
         assert error["code"] == "body_timeout" and "no part of the request body came for 0.5 s" in error["message"]
+
+
+def test_a_client_that_stops_reading_its_answer_is_gone():
+    """A message of the answer the client does not take in within the timeout: that send raises
+    ``ClientGone`` into the app (ending its handling of the request), the guard returns quietly, and
+    the body's bytes are let go."""
+
+    async def scenario() -> tuple[list[str], int, list[str], int, float]:
+        sent: list[str] = []
+        raised: list[str] = []
+        tries = [0]
+
+        async def send(message: dict) -> None:  # the start goes out; then the connection's buffers are full
+            tries[0] += 1
+            if message["type"] != "http.response.start":
+                await asyncio.Event().wait()
+            sent.append(message["type"])
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b'{"a": 1}', "more_body": False}
+
+        async def app(scope, receive, send) -> None:
+            assert (await receive())["body"] == b'{"a": 1}'
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            try:
+                await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})  # not read
+            except ClientGone as exc:
+                raised.append(str(exc))
+                raise
+
+        guard = Guard(app, None, client_timeout=0.3)
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json")]}
+        started = time.monotonic()
+        await asyncio.wait_for(guard(scope, receive, send), 20)
+        return sent, tries[0], raised, guard.inflight_bytes, time.monotonic() - started
+
+    sent, tries, raised, held, seconds = asyncio.run(scenario())
+    assert sent == ["http.response.start"] and tries == 2 and held == 0 and 0.3 <= seconds < 10
+    assert raised == ["the client read none of its answer for 0.3 s"]
+
+
+def test_a_large_message_of_the_answer_has_time_to_be_read():
+    """Each message has the timeout and a second more per MIN_READ_RATE bytes: a client reading 1 MiB
+    slowly is not taken as gone, one that takes as long over a few bytes is."""
+    from autoglm_trt.serve.guard import MIN_READ_RATE, _Client
+
+    async def scenario() -> tuple[bool, bool]:
+        async def send(message: dict) -> None:  # read, slowly
+            await asyncio.sleep(0.6)
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        client = _Client(b"{}", receive, send, timeout=0.3)
+        await client.send({"type": "http.response.body", "body": b"x" * MIN_READ_RATE, "more_body": True})
+        after_large = client.gone
+        with pytest.raises(ClientGone):
+            await client.send({"type": "http.response.body", "body": b"x", "more_body": True})
+        return after_large, client.gone
+
+    assert asyncio.run(scenario()) == (False, True)
 
 
 def test_the_bearer_scheme_in_any_case():
