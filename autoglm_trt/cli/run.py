@@ -158,7 +158,7 @@ def _image_size(text: str) -> tuple[int, int]:
                    "of the host's memory].")
 @click.option("--client-timeout", type=click.FloatRange(min=0, min_open=True), default=CLIENT_TIMEOUT_S, show_default=True,
               help="Seconds a client may pause sending its request's body (then 408) or reading its answer "
-                   "(then its request is cancelled and its connection closed).")
+                   "(then its request is cancelled and its connection dropped).")
 @click.option("--max-client-priority", type=click.IntRange(-(2**31), 2**31), default=0, show_default=True,
               help="The most urgent 'priority' a client may ask for (lower runs first): 0 lets clients only "
                    "lower their own; a request asking for more gets 400.")

@@ -8,10 +8,11 @@ JSON by its Content-Type a 415. The body is read here, bounded, and handed to th
 the bodies of all requests in flight together are bounded too (twice the largest body, 256 MiB
 at least: past it a 429), as each holds its body until it is answered. A body's bytes are
 counted as they come (a declared size that cannot fit now is a 429 at once, but is not
-reserved), and a body none of which comes for ``CLIENT_TIMEOUT_S`` is a 408: a client that
-declares a body and sends nothing holds nothing, and not for long. A client that stops reading
-its answer for as long is gone (``_Client``): its request is cancelled and its connection
-closed, so it does not hold its body's place either.
+reserved), and a body that pauses for ``CLIENT_TIMEOUT_S`` is a 408: a client that declares a
+body and sends nothing holds nothing, and not for long. A refusal before the whole body came
+closes the connection (the rest is not read). A client that stops reading its answer for as
+long is gone (``_Client``): its request is cancelled and the server drops the connection, so it
+does not hold its body's place either.
 A body of more than ``MAX_JSON_VALUES`` values (counted from its bytes) is a 400 before it is
 parsed. Every refusal is OpenAI's error JSON. ``body_problem`` finds, in a parsed body, nesting deeper
 than ``MAX_DEPTH`` and a string that cannot be UTF-8 (a lone surrogate, which JSON's ``\\ud800``
@@ -23,11 +24,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+_log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)
+CLOSE = (b"connection", b"close")  # a refusal before the whole body came: the rest is not read
 ARRIVED = "arrived"  # the request state's key for when its headers came (time.perf_counter())
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a text engine's, and an image-text engine's at least
 TEXT_ROOM_BYTES = 1 << 20  # beside the images: the system prompt, the history, the fields
@@ -39,7 +43,7 @@ MAX_DEPTH = 64  # a request body's nesting (a JSON schema or tool arguments need
 # the longest a client may pause sending its body, or reading its answer (nginx's client_body_timeout
 # and send_timeout, shorter)
 CLIENT_TIMEOUT_S = 30.0
-MIN_READ_RATE = 64 << 10  # bytes a second: a large answer's message may take as much longer to be read
+MIN_READ_RATE = 64 << 10  # bytes a second: after a large message of an answer, the next may wait as much longer
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -117,9 +121,9 @@ class Guard:
                 try:
                     message = await asyncio.wait_for(receive(), self.client_timeout)
                 except TimeoutError:  # asyncio.wait_for's, from Python 3.11 on
-                    await self._refuse(send, 408, f"no part of the request body came for {self.client_timeout:g} s; "
+                    await self._refuse(send, 408, f"the request body paused for {self.client_timeout:g} s; "
                                                   "send the body as the request is made",
-                                       "invalid_request_error", "body_timeout", ((b"connection", b"close"),))
+                                       "invalid_request_error", "body_timeout", (CLOSE,))
                     return
                 if message["type"] == "http.disconnect":
                     return  # nobody to answer
@@ -142,7 +146,9 @@ class Guard:
             del body
             try:
                 await self.app(scope, client.receive, client.send)
-            except ClientGone:  # the server closes the connection, its answer unfinished
+            except ClientGone as exc:  # uvicorn closes a connection whose answer is left unfinished
+                _log.warning("%s %s: %s; its request is cancelled and its connection dropped", scope["method"],
+                             scope["path"], exc)
                 return
         finally:
             self.inflight_bytes -= held
@@ -156,7 +162,7 @@ class Guard:
     async def _busy(self, send: Send) -> None:
         await self._refuse(send, 429, f"the requests in flight hold {self.inflight_bytes:,} bytes of bodies and this "
                                       f"server holds at most {self.max_inflight_bytes:,}; retry shortly",
-                           "rate_limit_error", "bodies_in_flight", ((b"retry-after", b"1"),))
+                           "rate_limit_error", "bodies_in_flight", ((b"retry-after", b"1"), CLOSE))
 
     def _authorized(self, value: bytes) -> bool:
         """``Authorization: Bearer <key>``, the scheme in any case (RFC 9110, 11.1)."""
@@ -165,7 +171,7 @@ class Guard:
 
     async def _too_large(self, send: Send) -> None:
         await self._refuse(send, 413, f"the request body is over this server's {self.max_body_bytes:,} bytes "
-                                      "(serve --max-body-bytes)", "invalid_request_error", "request_too_large")
+                                      "(serve --max-body-bytes)", "invalid_request_error", "request_too_large", (CLOSE,))
 
     async def _refuse(self, send: Send, status: int, message: str, type_: str, code: str,
                       headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
@@ -179,17 +185,19 @@ class ClientGone(Exception):
 
 class _Client:
     """The client of one request as the app sees it: ``receive`` gives the body read already, then
-    what the client sends next (its disconnect). A message of the answer that the client does not
-    take in within the timeout (it stopped reading: the connection's buffers are full) makes it
-    gone: that ``send`` and every later one raise ``ClientGone``, which ends the app's handling of
-    the request (a stream's generator is closed, which cancels its request), and the server closes
-    the connection left with its answer unfinished. A message of n bytes has ``timeout + n /
-    MIN_READ_RATE`` seconds: a slow client still gets a large answer whole."""
+    what the client sends next (its disconnect). The server's ``send`` waits for what was written
+    before to be taken in (the connection's buffers drained) and then writes the message; one that
+    waits past the timeout (the client stopped reading) makes the client gone: that ``send`` and
+    every later one raise ``ClientGone``, which ends the app's handling of the request (a stream's
+    request is cancelled), and uvicorn drops the connection left with its answer unfinished. After
+    a message of n bytes the next has ``n / MIN_READ_RATE`` seconds more: a slow client still gets
+    a large piece of its answer."""
 
     def __init__(self, body: bytes, receive: Receive, send: Send, timeout: float):
         self.body: bytes | None = body
         self._receive, self._send, self.timeout = receive, send, timeout
         self.gone = False
+        self.written = 0  # bytes of the message sent before, which the next send waits to see taken in
 
     async def receive(self) -> dict:
         if self.body is not None:
@@ -200,7 +208,8 @@ class _Client:
     async def send(self, message: dict) -> None:
         if not self.gone:
             try:
-                await asyncio.wait_for(self._send(message), self.timeout + len(message.get("body", b"")) / MIN_READ_RATE)
+                await asyncio.wait_for(self._send(message), self.timeout + self.written / MIN_READ_RATE)
+                self.written = len(message.get("body", b""))
                 return
             except TimeoutError:
                 self.gone = True

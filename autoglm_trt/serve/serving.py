@@ -21,7 +21,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncGenerator, Callable
 
 import anyio
 from fastapi import Request
@@ -100,12 +101,13 @@ class ImageMemory:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.held: dict[int, tuple[object, int]] = {}  # id -> (the prepared prompt, then its request; bytes)
+        # id -> (the prepared prompt, then a weak reference to its request; bytes): an ended request
+        # is not kept alive here with its embeddings
+        self.held: dict[int, tuple[object, int]] = {}
 
     def in_use(self) -> int:
         """Bytes held by the requests not yet ended (those that ended are let go here)."""
-        self.held = {k: (owner, n) for k, (owner, n) in self.held.items()
-                     if not (isinstance(owner, EngineRequest) and all(r.done.is_set() for r in [owner, *owner.children]))}
+        self.held = {k: (owner, n) for k, (owner, n) in self.held.items() if not _ended(owner)}
         return sum(n for _, n in self.held.values())
 
     def admit(self, prepared: PreparedPrompt) -> None:
@@ -124,7 +126,33 @@ class ImageMemory:
         """``prepared`` became ``req`` (None: it was not queued, and holds nothing)."""
         owner = self.held.pop(id(prepared), None)
         if owner is not None and req is not None:
-            self.held[id(req)] = (req, owner[1])
+            self.held[id(req)] = (weakref.ref(req), owner[1])
+
+
+def _ended(owner: object) -> bool:
+    """Whether an ``ImageMemory`` entry's request has ended (a prepared prompt being submitted has not)."""
+    if not isinstance(owner, weakref.ref):
+        return False
+    req = owner()
+    return req is None or all(r.done.is_set() for r in [req, *req.children])
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer whose request is let go however the response ends: its events run to the
+    end, or the client left (Starlette cancels the stream), or a send raised (``guard.ClientGone``,
+    where Starlette leaves the events' generator suspended); the generator is closed and ``ended``
+    runs once, even if the stream never started."""
+
+    def __init__(self, events: AsyncGenerator[str, None], ended: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events, self._ended = events, ended
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            self._ended()
 
 
 def default_image_memory() -> int:
@@ -212,8 +240,11 @@ class Serving:
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return StreamingResponse(self._events(req, sink, rid, chat, body.include_usage, called, parse),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            def ended(req: EngineRequest = req) -> None:  # a client that went away cancels its request
+                self._cancel(req)
+                self.inflight -= 1
+
+            return _Stream(self._events(req, sink, rid, chat, body.include_usage, called, parse), ended)
         try:
             return await self._whole(request, req, sink, rid, chat, called, parse)
         finally:
@@ -290,7 +321,7 @@ class Serving:
 
     async def _events(self, req: EngineRequest, sink: _LoopSink, rid: str, chat: bool, include_usage: bool,
                       called: str | None = None,
-                      parse: tuple[ToolFormat, list[str]] | None = None) -> AsyncIterator[str]:
+                      parse: tuple[ToolFormat, list[str]] | None = None) -> AsyncGenerator[str, None]:
         """Server-sent events of a streamed request; a tool call goes out whole, as one
         ``delta.tool_calls``, once its text is complete. With ``parse`` (tool_choice "auto"), the
         text is held back while it may still begin a call of the model's own, and goes out as text
@@ -311,47 +342,43 @@ class Serving:
             offset += len(text)
             return completion_chunk(rid, self.model, text, finish, lp)
 
-        try:
-            if chat:
-                yield _sse(chat_chunk(rid, self.model, {"role": "assistant", "content": ""}, None))
-            while (piece := await sink.queue.get()) is not None:
-                pieces += 1
-                if called is not None:
+        if chat:
+            yield _sse(chat_chunk(rid, self.model, {"role": "assistant", "content": ""}, None))
+        while (piece := await sink.queue.get()) is not None:
+            pieces += 1
+            if called is not None:
+                continue
+            if held is not None and parse is not None:
+                held += piece
+                if parse[0].could_start(held, parse[1]):
                     continue
-                if held is not None and parse is not None:
-                    held += piece
-                    if parse[0].could_start(held, parse[1]):
-                        continue
-                    piece, held = held, None  # not a call: what was held goes out now
-                yield _sse(chunk(piece, None, req.marks[pieces - 1] if wanted else 0))
-            try:
-                res = self._finished(req, sink)
-            except GuideError as exc:
-                yield _sse(error_body(str(exc), "invalid_request_error", "guide_failed"))
-            except AutoGLMError as exc:
-                yield _sse(error_body(str(exc), "server_error", "generation_failed"))
+                piece, held = held, None  # not a call: what was held goes out now
+            yield _sse(chunk(piece, None, req.marks[pieces - 1] if wanted else 0))
+        try:
+            res = self._finished(req, sink)
+        except GuideError as exc:
+            yield _sse(error_body(str(exc), "invalid_request_error", "guide_failed"))
+        except AutoGLMError as exc:
+            yield _sse(error_body(str(exc), "server_error", "generation_failed"))
+        else:
+            calls = tool_calls(res.text, called) if called is not None else None
+            if held is not None and parse is not None:  # held to the end: the model's own call, or text
+                content, calls = parse[0].parse(held, parse[1]) or (held, None)
+                if content:
+                    yield _sse(chunk(content, None, covered if calls is not None else len(req.logprobs)))
+            if calls is not None:
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                yield _sse(chat_chunk(rid, self.model, delta, None, chat_logprobs(req.logprobs[covered:] or None,
+                                                                                  self._token) if wanted else None))
+                yield _sse(chat_chunk(rid, self.model, {}, "tool_calls"))
             else:
-                calls = tool_calls(res.text, called) if called is not None else None
-                if held is not None and parse is not None:  # held to the end: the model's own call, or text
-                    content, calls = parse[0].parse(held, parse[1]) or (held, None)
-                    if content:
-                        yield _sse(chunk(content, None, covered if calls is not None else len(req.logprobs)))
-                if calls is not None:
-                    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-                    yield _sse(chat_chunk(rid, self.model, delta, None, chat_logprobs(req.logprobs[covered:] or None,
-                                                                                      self._token) if wanted else None))
-                    yield _sse(chat_chunk(rid, self.model, {}, "tool_calls"))
-                else:
-                    if called is not None and res.text:  # a call cut short: its text, as it is
-                        yield _sse(chunk(res.text, None, len(req.logprobs)))
-                    yield _sse(chunk("", res.finish_reason, len(req.logprobs)))
-                if include_usage:
-                    obj = "chat.completion.chunk" if chat else "text_completion"
-                    yield _sse(usage_chunk(rid, self.model, obj, usage(res.prompt_tokens, len(res.token_ids))))
-            yield _sse("[DONE]")
-        finally:  # a client that went away cancels its request
-            self._cancel(req)
-            self.inflight -= 1
+                if called is not None and res.text:  # a call cut short: its text, as it is
+                    yield _sse(chunk(res.text, None, len(req.logprobs)))
+                yield _sse(chunk("", res.finish_reason, len(req.logprobs)))
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _sse(usage_chunk(rid, self.model, obj, usage(res.prompt_tokens, len(res.token_ids))))
+        yield _sse("[DONE]")
 
     def _cancel(self, req: EngineRequest) -> None:
         """Cancel the request and every further sample of it still running (the first may have ended)."""

@@ -135,7 +135,7 @@ def test_a_declared_body_that_does_not_come_holds_nothing_and_times_out():
         start, body = out
         assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
         error = json.loads(body["body"])["error"]
-        assert error["code"] == "body_timeout" and "no part of the request body came for 0.5 s" in error["message"]
+        assert error["code"] == "body_timeout" and "the request body paused for 0.5 s" in error["message"]
 
 
 def test_a_client_that_stops_reading_its_answer_is_gone():
@@ -178,26 +178,59 @@ def test_a_client_that_stops_reading_its_answer_is_gone():
     assert raised == ["the client read none of its answer for 0.3 s"]
 
 
-def test_a_large_message_of_the_answer_has_time_to_be_read():
-    """Each message has the timeout and a second more per MIN_READ_RATE bytes: a client reading 1 MiB
-    slowly is not taken as gone, one that takes as long over a few bytes is."""
+def test_after_a_large_message_the_next_send_may_wait_longer():
+    """As uvicorn's send, this one waits for what was written before to drain: after a message of
+    MIN_READ_RATE bytes the next send has a second more than the timeout (a slow reader is not
+    taken as gone), after a few bytes only the timeout."""
     from autoglm_trt.serve.guard import MIN_READ_RATE, _Client
 
     async def scenario() -> tuple[bool, bool]:
-        async def send(message: dict) -> None:  # read, slowly
-            await asyncio.sleep(0.6)
+        waits = [0.0, 0.6, 0.6]  # draining what came before: nothing, then the large message, then a few bytes
+
+        async def send(message: dict) -> None:
+            await asyncio.sleep(waits.pop(0))
 
         async def receive() -> dict:
             return {"type": "http.disconnect"}
 
         client = _Client(b"{}", receive, send, timeout=0.3)
         await client.send({"type": "http.response.body", "body": b"x" * MIN_READ_RATE, "more_body": True})
+        await client.send({"type": "http.response.body", "body": b"x", "more_body": True})
         after_large = client.gone
         with pytest.raises(ClientGone):
             await client.send({"type": "http.response.body", "body": b"x", "more_body": True})
         return after_large, client.gone
 
     assert asyncio.run(scenario()) == (False, True)
+
+
+def test_a_refusal_before_the_whole_body_came_closes_the_connection():
+    """413 and 429 come before the body is read whole: the connection closes rather than the
+    server reading and throwing away the rest."""
+
+    async def scenario(declared: int, inflight: int) -> dict:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"{}", "more_body": True}
+
+        async def app(scope, receive, send) -> None:
+            raise AssertionError("the app must not be reached")
+
+        guard = Guard(app, None, max_body_bytes=1 << 20)
+        guard.inflight_bytes = inflight
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(declared).encode())]}
+        await guard(scope, receive, send)
+        return sent[0]
+
+    too_large = asyncio.run(scenario(2 << 20, 0))
+    busy = asyncio.run(scenario(1 << 20, MIN_INFLIGHT_BYTES))
+    assert too_large["status"] == 413 and busy["status"] == 429
+    assert all((b"connection", b"close") in m["headers"] for m in (too_large, busy))
 
 
 def test_the_bearer_scheme_in_any_case():

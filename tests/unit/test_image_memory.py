@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -45,7 +47,8 @@ def test_requests_past_the_bound_get_429_until_the_holders_end():
     memory.admit(text)  # no images: holds nothing, never refused
     assert memory.in_use() == 960
     memory.submitted(second, None)  # not queued (the engine refused it): lets go at once
-    memory.submitted(text, request())
+    text_req = request()
+    memory.submitted(text, text_req)
     assert memory.in_use() == 640
     a.done.set()  # its further sample still runs: still held
     assert memory.in_use() == 640
@@ -53,12 +56,19 @@ def test_requests_past_the_bound_get_429_until_the_holders_end():
     assert memory.in_use() == 0 and memory.held == {}
     memory.admit(third)
     assert memory.in_use() == 160
+    c = request()
+    memory.submitted(third, c)
+    gone = weakref.ref(c)
+    del a, c
+    gc.collect()
+    assert gone() is None and memory.in_use() == 0  # held weakly: an ended request's embeddings are not kept
 
 
 def test_one_request_larger_than_the_bound_is_served_alone():
     memory = ImageMemory(capacity=100)
     big = prepared(50)  # 1,600 bytes
     memory.admit(big)
-    memory.submitted(big, request())
+    running = request()
+    memory.submitted(big, running)
     with pytest.raises(ApiError):
         memory.admit(prepared(1))
