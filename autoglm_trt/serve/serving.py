@@ -110,6 +110,12 @@ class ImageMemory:
         self.held = {k: (owner, n) for k, (owner, n) in self.held.items() if not _ended(owner)}
         return sum(n for _, n in self.held.values())
 
+    def check_room(self) -> None:
+        """Refuse a request with images before they are decoded and encoded when the bound is reached already."""
+        used = self.in_use()
+        if used and used >= self.capacity:
+            self._refuse(used, "more")
+
     def admit(self, prepared: PreparedPrompt) -> None:
         """Hold ``prepared``'s embeddings, or refuse it with a 429."""
         n = sum(e.nbytes for e in prepared.images.embeds) if prepared.images is not None else 0
@@ -117,10 +123,13 @@ class ImageMemory:
             return
         used = self.in_use()
         if used and used + n > self.capacity:
-            raise ApiError(429, f"the requests in flight hold {used:,} bytes of image embeddings, and this one's "
-                                f"{n:,} would pass the {self.capacity:,} this server holds (serve --max-image-memory); "
-                                "retry shortly", "rate_limit_error", "image_memory", headers={"Retry-After": "1"})
+            self._refuse(used, f"this one's {n:,}")
         self.held[id(prepared)] = (prepared, n)
+
+    def _refuse(self, used: int, more: str) -> None:
+        raise ApiError(429, f"the requests in flight hold {used:,} bytes of image embeddings, and {more} would pass "
+                            f"the {self.capacity:,} this server holds (serve --max-image-memory); retry shortly",
+                       "rate_limit_error", "image_memory", headers={"Retry-After": "1"})
 
     def submitted(self, prepared: PreparedPrompt, req: EngineRequest | None) -> None:
         """``prepared`` became ``req`` (None: it was not queued, and holds nothing)."""
@@ -206,6 +215,8 @@ class Serving:
                                 'GLM-4.5\'s, Hermes\'); use "required", a named function, or "none"', param="tool_choice")
         parse = (self.tool_format, auto) if auto and self.tool_format is not None else None
         images = isinstance(body, ChatCompletionRequest) and body.carries_images()
+        if images:
+            self.image_memory.check_room()  # full already: refused before its images are decoded and encoded
         started = time.perf_counter()
         prepared = await (self._prepare_images(request, prompt, tools) if images
                           else run_in_threadpool(self.engine.prepare, prompt, None, tools))

@@ -42,7 +42,9 @@ def test_requests_past_the_bound_get_429_until_the_holders_end():
     with pytest.raises(ApiError) as refused:
         memory.admit(prepared(12))  # 384 more: past 1,000
     assert refused.value.status == 429 and refused.value.code == "image_memory"
-    assert "hold 640 bytes of image embeddings" in refused.value.message and refused.value.headers == {"Retry-After": "1"}
+    assert "hold 640 bytes of image embeddings, and this one's 384 would pass" in refused.value.message
+    assert refused.value.headers == {"Retry-After": "1"}
+    memory.check_room()  # not full: images may be prepared
     memory.admit(second)  # 320: fits
     memory.admit(text)  # no images: holds nothing, never refused
     assert memory.in_use() == 960
@@ -72,3 +74,5 @@ def test_one_request_larger_than_the_bound_is_served_alone():
     memory.submitted(big, running)
     with pytest.raises(ApiError):
         memory.admit(prepared(1))
+    with pytest.raises(ApiError, match="and more would pass"):  # full: refused before images are prepared
+        memory.check_room()
