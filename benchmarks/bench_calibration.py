@@ -24,8 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
+from statistics import median
 
 from .common import ROOT
 
@@ -98,7 +97,7 @@ def profile(export: Path, samples: int, seq_len: int, batch: int) -> None:
 
 def first_and_later(times: list[float]) -> list[float]:
     """[the first batch's time, the median of the later batches'] (seconds)."""
-    return [round(times[0], 3), round(float(np.median(times[1:])), 3) if len(times) > 1 else None]
+    return [round(times[0], 3), round(median(times[1:]), 3) if len(times) > 1 else None]
 
 
 def _timed(cls: type, method: str) -> list[float]:

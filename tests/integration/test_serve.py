@@ -202,7 +202,6 @@ def test_a_body_that_never_comes_is_a_408_and_holds_nothing(chat_engine):
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(200 << 20).encode() + b"\r\n\r\n")
             idle.append(sock)
-        started = time.monotonic()
         body = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2}
         assert request(port, "POST", "/v1/completions", body, raw=json.dumps(body).encode() + b" " * (150 << 20))[0] == 200
         for sock in idle:
@@ -213,7 +212,6 @@ def test_a_body_that_never_comes_is_a_408_and_holds_nothing(chat_engine):
             head, _, text = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), head
             assert json.loads(text)["error"]["code"] == "body_timeout"
-        assert 1.5 < time.monotonic() - started < 30
 
 
 def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -286,12 +284,11 @@ def test_a_client_that_stops_reading_is_let_go(slow_engine):
 
     with Engine.load(slow_engine) as engine:
         app = create_app(engine, ServeConfig("slow", client_timeout=0.3))
-        started = time.monotonic()
         sent = asyncio.run(scenario(app))
         assert sent[0] == b"start" and sent[1].startswith(b"data: ") and len(sent) == 2
         serving = app.state.serving
         assert engine.stats()["running"] == 0 and serving.inflight == 0
-        assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"] and time.monotonic() - started < 30
+        assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
         registry = serving.metrics.registry
         assert registry.get_sample_value("autoglm_requests_finished_total", {"finish_reason": "cancelled"}) == 1
         assert registry.get_sample_value("autoglm_generation_tokens_total") in (None, 0.0)  # it never finished
