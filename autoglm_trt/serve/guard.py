@@ -10,7 +10,10 @@ at least: past it a 429), as each holds its body until it is answered. A body's 
 counted as they come (a declared size that cannot fit now is a 429 at once, but is not
 reserved), and a body that pauses for ``CLIENT_TIMEOUT_S`` is a 408: a client that declares a
 body and sends nothing holds nothing, and not for long. A refusal before the whole body came
-closes the connection (the rest is not read). A client that stops reading its answer for as
+reads and drops the rest first if it is short (``DRAIN_BYTES``, within ``DRAIN_S``), so the client,
+still sending, reads the answer and keeps its connection; past that the answer closes the
+connection (a close with bytes unread can reset it before the client reads the answer: RFC 9112,
+9.6). A client that stops reading its answer for as
 long is gone (``_Client``): its request is cancelled and the server drops the connection, so it
 does not hold its body's place either.
 A body of more than ``MAX_JSON_VALUES`` values (counted from its bytes) is a 400 before it is
@@ -31,7 +34,10 @@ from typing import Any
 
 _log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)
-CLOSE = (b"connection", b"close")  # a refusal before the whole body came: the rest is not read
+CLOSE = (b"connection", b"close")  # a refusal before the whole body came, whose rest is not read
+# of a body refused before it came whole, this much more is read and dropped, for this long at most
+DRAIN_BYTES = 1 << 20
+DRAIN_S = 2.0
 ARRIVED = "arrived"  # the request state's key for when its headers came (time.perf_counter())
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a text engine's, and an image-text engine's at least
 TEXT_ROOM_BYTES = 1 << 20  # beside the images: the system prompt, the history, the fields
@@ -94,10 +100,13 @@ class Guard:
             return
         scope.setdefault("state", {})[ARRIVED] = time.perf_counter()  # request.state.arrived: phases start here
         headers = dict(scope["headers"])  # names arrive lower-cased
+        declared = headers.get(b"content-length")
+        unread = int(declared) if declared is not None and declared.isdigit() else None  # of the body, to come
         if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
                 headers.get(b"authorization", b"")):
             await self._refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               "authentication_error", "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+                               "authentication_error", "invalid_api_key",
+                               ((b"www-authenticate", b"Bearer"), *await self._drain(receive, unread)))
             return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -105,14 +114,17 @@ class Guard:
         kind = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
         if kind not in (b"application/json", b"") and not kind.endswith(b"+json"):
             await self._refuse(send, 415, f"the body must be JSON (Content-Type: application/json), not "
-                                          f"{kind.decode('latin-1')}", "invalid_request_error", "unsupported_media_type")
+                                          f"{kind.decode('latin-1')}", "invalid_request_error",
+                               "unsupported_media_type", await self._drain(receive, unread))
             return
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await self._too_large(send)
+        if declared is not None and unread is None:  # not a size: what follows cannot be told from the body
+            await self._too_large(send, (CLOSE,))
             return
-        if declared is not None and self.inflight_bytes + int(declared) > self.max_inflight_bytes:
-            await self._busy(send)  # it could not be held whole: say so before it is sent
+        if unread is not None and unread > self.max_body_bytes:
+            await self._too_large(send, await self._drain(receive, unread))
+            return
+        if unread is not None and self.inflight_bytes + unread > self.max_inflight_bytes:
+            await self._busy(send, await self._drain(receive, unread))  # it could not be held whole: say so now
             return
         held = 0  # bytes of this body counted in inflight_bytes, as they come
         try:
@@ -128,15 +140,18 @@ class Guard:
                 if message["type"] == "http.disconnect":
                     return  # nobody to answer
                 body += message.get("body", b"")
-                if len(body) > self.max_body_bytes:
-                    await self._too_large(send)
+                more = message.get("more_body", False)
+                too_large = len(body) > self.max_body_bytes
+                if too_large or (len(body) > held and not self._hold(len(body) - held)):
+                    self.inflight_bytes -= held  # let go before the rest is read and dropped
+                    held = 0
+                    left = None if unread is None else unread - len(body)
+                    del body
+                    rest = await self._drain(receive, left) if more else ()
+                    await (self._too_large(send, rest) if too_large else self._busy(send, rest))
                     return
-                if len(body) > held:
-                    if not self._hold(len(body) - held):
-                        await self._busy(send)
-                        return
-                    held = len(body)
-                if not message.get("more_body", False):
+                held = len(body)
+                if not more:
                     break
             if (values := json_values(body)) > MAX_JSON_VALUES:
                 await self._refuse(send, 400, f"the body holds some {values:,} JSON values; this server reads at most "
@@ -159,19 +174,39 @@ class Guard:
         self.inflight_bytes += n
         return True
 
-    async def _busy(self, send: Send) -> None:
+    async def _drain(self, receive: Receive, unread: int | None) -> tuple[tuple[bytes, bytes], ...]:
+        """Read and drop the rest of a refused body (``unread`` bytes, None when it is sent in chunks) if it
+        comes whole within ``DRAIN_BYTES`` and ``DRAIN_S``: then the answer leaves the connection open.
+        Else the answer's headers close it (``CLOSE``)."""
+        if unread is not None and unread > DRAIN_BYTES:
+            return (CLOSE,)
+        dropped = 0
+        try:
+            async with asyncio.timeout(min(DRAIN_S, self.client_timeout)):
+                while dropped <= DRAIN_BYTES:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return (CLOSE,)
+                    dropped += len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return ()
+        except TimeoutError:
+            pass
+        return (CLOSE,)
+
+    async def _busy(self, send: Send, headers: tuple[tuple[bytes, bytes], ...]) -> None:
         await self._refuse(send, 429, f"the requests in flight hold {self.inflight_bytes:,} bytes of bodies and this "
                                       f"server holds at most {self.max_inflight_bytes:,}; retry shortly",
-                           "rate_limit_error", "bodies_in_flight", ((b"retry-after", b"1"), CLOSE))
+                           "rate_limit_error", "bodies_in_flight", ((b"retry-after", b"1"), *headers))
 
     def _authorized(self, value: bytes) -> bool:
         """``Authorization: Bearer <key>``, the scheme in any case (RFC 9110, 11.1)."""
         scheme, _, token = value.strip().partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected or b"")
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, send: Send, headers: tuple[tuple[bytes, bytes], ...]) -> None:
         await self._refuse(send, 413, f"the request body is over this server's {self.max_body_bytes:,} bytes "
-                                      "(serve --max-body-bytes)", "invalid_request_error", "request_too_large", (CLOSE,))
+                                      "(serve --max-body-bytes)", "invalid_request_error", "request_too_large", headers)
 
     async def _refuse(self, send: Send, status: int, message: str, type_: str, code: str,
                       headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
