@@ -5,15 +5,15 @@ grammar, with llguidance (the grammar engine TensorRT-LLM and vLLM use; Rust, no
 engine) compiles a guide into an llguidance matcher on worker threads of its own
 (``GRAMMAR_WORKERS``, with deep stacks: ``runtime.threads``), never on the engine's loop or a
 server's event loop: once per guide (the last ``GRAMMAR_CACHE`` are kept), within llguidance's
-resource limits (``_limits``) and a time budget (``COMPILE_BUDGET_S`` of work, counted from when a
-worker takes it); a malformed guide, or one over a limit or the budget, is refused with a
+resource limits (``_limits``) and a time budget (``COMPILE_BUDGET_S`` of the worker's CPU time, so a
+loaded machine does not make a guide too slow); a malformed guide, or one over a limit or the budget, is refused with a
 ``RequestError`` before the request is queued (one over the budget is remembered and refused at
 once after), and a full queue of compilations with a ``BusyError``. Each request gets a copy of
 the compiled matcher (``GuidedState``, with its first mask computed already); its further
 samples copy the request's (``GuidedState.fork``). Per sequence the state masks the logits of
 every token the grammar cannot take next, consumes each sampled token and says when the grammar
 has ended; a grammar that passes a limit while generating, or whose mask for one token takes
-longer than ``MASK_BUDGET_S``, ends its request with a ``GuideError``. A grammar allows the
+more than ``MASK_BUDGET_S`` of CPU time, ends its request with a ``GuideError``. A grammar allows the
 end-of-sequence tokens exactly where it may end.
 """
 
@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from importlib import resources
@@ -37,9 +38,9 @@ from .threads import start_thread
 GRAMMAR_CACHE = 8  # compiled matchers kept by guide (a large one holds tens of MB)
 GRAMMAR_WORKERS = 2  # threads compiling guides
 MAX_QUEUED_GRAMMARS = 8  # compilations waiting for a worker; past this a BusyError
-COMPILE_BUDGET_S = 2.0  # a compilation's work, at most (the largest guides taken need a fraction of it)
+COMPILE_BUDGET_S = 2.0  # a compilation's CPU time, at most (the largest guides taken need a fraction of it)
 REFUSED_KEPT = 256  # guides refused for their time, remembered (by text) and refused at once
-MASK_BUDGET_S = 0.1  # one token's mask, at most (llguidance's limits keep one to a few ms)
+MASK_BUDGET_S = 0.1  # one token's mask's CPU time, at most (llguidance's limits keep one to a few ms)
 STEP_MAX_ITEMS = 5_000  # Earley items per mask (llguidance's default, 50,000, lets an ambiguous grammar stall the loop)
 KINDS = ("json_schema", "regex", "choice", "lark")
 MAX_GUIDE_CHARS = 262_144
@@ -138,6 +139,13 @@ def _limits():
     return LLParserLimits(max_grammar_size=2 * MAX_GUIDE_CHARS, step_max_items=STEP_MAX_ITEMS)
 
 
+def cpu_clock() -> Callable[[], float]:
+    """The calling thread's CPU time in seconds, as a clock other threads can read too (a budget
+    counts a grammar's own work, not the time other threads held the cores)."""
+    clock = time.pthread_getcpuclockid(threading.get_ident())
+    return lambda: time.clock_gettime(clock)
+
+
 class Grammars:
     """The engine's grammar compiler: its tokenizer's token table for llguidance, its worker threads,
     and the matchers compiled from guides."""
@@ -149,7 +157,7 @@ class Grammars:
         self._compiled: OrderedDict[Guide, GuidedState] = OrderedDict()  # guide -> its state before any token
         self._refused: OrderedDict[Guide, str] = OrderedDict()  # guides over the time budget -> why
         self._jobs: dict[Guide, Future] = {}  # compilations queued or running
-        self._started: dict[Guide, float] = {}  # when a worker took each
+        self._started: dict[Guide, tuple[Callable[[], float], float]] = {}  # its worker's CPU clock, and its start
         self._queue: queue.Queue[tuple[Guide, Future] | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -201,11 +209,11 @@ class Grammars:
             except TimeoutError:
                 with self._lock:
                     started = self._started.get(guide)
-                if started is not None and time.monotonic() - started > self.budget_s:
+                if started is not None and started[0]() - started[1] > self.budget_s:
                     raise RequestError(self._too_slow(guide)) from None
 
     def _too_slow(self, guide: Guide) -> str:
-        return (f"the {guide.kind} guide took more than {self.budget_s:g} s to compile; simplify it (fewer "
+        return (f"the {guide.kind} guide took more than {self.budget_s:g} s of CPU time to compile; simplify it (fewer "
                 "alternatives, a smaller schema)")
 
     def _work(self) -> None:
@@ -223,8 +231,9 @@ class Grammars:
         refused."""
         from llguidance import LLMatcher
 
+        clock = cpu_clock()
         with self._lock:
-            self._started[guide] = start = time.monotonic()
+            self._started[guide] = clock, (start := clock())
         try:
             matcher = LLMatcher(self.tokenizer(), guide.grammar(), log_level=0, limits=_limits())
             state = GuidedState(matcher, self.vocab_size)
@@ -233,7 +242,7 @@ class Grammars:
             if matcher.is_error():
                 raise RequestError(f"the {guide.kind} guide is not usable: {_first_line(matcher.get_error())}")
             with self._lock:
-                if time.monotonic() - start <= self.budget_s:
+                if clock() - start <= self.budget_s:
                     self._compiled[guide] = state
                     while len(self._compiled) > GRAMMAR_CACHE:
                         self._compiled.popitem(last=False)
@@ -274,13 +283,13 @@ class GuidedState:
         """Compute the mask of the tokens the grammar may take next (once per token consumed);
         ``GuideError`` if that took longer than ``MASK_BUDGET_S``."""
         if not self._filled:
-            start = time.perf_counter()
+            start = time.thread_time()
             self.lln.fill_next_token_bitmask(self.matcher, self.mask, 0)
             self._filled = True
-            took = time.perf_counter() - start
+            took = time.thread_time() - start
             if took > MASK_BUDGET_S:
-                raise GuideError(f"the output guide took {took * 1000:.0f} ms to decide the next token (at most "
-                                 f"{MASK_BUDGET_S * 1000:.0f}); simplify it")
+                raise GuideError(f"the output guide took {took * 1000:.0f} ms of CPU time to decide the next token "
+                                 f"(at most {MASK_BUDGET_S * 1000:.0f}); simplify it")
 
     def masked(self, logits: np.ndarray, in_place: bool = False) -> np.ndarray:
         """``logits`` (a float32 copy, or themselves with ``in_place``) with every token the grammar

@@ -273,11 +273,10 @@ def test_sigterm_during_export_leaves_nothing_behind(tiny_dir, tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "autoglm_trt", "export", str(tiny_dir("llama")), "-o", str(out)],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            for _ in range(600):
-                if list(tmp_path.glob(f".{out.name}.partial-*")) or proc.poll() is not None:
-                    break
+            deadline = time.monotonic() + 300  # a loaded machine imports torch slowly
+            while not list(tmp_path.glob(f".{out.name}.partial-*")) and proc.poll() is None:
+                assert time.monotonic() < deadline, "the export wrote nothing for 300 s"
                 time.sleep(0.05)
-            assert list(tmp_path.glob(f".{out.name}.partial-*")), "the export finished before it could be interrupted"
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
         finally:
@@ -285,7 +284,7 @@ def test_sigterm_during_export_leaves_nothing_behind(tiny_dir, tmp_path):
         if out.is_dir():  # it completed first (the signal then landed in the interpreter's shutdown, if at all)
             shutil.rmtree(out)
             continue
-        assert proc.returncode == 130
+        assert proc.returncode == 130, proc.stderr.read().decode()[-2000:]
         assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
         return
     pytest.fail("three exports in a row completed before SIGTERM reached them")

@@ -92,10 +92,22 @@ def _grammars(engine_dir, budget_s: float):
     return Grammars(engine_dir / "tokenizer.json", spec.vocab_size, list(spec.eos_token_ids), budget_s)
 
 
-def _slow_grammars(monkeypatch, release):
-    """Every guide's grammar is made only once ``release`` is set (inside the budgeted compilation)."""
+def _busy_until(release, limit_s: float = 30) -> bool:
+    """Work (the CPU time a compilation's budget counts) until ``release`` is set."""
+    import time
+
+    end = time.monotonic() + limit_s
+    while not release.is_set() and time.monotonic() < end:
+        sum(range(1000))
+    return True
+
+
+def _slow_grammars(monkeypatch, release, busy: bool = True):
+    """Every guide's grammar is made only once ``release`` is set (inside the budgeted compilation),
+    working until then (``busy``) or waiting."""
     real = Guide.grammar
-    monkeypatch.setattr(Guide, "grammar", lambda self: release.wait(30) and real(self))
+    monkeypatch.setattr(Guide, "grammar",
+                        lambda self: (_busy_until(release) if busy else release.wait(30)) and real(self))
 
 
 def test_a_compilation_past_its_budget_is_refused_and_not_kept(glm4v_engine, monkeypatch):
@@ -106,13 +118,42 @@ def test_a_compilation_past_its_budget_is_refused_and_not_kept(glm4v_engine, mon
     _slow_grammars(monkeypatch, release)
     grammars = _grammars(glm4v_engine, budget_s=0.3)
     t0 = time.monotonic()
-    with pytest.raises(AutoGLMError, match="took more than 0.3 s to compile"):
+    with pytest.raises(AutoGLMError, match="took more than 0.3 s of CPU time to compile"):
         grammars.state(Guide.regex("[ab]+"))
     assert time.monotonic() - t0 < 10
     release.set()
     time.sleep(0.5)  # the worker finishes it in the background
     assert not grammars._compiled  # too slow to be kept for the next request
     grammars.close()
+
+
+def test_the_budgets_count_cpu_time_not_waiting(glm4v_engine, monkeypatch):
+    """A compilation that waits (a loaded machine's cores taken by others) past its budget, but works
+    little, is kept; so is a mask that waits past MASK_BUDGET_S. One that works past it is refused.
+    Before, both counted wall time: under load a valid guide was refused, and remembered as refused."""
+    import threading
+    import time
+
+    from autoglm_trt.runtime import guided
+
+    release = threading.Event()
+    _slow_grammars(monkeypatch, release, busy=False)
+    threading.Timer(0.8, release.set).start()
+    grammars = _grammars(glm4v_engine, budget_s=0.3)
+    state = grammars.state(Guide.regex("[ef]+"))
+    assert Guide.regex("[ef]+") in grammars._compiled
+    grammars.close()
+
+    from llguidance.numpy import fill_next_token_bitmask
+
+    def fills(work) -> type:  # llguidance.numpy as GuidedState uses it, the mask's fill doing ``work`` first
+        return type("lln", (), {"fill_next_token_bitmask": staticmethod(lambda *a: (work(), fill_next_token_bitmask(*a)))})
+
+    state._filled, state.lln = False, fills(lambda: time.sleep(2 * guided.MASK_BUDGET_S))
+    state.fill()  # waited 0.2 s, worked a few ms: no GuideError
+    state._filled, state.lln = False, fills(lambda: _busy_until(threading.Event(), 2 * guided.MASK_BUDGET_S))
+    with pytest.raises(guided.GuideError, match="ms of CPU time to decide the next token"):
+        state.fill()
 
 
 def test_compilations_queue_within_a_bound_and_the_rest_are_busy(glm4v_engine, monkeypatch):
@@ -125,7 +166,7 @@ def test_compilations_queue_within_a_bound_and_the_rest_are_busy(glm4v_engine, m
     from autoglm_trt.runtime.guided import GRAMMAR_CACHE, GRAMMAR_WORKERS, MAX_QUEUED_GRAMMARS
 
     release = threading.Event()
-    _slow_grammars(monkeypatch, release)
+    _slow_grammars(monkeypatch, release, busy=False)  # waiting, they use no budget
     grammars = _grammars(glm4v_engine, budget_s=60)
     bound = GRAMMAR_WORKERS + MAX_QUEUED_GRAMMARS
     done: list = []
@@ -152,7 +193,7 @@ def test_a_guide_past_its_budget_is_refused_at_once_the_next_time(glm4v_engine, 
 
     release, calls = threading.Event(), []
     real = Guide.grammar
-    monkeypatch.setattr(Guide, "grammar", lambda self: calls.append(1) or (release.wait(30) and real(self)))
+    monkeypatch.setattr(Guide, "grammar", lambda self: calls.append(1) or (_busy_until(release) and real(self)))
     grammars = _grammars(glm4v_engine, budget_s=0.3)
     with pytest.raises(AutoGLMError, match="took more than"):
         grammars.state(Guide.regex("[cd]+"))

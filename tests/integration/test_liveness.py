@@ -292,7 +292,7 @@ def test_a_request_cancelled_mid_step_fails_no_other(tiny_engine, monkeypatch, m
         def __exit__(self, *exc):
             out = super().__exit__(*exc)
             if pending and threading.current_thread().name == "autoglm-scheduler":
-                pending.pop().join(2.0)
+                pending.pop().join(30)
             return out
 
     monkeypatch.setattr(engine_module.threading, "Condition", Handoff)
@@ -316,7 +316,7 @@ def test_a_request_cancelled_mid_step_fails_no_other(tiny_engine, monkeypatch, m
 
         def step(feeds, slots):
             if moment == "model" and feeds["input_ids"].shape[0] == 2 and not fired.is_set():
-                cancel_first().join(2.0)  # nothing holds the lock while the model runs
+                cancel_first().join(30)  # nothing holds the lock while the model runs
             return real_step(feeds, slots)
 
         monkeypatch.setattr(engine.scheduler, "schedule", schedule)

@@ -309,7 +309,7 @@ def test_full_queue_answers_429(slow_engine):
 
 def test_sigterm_drains_then_exits_zero(slow_engine):
     with server(slow_engine, "--drain-seconds", "60") as (port, proc):
-        conn, r = _open_stream(port, 400)
+        conn, r = _open_stream(port, 1500)  # unread until the 503s are seen: it cannot end before them
         proc.send_signal(signal.SIGTERM)
         assert wait_for(lambda: request(port, "GET", "/health")[0] == 503, 10)
         assert request(port, "POST", "/v1/completions", {"model": "slow", "prompt": "late"})[0] == 503

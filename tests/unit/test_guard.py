@@ -180,7 +180,7 @@ def test_a_client_that_stops_reading_its_answer_is_gone():
 
 def test_after_a_large_message_the_next_send_may_wait_longer():
     """As uvicorn's send, this one waits for what was written before to drain: after a message of
-    MIN_READ_RATE bytes the next send has a second more than the timeout (a slow reader is not
+    4 x MIN_READ_RATE bytes the next send has four seconds more than the timeout (a slow reader is not
     taken as gone), after a few bytes only the timeout."""
     from autoglm_trt.serve.guard import MIN_READ_RATE, _Client
 
@@ -194,7 +194,7 @@ def test_after_a_large_message_the_next_send_may_wait_longer():
             return {"type": "http.disconnect"}
 
         client = _Client(b"{}", receive, send, timeout=0.3)
-        await client.send({"type": "http.response.body", "body": b"x" * MIN_READ_RATE, "more_body": True})
+        await client.send({"type": "http.response.body", "body": b"x" * (4 * MIN_READ_RATE), "more_body": True})
         await client.send({"type": "http.response.body", "body": b"x", "more_body": True})
         after_large = client.gone
         with pytest.raises(ClientGone):
@@ -237,7 +237,8 @@ def test_a_refusal_before_the_whole_body_came_reads_a_short_rest_else_closes(cas
         async def app(scope, receive, send) -> None:
             raise AssertionError("the app must not be reached")
 
-        guard = Guard(app, None, max_body_bytes=limit, client_timeout=0.3)
+        # the body's pause limit bounds the wait for the rest: short where it is waited out, else the default
+        guard = Guard(app, None, max_body_bytes=limit, client_timeout=0.3 if case == "paused" else 30)
         if case == "busy":
             guard.inflight_bytes = guard.max_inflight_bytes
         headers = [(b"content-type", b"application/json")]
