@@ -102,11 +102,13 @@ class Guard:
         headers = dict(scope["headers"])  # names arrive lower-cased
         declared = headers.get(b"content-length")
         unread = int(declared) if declared is not None and declared.isdigit() else None  # of the body, to come
+        # a client that waits for "100 Continue" (sent as the body is first read) sends nothing on a refusal
+        waits = headers.get(b"expect", b"").lower() == b"100-continue"
         if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
                 headers.get(b"authorization", b"")):
             await self._refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error", "invalid_api_key",
-                               ((b"www-authenticate", b"Bearer"), *await self._drain(receive, unread)))
+                               ((b"www-authenticate", b"Bearer"), *await self._drain(receive, unread, waits)))
             return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -115,16 +117,16 @@ class Guard:
         if kind not in (b"application/json", b"") and not kind.endswith(b"+json"):
             await self._refuse(send, 415, f"the body must be JSON (Content-Type: application/json), not "
                                           f"{kind.decode('latin-1')}", "invalid_request_error",
-                               "unsupported_media_type", await self._drain(receive, unread))
+                               "unsupported_media_type", await self._drain(receive, unread, waits))
             return
         if declared is not None and unread is None:  # not a size: what follows cannot be told from the body
             await self._too_large(send, (CLOSE,))
             return
         if unread is not None and unread > self.max_body_bytes:
-            await self._too_large(send, await self._drain(receive, unread))
+            await self._too_large(send, await self._drain(receive, unread, waits))
             return
         if unread is not None and self.inflight_bytes + unread > self.max_inflight_bytes:
-            await self._busy(send, await self._drain(receive, unread))  # it could not be held whole: say so now
+            await self._busy(send, await self._drain(receive, unread, waits))  # it could not be held whole: say so now
             return
         held = 0  # bytes of this body counted in inflight_bytes, as they come
         try:
@@ -174,11 +176,12 @@ class Guard:
         self.inflight_bytes += n
         return True
 
-    async def _drain(self, receive: Receive, unread: int | None) -> tuple[tuple[bytes, bytes], ...]:
+    async def _drain(self, receive: Receive, unread: int | None, waits: bool = False) -> tuple[tuple[bytes, bytes], ...]:
         """Read and drop the rest of a refused body (``unread`` bytes, None when it is sent in chunks) if it
         comes whole within ``DRAIN_BYTES`` and ``DRAIN_S``: then the answer leaves the connection open.
-        Else the answer's headers close it (``CLOSE``)."""
-        if unread is not None and unread > DRAIN_BYTES:
+        Else, or if the client ``waits`` for 100 Continue to send it (reading would invite it), the
+        answer's headers close it (``CLOSE``)."""
+        if waits or (unread is not None and unread > DRAIN_BYTES):
             return (CLOSE,)
         dropped = 0
         try:

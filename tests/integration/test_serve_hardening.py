@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import socket
 import time
 
 import pytest
@@ -81,6 +82,16 @@ def test_a_body_over_the_limit_is_413(guarded):
         assert conn.getresponse().status == 200
     finally:
         conn.close()
+    # a client that waits for "100 Continue" is answered at once, not told to send: the connection closes
+    with socket.create_connection(("127.0.0.1", guarded), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer s3cret\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(big))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 413") and b"connection: close" in head and b"100 continue" not in head
 
 
 def test_every_refusal_is_openai_error_json(guarded):

@@ -204,17 +204,18 @@ def test_after_a_large_message_the_next_send_may_wait_longer():
     assert asyncio.run(scenario()) == (False, True)
 
 
-@pytest.mark.parametrize("case", ["declared", "chunked", "endless", "paused", "huge", "busy"])
+@pytest.mark.parametrize("case", ["declared", "chunked", "endless", "paused", "huge", "busy", "expects"])
 def test_a_refusal_before_the_whole_body_came_reads_a_short_rest_else_closes(case):
     """413 and 429 come before the body is read whole. A rest of up to DRAIN_BYTES that comes at once
     is read and dropped first, so the client, still sending, reads the answer on an open connection
     (CI saw a broken pipe when the server closed under a client sending a few KiB in chunks). A rest
-    that goes on, pauses or is declared larger is not waited for: the answer closes the connection."""
+    that goes on, pauses or is declared larger is not waited for, nor one the client sends only once
+    told to continue (reading would tell it): the answer closes the connection."""
     from autoglm_trt.serve.guard import DRAIN_BYTES
 
     limit, chunk = 4096, 1000
     declared = {"declared": 12 * chunk, "chunked": None, "endless": None, "paused": None, "huge": 2 * DRAIN_BYTES,
-                "busy": 4 * chunk}[case]
+                "busy": 4 * chunk, "expects": 12 * chunk}[case]
 
     async def scenario() -> tuple[dict, int, list[str]]:
         sent: list[dict] = []
@@ -244,6 +245,8 @@ def test_a_refusal_before_the_whole_body_came_reads_a_short_rest_else_closes(cas
         headers = [(b"content-type", b"application/json")]
         if declared is not None:
             headers.append((b"content-length", str(declared).encode()))
+        if case == "expects":
+            headers.append((b"expect", b"100-Continue"))
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
         await asyncio.wait_for(guard(scope, receive, send), 20)
         return sent[0], got[0], order
@@ -256,7 +259,7 @@ def test_a_refusal_before_the_whole_body_came_reads_a_short_rest_else_closes(cas
     else:
         assert closes
         assert {"endless": limit < received <= limit + DRAIN_BYTES + 2 * chunk, "paused": received == 5 * chunk,
-                "huge": received == 0}[case]
+                "huge": received == 0, "expects": received == 0}[case]
 
 
 def test_the_bearer_scheme_in_any_case():
