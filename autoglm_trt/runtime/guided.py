@@ -39,6 +39,7 @@ GRAMMAR_CACHE = 8  # compiled matchers kept by guide (a large one holds tens of 
 GRAMMAR_WORKERS = 2  # threads compiling guides
 MAX_QUEUED_GRAMMARS = 8  # compilations waiting for a worker; past this a BusyError
 COMPILE_BUDGET_S = 2.0  # a compilation's CPU time, at most (the largest guides taken need a fraction of it)
+WAIT_FACTOR = 10  # a compilation's wall time, at most this many times the budget (a starved worker)
 REFUSED_KEPT = 256  # guides refused for their time, remembered (by text) and refused at once
 MASK_BUDGET_S = 0.1  # one token's mask's CPU time, at most (llguidance's limits keep one to a few ms)
 STEP_MAX_ITEMS = 5_000  # Earley items per mask (llguidance's default, 50,000, lets an ambiguous grammar stall the loop)
@@ -142,6 +143,8 @@ def _limits():
 def cpu_clock() -> Callable[[], float]:
     """The calling thread's CPU time in seconds, as a clock other threads can read too (a budget
     counts a grammar's own work, not the time other threads held the cores)."""
+    if not hasattr(time, "pthread_getcpuclockid"):  # a platform without per-thread CPU clocks: the wall clock
+        return time.monotonic
     clock = time.pthread_getcpuclockid(threading.get_ident())
     return lambda: time.clock_gettime(clock)
 
@@ -157,7 +160,8 @@ class Grammars:
         self._compiled: OrderedDict[Guide, GuidedState] = OrderedDict()  # guide -> its state before any token
         self._refused: OrderedDict[Guide, str] = OrderedDict()  # guides over the time budget -> why
         self._jobs: dict[Guide, Future] = {}  # compilations queued or running
-        self._started: dict[Guide, tuple[Callable[[], float], float]] = {}  # its worker's CPU clock, and its start
+        # each being compiled: its worker's CPU clock, its start on that clock, and when (time.monotonic())
+        self._started: dict[Guide, tuple[Callable[[], float], float, float]] = {}
         self._queue: queue.Queue[tuple[Guide, Future] | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -202,15 +206,20 @@ class Grammars:
     def _wait(self, guide: Guide, job: Future) -> GuidedState:
         """The compiled state, once a worker is done; ``RequestError`` once it has worked on it for
         longer than the budget (it finishes in the background, within llguidance's limits, and is
-        remembered as refused)."""
+        remembered as refused); ``BusyError`` if a worker got so little of the CPU that the budget's
+        ``WAIT_FACTOR`` times went by (it is not the guide's fault: it is compiled meanwhile)."""
         while True:
             try:
                 return job.result(timeout=0.05)
             except TimeoutError:
-                with self._lock:
+                with self._lock:  # the worker lets go of its entry under the lock: its clock is readable here
                     started = self._started.get(guide)
-                if started is not None and started[0]() - started[1] > self.budget_s:
+                    spent = None if started is None else (started[0]() - started[1], time.monotonic() - started[2])
+                if spent is not None and spent[0] > self.budget_s:
                     raise RequestError(self._too_slow(guide)) from None
+                if spent is not None and spent[1] > WAIT_FACTOR * self.budget_s:
+                    raise BusyError(f"the {guide.kind} guide has waited {spent[1]:.0f} s for the busy grammar workers; "
+                                    "retry shortly") from None
 
     def _too_slow(self, guide: Guide) -> str:
         return (f"the {guide.kind} guide took more than {self.budget_s:g} s of CPU time to compile; simplify it (fewer "
@@ -231,10 +240,10 @@ class Grammars:
         refused."""
         from llguidance import LLMatcher
 
-        clock = cpu_clock()
-        with self._lock:
-            self._started[guide] = clock, (start := clock())
         try:
+            clock = cpu_clock()
+            with self._lock:
+                self._started[guide] = clock, (start := clock()), time.monotonic()
             matcher = LLMatcher(self.tokenizer(), guide.grammar(), log_level=0, limits=_limits())
             state = GuidedState(matcher, self.vocab_size)
             if not matcher.is_error():

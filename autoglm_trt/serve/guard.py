@@ -10,7 +10,7 @@ at least: past it a 429), as each holds its body until it is answered. A body's 
 counted as they come (a declared size that cannot fit now is a 429 at once, but is not
 reserved), and a body that pauses for ``CLIENT_TIMEOUT_S`` is a 408: a client that declares a
 body and sends nothing holds nothing, and not for long. A refusal before the whole body came
-reads and drops the rest first if it is short (``DRAIN_BYTES``, within ``DRAIN_S``), so the client,
+reads and drops the rest first if it comes soon (``DRAIN_BYTES``, within ``DRAIN_S``), so the client,
 still sending, reads the answer and keeps its connection; past that the answer closes the
 connection (a close with bytes unread can reset it before the client reads the answer: RFC 9112,
 9.6). A client that stops reading its answer for as
@@ -35,9 +35,10 @@ from typing import Any
 _log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)
 CLOSE = (b"connection", b"close")  # a refusal before the whole body came, whose rest is not read
-# of a body refused before it came whole, this much more is read and dropped, for this long at most
-DRAIN_BYTES = 1 << 20
-DRAIN_S = 2.0
+# of a body refused before it came whole, this much more is read and dropped, for this long at most in
+# all and with pauses this short at most (nginx's lingering_time and lingering_timeout: 30 s and 5 s)
+DRAIN_BYTES = 64 << 20
+DRAIN_S, DRAIN_PAUSE_S = 10.0, 5.0
 ARRIVED = "arrived"  # the request state's key for when its headers came (time.perf_counter())
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a text engine's, and an image-text engine's at least
 TEXT_ROOM_BYTES = 1 << 20  # beside the images: the system prompt, the history, the fields
@@ -103,7 +104,7 @@ class Guard:
         declared = headers.get(b"content-length")
         unread = int(declared) if declared is not None and declared.isdigit() else None  # of the body, to come
         # a client that waits for "100 Continue" (sent as the body is first read) sends nothing on a refusal
-        waits = headers.get(b"expect", b"").lower() == b"100-continue"
+        waits = b"100-continue" in (e.strip() for e in headers.get(b"expect", b"").lower().split(b","))
         if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
                 headers.get(b"authorization", b"")):
             await self._refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -185,9 +186,9 @@ class Guard:
             return (CLOSE,)
         dropped = 0
         try:
-            async with asyncio.timeout(min(DRAIN_S, self.client_timeout)):
+            async with asyncio.timeout(DRAIN_S):
                 while dropped <= DRAIN_BYTES:
-                    message = await receive()
+                    message = await asyncio.wait_for(receive(), min(DRAIN_PAUSE_S, self.client_timeout))
                     if message["type"] == "http.disconnect":
                         return (CLOSE,)
                     dropped += len(message.get("body", b""))

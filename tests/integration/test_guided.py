@@ -129,11 +129,13 @@ def test_a_compilation_past_its_budget_is_refused_and_not_kept(glm4v_engine, mon
 
 def test_the_budgets_count_cpu_time_not_waiting(glm4v_engine, monkeypatch):
     """A compilation that waits (a loaded machine's cores taken by others) past its budget, but works
-    little, is kept; so is a mask that waits past MASK_BUDGET_S. One that works past it is refused.
+    little, is kept (past WAIT_FACTOR times the budget its caller gets a BusyError to retry, and it is
+    kept still); so is a mask that waits past MASK_BUDGET_S. One that works past it is refused.
     Before, both counted wall time: under load a valid guide was refused, and remembered as refused."""
     import threading
     import time
 
+    from autoglm_trt.errors import BusyError
     from autoglm_trt.runtime import guided
 
     release = threading.Event()
@@ -142,6 +144,17 @@ def test_the_budgets_count_cpu_time_not_waiting(glm4v_engine, monkeypatch):
     grammars = _grammars(glm4v_engine, budget_s=0.3)
     state = grammars.state(Guide.regex("[ef]+"))
     assert Guide.regex("[ef]+") in grammars._compiled
+    # a wait past WAIT_FACTOR times the budget is a BusyError (retry), not the guide's fault: it is kept
+    release.clear()
+    threading.Timer(10 * 0.3 + 1.0, release.set).start()
+    with pytest.raises(BusyError, match="s for the busy grammar workers; retry"):
+        grammars.state(Guide.regex("[gh]+"))
+    release.wait(30)
+    deadline = time.monotonic() + 30
+    while grammars._jobs and time.monotonic() < deadline:
+        time.sleep(0.02)
+    grammars.state(Guide.regex("[gh]+"))
+    assert Guide.regex("[gh]+") in grammars._compiled and not grammars._refused
     grammars.close()
 
     from llguidance.numpy import fill_next_token_bitmask
