@@ -125,22 +125,23 @@ class Engine:
         template's one placeholder here (``prepare`` expands it to the image's tokens)."""
         return self.prompts.encode(prompt)
 
-    def prepare(self, prompt: Prompt, images: Seq[object] | None = None,
-                tools: list[dict] | None = None, cancel: threading.Event | None = None) -> PreparedPrompt:
-        """A prompt made ready to submit: tokenized, and its images (an image-text engine's) decoded,
-        preprocessed and encoded. ``RequestError`` if it is malformed or could not fit with even one
-        new token. For a caller that needs the prompt's length first (``len(prepared.ids)``).
+    def prepare(self, prompt: Prompt, images: Seq[object] | None = None, tools: list[dict] | None = None,
+                cancel: threading.Event | None = None, reserve: Callable[[int], None] | None = None) -> PreparedPrompt:
+        """A prompt made ready to submit: tokenized, its images (an image-text engine's) decoded, preprocessed and
+        encoded (``RequestError`` if it is malformed or could not fit with one new token; ``len(prepared.ids)``).
 
         ``images``: for a text or token-id prompt that holds the image placeholders itself (GLM-4.1V:
         ``<|begin_of_image|><|image|><|end_of_image|>`` per image), the images in order (PIL images,
         bytes, paths or ``data:`` URLs); chat messages carry theirs as parts instead. ``tools``: OpenAI's
         tool definitions, for a chat template that describes them to the model. ``cancel``: set it (from
-        another thread) to give up; preparing stops at its next wait or image with a ``RequestError``."""
+        another thread) to give up (a ``RequestError`` at its next wait or image). ``reserve``: called with
+        the bytes the images' embeddings will take, before any is decoded (it raises to refuse)."""
         one = SamplingParams(max_new_tokens=1)
-        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False), images, tools, cancel)
+        return self._prepared(prompt, lambda ids: self.limits.check(ids, one, False, False), images, tools, cancel, reserve)
 
     def _prepared(self, prompt: object, check: Callable[[list[int]], None], images: Seq[object] | None = None,
-                  tools: list[dict] | None = None, cancel: threading.Event | None = None) -> PreparedPrompt:
+                  tools: list[dict] | None = None, cancel: threading.Event | None = None,
+                  reserve: Callable[[int], None] | None = None) -> PreparedPrompt:
         ids, sources = self.prompts.encode_with_images(prompt, tools)
         if images:
             if sources:
@@ -154,7 +155,7 @@ class Engine:
             check(ids)
             return PreparedPrompt(ids)
         assert self.images is not None  # the prompt encoder refuses images for a text model
-        return self.images.prepare(ids, sources, check, cancel)
+        return self.images.prepare(ids, sources, check, cancel, reserve)
 
     def submit(self, prompt: Prompt | PreparedPrompt, params: SamplingParams, sink: Sink | None = None,
                timeout: float | None = None) -> Request:

@@ -9,7 +9,8 @@ Python API an ``{"type": "image", "image": ...}`` part may also carry a PIL imag
 Budgets come before work. Each image's header is read first (``model.image.open_header``: its
 size and format, nothing decoded); from the sizes the image tokens are known (``smart_resize``),
 so a prompt too long, or images of more than ``MAX_REQUEST_PIXELS`` in all, is refused before a
-pixel is decoded. Then the images are taken one at a time: decoded (while the pixels decoded at
+pixel is decoded, and a caller's ``reserve`` learns the bytes their embeddings will take (a server
+bounds those of its requests in flight). Then the images are taken one at a time: decoded (while the pixels decoded at
 once across every request stay within ``DECODE_BUDGET_PIXELS``), hashed (their decoded RGB
 pixels and grid), and their embeddings taken from ``EncoderCache`` (by that hash) or preprocessed
 as transformers' ``Glm4vImageProcessor`` does and encoded; each image's decoded pixels are let go
@@ -43,7 +44,7 @@ from ..backends.registry import backend
 from ..errors import RequestError
 from ..kvcache.step_inputs import MRope, PromptImages
 from ..model.image import ImageConfig, ImageError, decode_rgb, open_header, pixel_rows
-from ..model.multimodal import block_extras, expand, image_digest, mrope_positions
+from ..model.multimodal import block_extras, expand, image_digest, mrope_positions, tokens_of
 from ..model.vision import VisionSpec
 
 MAX_IMAGES = 10  # per prompt, as Open-AutoGLM's deployment sets it
@@ -259,16 +260,17 @@ class ImagePipeline:
             return {**self.cache.stats(), "images_preparing": self._preparing}
 
     def prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None],
-                cancel: threading.Event | None = None) -> PreparedPrompt:
+                cancel: threading.Event | None = None, reserve: Callable[[int], None] | None = None) -> PreparedPrompt:
         """``ids`` (one placeholder per image) with the images of ``sources`` in place; ``check`` is
-        called on the expanded ids before any pixel is decoded (it raises to refuse the prompt);
-        ``Cancelled`` once ``cancel`` is set."""
+        called on the expanded ids, then ``reserve`` with the bytes the images' embeddings will take,
+        before any pixel is decoded (either raises to refuse the prompt); ``Cancelled`` once ``cancel``
+        is set."""
         with self._count:
             self._preparing += 1
         try:
             _wait_for(lambda timeout: self._admitted.acquire(timeout=timeout), cancel)
             try:
-                return self._prepare(ids, sources, check, cancel)
+                return self._prepare(ids, sources, check, cancel, reserve)
             finally:
                 self._admitted.release()
         finally:
@@ -276,7 +278,7 @@ class ImagePipeline:
                 self._preparing -= 1
 
     def _prepare(self, ids: list[int], sources: list[object], check: Callable[[list[int]], None],
-                 cancel: threading.Event | None) -> PreparedPrompt:
+                 cancel: threading.Event | None, reserve: Callable[[int], None] | None) -> PreparedPrompt:
         t0 = time.perf_counter()
         heads = [_image(k, open_header, source, self.config.max_decode_pixels) for k, source in enumerate(sources)]
         sizes = [(image.height, image.width) for image in heads]
@@ -287,6 +289,8 @@ class ImagePipeline:
         if total > MAX_REQUEST_PIXELS:
             raise ImageError(f"the request's images have {total:,} pixels in all; at most {MAX_REQUEST_PIXELS:,} are "
                              "accepted (resize them before sending)")
+        if reserve is not None:  # the encoder's float32 [tokens, out_hidden] per image
+            reserve(sum(tokens_of(g, v.merge_size) for g in grids) * v.out_hidden * 4)
         digests, embeds = [], []
         seconds = {"decode": time.perf_counter() - t0, "preprocess": 0.0, "encoder_wait": 0.0, "encode": 0.0}
         for k, grid in enumerate(grids):

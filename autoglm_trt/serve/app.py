@@ -29,8 +29,8 @@ from ..errors import AutoGLMError, BusyError
 from ..runtime import Engine, ImageOptions
 from .guard import CLIENT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, Guard, default_max_body_bytes, error_json
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .serving import ApiError, Serving
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .serving import Serving
 
 ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
 

@@ -340,6 +340,16 @@ def error_body(message: str, type_: str, code: str | None = None, param: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param, self.headers = (
+            status, message, type_, code, param, headers)
+
+
 OPENAI_FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
 
 

@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import threading
 import time
-import weakref
 from collections.abc import AsyncGenerator, Callable
 
 import anyio
@@ -36,8 +34,10 @@ from ..runtime.images import PREPARED_AT_ONCE, PreparedPrompt
 from ..runtime.request import Prompt
 from ..runtime.request import Request as EngineRequest
 from .guard import ARRIVED
+from .image_memory import ImageMemory, Reservation, default_image_memory
 from .metrics import ServerMetrics
 from .protocol import (
+    ApiError,
     ChatCompletionRequest,
     _Sampling,
     chat_chunk,
@@ -64,16 +64,6 @@ IMAGE_WORKERS = PREPARED_AT_ONCE
 GUIDED_SUBMITS = GRAMMAR_WORKERS + MAX_QUEUED_GRAMMARS
 
 
-class ApiError(Exception):
-    """An HTTP error with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param, self.headers = (
-            status, message, type_, code, param, headers)
-
-
 class _LoopSink:
     """Pieces from the engine thread into an asyncio queue (never blocks the engine); without
     ``text``, only the end (None). It also carries its request's phases before submission and
@@ -93,59 +83,6 @@ class _LoopSink:
             pass
 
 
-class ImageMemory:
-    """The image embeddings held by the requests in flight, at most ``capacity`` bytes: a request's
-    images are encoded before it queues, and its sequence keeps their embeddings (for a recompute
-    after a preemption) until it ends. A request past the bound is a 429, unless nothing else holds
-    any (one request always fits). The event loop's thread alone calls it."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        # id -> (the prepared prompt, then a weak reference to its request; bytes): an ended request
-        # is not kept alive here with its embeddings
-        self.held: dict[int, tuple[object, int]] = {}
-
-    def in_use(self) -> int:
-        """Bytes held by the requests not yet ended (those that ended are let go here)."""
-        self.held = {k: (owner, n) for k, (owner, n) in self.held.items() if not _ended(owner)}
-        return sum(n for _, n in self.held.values())
-
-    def check_room(self) -> None:
-        """Refuse a request with images before they are decoded and encoded when the bound is reached already."""
-        used = self.in_use()
-        if used and used >= self.capacity:
-            self._refuse(used, "more")
-
-    def admit(self, prepared: PreparedPrompt) -> None:
-        """Hold ``prepared``'s embeddings, or refuse it with a 429."""
-        n = sum(e.nbytes for e in prepared.images.embeds) if prepared.images is not None else 0
-        if n == 0:
-            return
-        used = self.in_use()
-        if used and used + n > self.capacity:
-            self._refuse(used, f"this one's {n:,}")
-        self.held[id(prepared)] = (prepared, n)
-
-    def _refuse(self, used: int, more: str) -> None:
-        raise ApiError(429, f"the requests in flight hold {used:,} bytes of image embeddings, and {more} would pass "
-                            f"the {self.capacity:,} this server holds (serve --max-image-memory); retry shortly",
-                       "rate_limit_error", "image_memory", headers={"Retry-After": "1"})
-
-    def submitted(self, prepared: PreparedPrompt, req: EngineRequest | None) -> None:
-        """``prepared`` became ``req`` (None: it was not queued, and holds nothing)."""
-        owner = self.held.pop(id(prepared), None)
-        if owner is not None and req is not None:
-            self.held[id(req)] = (weakref.ref(req), owner[1])
-
-
-def _ended(owner: object) -> bool:
-    """Whether an ``ImageMemory`` entry's request has ended (a prepared prompt being submitted has not)."""
-    if not isinstance(owner, weakref.ref):
-        return False
-    req = owner()
-    return req is None or all(r.done.is_set() for r in [req, *req.children])
-
-
 class _Stream(StreamingResponse):
     """A streamed answer whose request is let go however the response ends: its events run to the
     end, or the client left (Starlette cancels the stream), or a send raised (``guard.ClientGone``,
@@ -162,11 +99,6 @@ class _Stream(StreamingResponse):
         finally:
             await self._events.aclose()
             self._ended()
-
-
-def default_image_memory() -> int:
-    """A quarter of the host's memory (``serve --max-image-memory``'s default)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 def _sse(data: dict | str) -> str:
@@ -194,6 +126,14 @@ class Serving:
         return {**stats, "images_preparing": max(self.image_requests, stats.get("images_preparing", 0))}
 
     async def complete(self, request: Request, body: _Sampling, prompt: Prompt, chat: bool) -> Response:
+        reservation = Reservation()  # of its images' embeddings, made as they are prepared
+        try:
+            return await self._complete(request, body, prompt, chat, reservation)
+        finally:
+            reservation.ended = True  # what its request did not take over is let go (also if its images still are)
+
+    async def _complete(self, request: Request, body: _Sampling, prompt: Prompt, chat: bool,
+                        reservation: Reservation) -> Response:
         if body.model != self.model:
             raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{self.model}'",
                            "invalid_request_error", "model_not_found", "model")
@@ -218,7 +158,7 @@ class Serving:
         if images:
             self.image_memory.check_room()  # full already: refused before its images are decoded and encoded
         started = time.perf_counter()
-        prepared = await (self._prepare_images(request, prompt, tools) if images
+        prepared = await (self._prepare_images(request, prompt, tools, reservation) if images
                           else run_in_threadpool(self.engine.prepare, prompt, None, tools))
         if prepared is None:  # the client left while its images were prepared
             self.metrics.finished.labels("cancelled").inc()
@@ -237,7 +177,6 @@ class Serving:
                            param="stream")
         # a stream's sink carries its text; a plain request's only its end (the others are awaited after)
         sink = _LoopSink(asyncio.get_running_loop(), body.stream, phases, arrived)
-        self.image_memory.admit(prepared)
         req = None
         try:
             if params.guide is not None:  # compiled on the engine's grammar workers: this waits, off the event loop
@@ -247,7 +186,7 @@ class Serving:
             else:
                 req = self.engine.submit(prepared, params, sink)
         finally:
-            self.image_memory.submitted(prepared, req)
+            self.image_memory.submitted(reservation, req)
         self.inflight += 1
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
@@ -261,16 +200,20 @@ class Serving:
         finally:
             self.inflight -= 1
 
-    async def _prepare_images(self, request: Request, prompt: Prompt, tools: list[dict] | None) -> PreparedPrompt | None:
-        """The prompt with its images decoded and encoded on an image worker, or None if the client left
-        meanwhile (the preparation then stops at its next wait or image)."""
+    async def _prepare_images(self, request: Request, prompt: Prompt, tools: list[dict] | None,
+                              reservation: Reservation) -> PreparedPrompt | None:
+        """The prompt with its images decoded and encoded on an image worker (their embeddings' bytes
+        reserved for ``reservation`` first: ``ImageMemory``), or None if the client left meanwhile (the
+        preparation then stops at its next wait or image)."""
         if self._image_workers is None:
             self._image_workers = anyio.CapacityLimiter(IMAGE_WORKERS)
         cancel = threading.Event()
         self.image_requests += 1  # the event loop's thread alone counts
         try:
             job = asyncio.ensure_future(anyio.to_thread.run_sync(
-                functools.partial(self.engine.prepare, prompt, None, tools, cancel), limiter=self._image_workers))
+                functools.partial(self.engine.prepare, prompt, None, tools, cancel,
+                                  functools.partial(self.image_memory.reserve, reservation)),
+                limiter=self._image_workers))
             while True:
                 done, _ = await asyncio.wait({job}, timeout=DISCONNECT_POLL_S)
                 if done:

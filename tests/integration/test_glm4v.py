@@ -277,6 +277,31 @@ def test_build_config_image_limits_are_the_engine_defaults(tiny_dir, tmp_path):
             "up to 7,200 pixels (18 patches, 4 image tokens), 1 a prompt") in doctor.stdout
 
 
+def test_reserve_learns_the_embeddings_bytes_before_any_image_is_decoded(glm4v_engine, monkeypatch):
+    """``prepare``'s ``reserve`` gets, from the images' headers, exactly the bytes their embeddings
+    then take; one that raises refuses the prompt before a pixel is decoded."""
+    from autoglm_trt.runtime import images as images_module
+
+    decoded: list[int] = []
+    real = images_module.decode_rgb
+    monkeypatch.setattr(images_module, "decode_rgb", lambda *a: decoded.append(1) or real(*a))
+    asked: list[int] = []
+    with Engine.load(glm4v_engine) as engine:
+        prepared = engine.prepare(image_message("two ", random_image(64, 96, 3), random_image(90, 40, 4)),
+                                  reserve=asked.append)
+        assert asked == [sum(e.nbytes for e in prepared.images.embeds)] and asked[0] > 0 and len(decoded) == 2
+
+        def refuse(n: int) -> None:
+            raise RequestError(f"no room for {n} bytes")
+
+        with pytest.raises(RequestError, match="no room for"):
+            engine.prepare(image_message("one ", random_image(64, 96, 5)), reserve=refuse)
+        assert len(decoded) == 2  # nothing more was decoded
+        asked.clear()
+        engine.prepare("no image here", reserve=asked.append)
+        assert asked == []
+
+
 def test_at_most_a_few_requests_hold_decoded_images_at_once(glm4v_engine, monkeypatch):
     """Six requests prepared at once while the encoder is held: only ``PREPARED_AT_ONCE`` of them
     decode their screenshot (the others wait with it still compressed, so a burst of requests

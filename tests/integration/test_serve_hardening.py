@@ -163,9 +163,10 @@ def test_python_version_bound_matches_what_is_tested():
 
 
 @contextlib.contextmanager
-def held_encoder_server(engine_dir, max_waiting: int):
+def held_encoder_server(engine_dir, max_waiting: int, **config):
     """``serve`` in-process (uvicorn on a free port) on ``engine_dir``'s engine, whose vision encoder
-    waits for the yielded event before each image: yields (port, engine, release event)."""
+    waits for the yielded event before each image: yields (port, engine, release event). ``config``:
+    more of ``ServeConfig``'s fields."""
     import threading
 
     import uvicorn
@@ -178,7 +179,7 @@ def held_encoder_server(engine_dir, max_waiting: int):
     with Engine.load(engine_dir) as engine:
         hold_encoder(engine, release)
         port = free_port()
-        web = uvicorn.Server(uvicorn.Config(create_app(engine, ServeConfig("tiny-glm4v", max_waiting=max_waiting)),
+        web = uvicorn.Server(uvicorn.Config(create_app(engine, ServeConfig("tiny-glm4v", max_waiting=max_waiting, **config)),
                                             host="127.0.0.1", port=port, log_level="error"))
         serving = threading.Thread(target=web.run, daemon=True)
         serving.start()
@@ -207,6 +208,22 @@ def image_body(seed: int) -> dict:
     from conftest import image_message, random_image
 
     return {"model": "tiny-glm4v", "max_tokens": 2, "messages": image_message("look ", random_image(64, 96, seed))}
+
+
+def test_a_request_past_the_image_memory_is_refused_before_its_images_are_decoded(glm4v_engine):
+    """The image memory is reserved from the images' headers: with the first screenshot held in the
+    encoder (its embeddings not made yet) and room for one, the second is a 429 at once, not after
+    waiting for the encoder and encoding its own; once the first ends, the next is served."""
+    with held_encoder_server(glm4v_engine, max_waiting=8, max_image_memory=1) as (port, engine, release):
+        held, first = in_threads(port, [image_body(1)])
+        assert wait_for(lambda: engine.images._encoding.locked())  # the first is in the encoder
+        status, err, headers = request(port, "POST", "/v1/chat/completions", image_body(2))
+        assert status == 429 and err["error"]["code"] == "image_memory" and headers.get("retry-after") == "1", err
+        assert not release.is_set() and engine.images.cache.stats()["encoder_cache_misses"] == 1  # the first alone looked
+        release.set()
+        held[0].join(60)
+        assert first[0][0] == 200
+        assert request(port, "POST", "/v1/chat/completions", image_body(2))[0] == 200
 
 
 def test_requests_whose_images_wait_for_the_encoder_count_toward_max_waiting(glm4v_engine):

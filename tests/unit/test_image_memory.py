@@ -6,21 +6,13 @@ import gc
 import threading
 import weakref
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn, prometheus-client) is not installed")
 
-from autoglm_trt.kvcache.step_inputs import PromptImages  # noqa: E402
-from autoglm_trt.runtime.images import PreparedPrompt  # noqa: E402
 from autoglm_trt.runtime.request import Request  # noqa: E402
-from autoglm_trt.serve.serving import ApiError, ImageMemory  # noqa: E402
-
-
-def prepared(*tokens: int) -> PreparedPrompt:
-    """A prompt with one image of each number of tokens (hidden size 8, float32: 32 bytes a token)."""
-    embeds = tuple(np.zeros((t, 8), np.float32) for t in tokens)
-    return PreparedPrompt([1, 2, 3], PromptImages(tuple(range(len(tokens))), embeds) if tokens else None)
+from autoglm_trt.serve.image_memory import ImageMemory, Reservation  # noqa: E402
+from autoglm_trt.serve.protocol import ApiError  # noqa: E402
 
 
 def request(children: int = 0) -> Request:
@@ -32,32 +24,41 @@ def request(children: int = 0) -> Request:
     return req
 
 
+def reserved(memory: ImageMemory, n: int) -> Reservation:
+    memory.reserve(r := Reservation(), n)
+    return r
+
+
 def test_requests_past_the_bound_get_429_until_the_holders_end():
     memory = ImageMemory(capacity=1000)
-    first, second, third, text = prepared(20), prepared(10), prepared(5), prepared()
-    memory.admit(first)  # 640 bytes
+    first = reserved(memory, 640)
     a = request(children=1)
-    memory.submitted(first, a)
+    memory.submitted(first, a)  # the request holds them now
+    first.ended = True
     assert memory.in_use() == 640
     with pytest.raises(ApiError) as refused:
-        memory.admit(prepared(12))  # 384 more: past 1,000
+        reserved(memory, 384)  # past 1,000
     assert refused.value.status == 429 and refused.value.code == "image_memory"
     assert "hold 640 bytes of image embeddings, and this one's 384 would pass" in refused.value.message
     assert refused.value.headers == {"Retry-After": "1"}
-    memory.check_room()  # not full: images may be prepared
-    memory.admit(second)  # 320: fits
-    memory.admit(text)  # no images: holds nothing, never refused
+    memory.check_room()  # not full: images may be read
+    second = reserved(memory, 320)  # fits
     assert memory.in_use() == 960
     memory.submitted(second, None)  # not queued (the engine refused it): lets go at once
-    text_req = request()
-    memory.submitted(text, text_req)
+    assert memory.in_use() == 640
+    failed = reserved(memory, 100)  # its handler failed before submitting: ending it lets go
+    assert memory.in_use() == 740
+    failed.ended = True
+    assert memory.in_use() == 640
+    late = Reservation()
+    late.ended = True  # the client left; its images' worker reserves after that: nothing stays held
+    memory.reserve(late, 200)
     assert memory.in_use() == 640
     a.done.set()  # its further sample still runs: still held
     assert memory.in_use() == 640
     a.children[0].done.set()
     assert memory.in_use() == 0 and memory.held == {}
-    memory.admit(third)
-    assert memory.in_use() == 160
+    third = reserved(memory, 160)
     c = request()
     memory.submitted(third, c)
     gone = weakref.ref(c)
@@ -68,11 +69,31 @@ def test_requests_past_the_bound_get_429_until_the_holders_end():
 
 def test_one_request_larger_than_the_bound_is_served_alone():
     memory = ImageMemory(capacity=100)
-    big = prepared(50)  # 1,600 bytes
-    memory.admit(big)
-    running = request()
+    big, running = reserved(memory, 1600), request()
     memory.submitted(big, running)
     with pytest.raises(ApiError):
-        memory.admit(prepared(1))
-    with pytest.raises(ApiError, match="and more would pass"):  # full: refused before images are prepared
+        reserved(memory, 1)
+    with pytest.raises(ApiError, match="and more would pass"):  # full: refused before its images are read
         memory.check_room()
+
+
+def test_image_workers_reserving_at_once_never_pass_the_bound():
+    """Reservations come from the image workers' threads: of 16 at once, exactly as many as fit are held."""
+    memory = ImageMemory(capacity=450)
+    keep = reserved(memory, 50)
+    held: list[Reservation] = []
+    start = threading.Barrier(16)
+
+    def worker() -> None:
+        start.wait()
+        try:
+            held.append(reserved(memory, 100))
+        except ApiError:
+            pass
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(held) == 4 and memory.in_use() == 450 and keep is not None
