@@ -23,13 +23,14 @@ def default_image_memory() -> int:
 
 
 class Reservation:
-    """One request's image bytes until it is queued: ``ended`` (its handler set it, however it ended)
-    lets go of whatever its request did not take over (``ImageMemory.submitted``)."""
+    """One request's image bytes until it is queued: ``ended`` lets go of whatever its request did not
+    take over (``ImageMemory.submitted``). Its handler sets it however it ended, unless its images
+    are still being prepared (``outlived``: the client left), which then set it when they stop."""
 
-    __slots__ = ("__weakref__", "ended")
+    __slots__ = ("__weakref__", "ended", "outlived")
 
     def __init__(self) -> None:
-        self.ended = False
+        self.ended = self.outlived = False
 
 
 class ImageMemory:
@@ -38,8 +39,9 @@ class ImageMemory:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        # id -> (a weak reference to a reservation or a request; bytes)
-        self.held: dict[int, tuple[weakref.ref, int]] = {}
+        # a weak reference to a reservation or a request -> bytes (a reference to an object that is gone
+        # equals no other, though a new object may take the old one's id)
+        self.held: dict[weakref.ref, int] = {}
         self._lock = threading.Lock()
 
     def in_use(self) -> int:
@@ -48,8 +50,8 @@ class ImageMemory:
             return self._used()
 
     def _used(self) -> int:
-        self.held = {k: (owner, n) for k, (owner, n) in self.held.items() if not _ended(owner)}
-        return sum(n for _, n in self.held.values())
+        self.held = {owner: n for owner, n in self.held.items() if not _ended(owner)}
+        return sum(self.held.values())
 
     def check_room(self) -> None:
         """Refuse a request with images before they are read when the bound is reached already."""
@@ -64,15 +66,15 @@ class ImageMemory:
             used = self._used()
             if used and used + n > self.capacity:
                 self._refuse(used, f"this one's {n:,}")
-            self.held[id(reservation)] = (weakref.ref(reservation), n)
+            self.held[weakref.ref(reservation)] = n
 
     def submitted(self, reservation: Reservation, req: EngineRequest | None) -> None:
         """``reservation`` became ``req``, which holds its bytes until it ends (None: it was not
         queued, and lets go of them)."""
         with self._lock:
-            owner = self.held.pop(id(reservation), None)
-            if owner is not None and req is not None:
-                self.held[id(req)] = (weakref.ref(req), owner[1])
+            n = self.held.pop(weakref.ref(reservation), None)
+            if n is not None and req is not None:
+                self.held[weakref.ref(req)] = n
 
     def _refuse(self, used: int, more: str) -> None:
         raise ApiError(429, f"the requests in flight hold {used:,} bytes of image embeddings, and {more} would pass "

@@ -101,6 +101,14 @@ class _Stream(StreamingResponse):
             self._ended()
 
 
+def _stopped(reservation: Reservation, job: asyncio.Future) -> None:
+    """A request's preparation stopped after its client left: its reservation ends, its outcome
+    (``Cancelled``, as a rule) goes unread."""
+    reservation.ended = True
+    if not job.cancelled():
+        job.exception()
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -130,7 +138,7 @@ class Serving:
         try:
             return await self._complete(request, body, prompt, chat, reservation)
         finally:
-            reservation.ended = True  # what its request did not take over is let go (also if its images still are)
+            reservation.ended = not reservation.outlived  # what its request did not take over is let go
 
     async def _complete(self, request: Request, body: _Sampling, prompt: Prompt, chat: bool,
                         reservation: Reservation) -> Response:
@@ -154,6 +162,9 @@ class Serving:
                                 "and this model's chat template writes none that this server parses (GLM-4's, "
                                 'GLM-4.5\'s, Hermes\'); use "required", a named function, or "none"', param="tool_choice")
         parse = (self.tool_format, auto) if auto and self.tool_format is not None else None
+        if body.stream and (body.n > 1 or body.beam_width > 1):  # before any work on the prompt
+            raise ApiError(400, "stream carries one choice: n > 1 and beam_width > 1 need stream false",
+                           param="stream")
         images = isinstance(body, ChatCompletionRequest) and body.carries_images()
         if images:
             self.image_memory.check_room()  # full already: refused before its images are decoded and encoded
@@ -172,9 +183,6 @@ class Serving:
             room = max(1, self.engine.max_seq_len - len(prepared.ids))  # a prompt too long is refused by submit
             max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, room) if not chat else room
         params = body.sampling(max_tokens, self.request_timeout)
-        if body.stream and (params.n > 1 or params.beam_width > 1):
-            raise ApiError(400, "stream carries one choice: n > 1 and beam_width > 1 need stream false",
-                           param="stream")
         # a stream's sink carries its text; a plain request's only its end (the others are awaited after)
         sink = _LoopSink(asyncio.get_running_loop(), body.stream, phases, arrived)
         req = None
@@ -220,7 +228,8 @@ class Serving:
                     return job.result()
                 if await request.is_disconnected():
                     cancel.set()
-                    job.add_done_callback(lambda j: j.cancelled() or j.exception())  # its Cancelled goes unread
+                    reservation.outlived = True  # what it reserved is held until it stops
+                    job.add_done_callback(functools.partial(_stopped, reservation))
                     return None
         finally:
             self.image_requests -= 1

@@ -97,3 +97,42 @@ def test_image_workers_reserving_at_once_never_pass_the_bound():
     for t in threads:
         t.join(30)
     assert len(held) == 4 and memory.in_use() == 450 and keep is not None
+
+
+def test_a_failed_reservations_bytes_never_pass_to_the_next_request():
+    """A request that reserved and failed before it was queued, then a text request whose reservation
+    (holding nothing) may take the freed one's address: the text request is charged nothing. Before,
+    entries were kept by ``id`` and the next request at that address took the bytes over."""
+    memory = ImageMemory(capacity=10_000)
+    requests = []
+    for _ in range(20):
+        failed = reserved(memory, 5000)
+        failed.ended = True  # its handler's finally
+        del failed
+        text, req = Reservation(), request()
+        memory.submitted(text, req)
+        requests.append(req)
+        assert memory.in_use() == 0
+
+
+def test_a_reservation_outlived_by_its_preparation_ends_when_that_stops():
+    """The client left while its images were prepared: what was reserved stays held until the
+    preparation stops (it may still be encoding), then goes."""
+    import asyncio
+
+    from autoglm_trt.serve.serving import _stopped
+
+    memory = ImageMemory(capacity=1000)
+    r = reserved(memory, 300)
+    r.outlived = True
+    r.ended = not r.outlived  # the handler returned (a 499)
+    assert memory.in_use() == 300
+
+    async def scenario() -> None:
+        job = asyncio.get_running_loop().create_future()
+        job.add_done_callback(lambda j: _stopped(r, j))
+        job.set_exception(RuntimeError("cancelled while its images were prepared"))
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert r.ended and memory.in_use() == 0
